@@ -1,0 +1,1 @@
+"""Generated wire contract of pscluster (see pscluster.proto); never edited by hand."""

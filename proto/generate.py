@@ -1,0 +1,38 @@
+"""Regenerate the gRPC stubs from pscluster.proto: `python proto/generate.py`.
+
+The proto is compiled through the virtual include path `pscluster/proto=<this folder>`, so the
+generated modules import each other as `pscluster.proto.*` instead of protoc's flat `import x_pb2`.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+import sys
+import tempfile
+
+HERE = pathlib.Path(__file__).resolve().parent
+GENERATED = ("pscluster_pb2.py", "pscluster_pb2.pyi", "pscluster_pb2_grpc.py")
+
+
+def generate(out_dir: pathlib.Path) -> None:
+    """Compile pscluster.proto into out_dir."""
+    from grpc_tools import protoc  # dev dependency: only needed to regenerate
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = [
+            "protoc",
+            f"-Ipscluster/proto={HERE}",
+            f"--python_out={tmp}",
+            f"--pyi_out={tmp}",
+            f"--grpc_python_out={tmp}",
+            "pscluster/proto/pscluster.proto",
+        ]
+        if protoc.main(args) != 0:
+            raise SystemExit("protoc failed")
+        for name in GENERATED:
+            shutil.copyfile(pathlib.Path(tmp, "pscluster", "proto", name), out_dir / name)
+
+
+if __name__ == "__main__":
+    generate(pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else HERE)

@@ -1,0 +1,97 @@
+"""The `pscluster` command: ps, worker, coordinator, up, status."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from pscluster.config import Settings, load_settings
+from pscluster.errors import ConfigError
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster", help="cluster spec file (YAML, TOML or JSON); else TF_CONFIG")
+    p.add_argument("--token-file", help="file holding the shared token (else PSCLUSTER_TOKEN)")
+    p.add_argument("--bind-host", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port to listen on instead of the cluster spec's")
+    p.add_argument("--log-level", default="INFO")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI's argument parser (also used by tests that check deploy manifests)."""
+    parser = argparse.ArgumentParser(prog="pscluster", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    ps = sub.add_parser("ps", help="run a parameter-server daemon")
+    _common(ps)
+    ps.add_argument("--index", type=int, default=None, help="task index in the cluster's ps list")
+    ps.add_argument("--checkpoint-dir", help="directory for checkpoints (shared by all PS tasks)")
+    ps.add_argument("--keep-checkpoints", type=int)
+    ps.add_argument("--restore", action="store_true", help="load the newest complete checkpoint at start")
+    ps.add_argument("--nan-policy", choices=["reject", "allow"])
+    wk = sub.add_parser("worker", help="run a worker daemon")
+    _common(wk)
+    wk.add_argument("--index", type=int, default=None, help="task index in the cluster's worker list, if any")
+    co = sub.add_parser("coordinator", help="run a coordinator daemon")
+    _common(co)
+    up = sub.add_parser("up", help="run a whole cluster on this machine, supervised")
+    up.add_argument("--ps", type=int, default=2, help="number of PS tasks")
+    up.add_argument("--workers", type=int, default=2, help="number of workers")
+    up.add_argument("--base-port", type=int, default=0, help="first port (0: pick free ports)")
+    up.add_argument("--checkpoint-dir", help="checkpoint directory (default: a temporary one)")
+    up.add_argument("--write-cluster", help="write the cluster spec here for clients")
+    up.add_argument("--token-file")
+    up.add_argument("--log-level", default="INFO")
+    st = sub.add_parser("status", help="show the live cluster")
+    _common(st)
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace, task_type: str | None) -> Settings:
+    """Settings from parsed flags, merged over file and environment."""
+    overrides: dict[str, Any] = {
+        "task_type": task_type, "task_index": getattr(args, "index", None), "bind_host": args.bind_host,
+        "port": args.port, "checkpoint_dir": getattr(args, "checkpoint_dir", None),
+        "keep_checkpoints": getattr(args, "keep_checkpoints", None),
+        "restore": getattr(args, "restore", None) or None, "nan_policy": getattr(args, "nan_policy", None),
+        "token_file": args.token_file,
+    }
+    return load_settings(args.cluster, overrides=overrides)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `pscluster` command."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+                        format=f"%(asctime)s {args.command} %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "ps":
+            from pscluster.server.main import serve
+
+            serve(settings_from_args(args, "ps"))
+        elif args.command == "worker":
+            from pscluster.worker.main import serve as serve_worker
+
+            serve_worker(settings_from_args(args, "worker"))
+        elif args.command == "coordinator":
+            from pscluster.coordinator.main import serve as serve_coordinator
+
+            serve_coordinator(settings_from_args(args, "coordinator"))
+        elif args.command == "up":
+            from pscluster.launcher import up_main
+
+            return up_main(args)
+        elif args.command == "status":
+            from pscluster.status import show
+
+            return show(settings_from_args(args, None))
+    except ConfigError as exc:
+        print(f"pscluster {args.command}: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""Tensors on the wire: raw little-endian bytes with dtype and shape, never pickled."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from pscluster.errors import InvalidArgumentError
+from pscluster.proto import pscluster_pb2 as pb
+
+# Numeric dtypes a variable may have; bool/object/str never reach a PS.
+ALLOWED_KINDS = frozenset("iuf")
+
+
+def wire_dtype(dtype: np.dtype | str | type) -> np.dtype:
+    """The little-endian numeric dtype for `dtype`, or InvalidArgumentError."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as exc:
+        raise InvalidArgumentError(f"unknown dtype {dtype!r}") from exc
+    if dt.kind not in ALLOWED_KINDS:
+        raise InvalidArgumentError(f"dtype {dt} is not numeric; use an integer or floating dtype")
+    return dt.newbyteorder("<")
+
+
+def encode(array: np.ndarray) -> pb.Tensor:
+    """Encode a numpy array as a Tensor message (one copy, into the protobuf bytes field)."""
+    dt = wire_dtype(array.dtype)
+    arr = np.ascontiguousarray(array, dtype=dt)
+    return pb.Tensor(dtype=dt.str, shape=arr.shape, data=arr.tobytes())
+
+
+def header(dtype: np.dtype, shape: Sequence[int]) -> pb.Tensor:
+    """A Tensor message with dtype and shape but no data (streaming headers)."""
+    return pb.Tensor(dtype=wire_dtype(dtype).str, shape=list(shape))
+
+
+def decode(msg: pb.Tensor, what: str = "tensor") -> np.ndarray:
+    """Decode a Tensor message into a read-only array viewing its bytes; validates sizes."""
+    shape = tuple(int(s) for s in msg.shape)
+    if any(s < 0 for s in shape):
+        raise InvalidArgumentError(f"{what}: negative dimension in shape {shape}")
+    dt = wire_dtype(msg.dtype) if msg.dtype else None
+    if dt is None:
+        raise InvalidArgumentError(f"{what}: missing dtype")
+    expected = math.prod(shape) * dt.itemsize
+    if len(msg.data) != expected:
+        raise InvalidArgumentError(
+            f"{what}: {len(msg.data)} bytes do not hold shape {shape} of {dt} ({expected} bytes)")
+    return np.frombuffer(msg.data, dtype=dt).reshape(shape)
+
+
+def decode_ids(msg: pb.Tensor, what: str = "ids") -> np.ndarray:
+    """Decode row ids: a 1-D int64 tensor."""
+    ids = decode(msg, what)
+    if ids.dtype != np.dtype("<i8") or ids.ndim != 1:
+        raise InvalidArgumentError(f"{what}: row ids must be a 1-D int64 tensor, got {ids.dtype} {ids.shape}")
+    return ids

@@ -1,0 +1,241 @@
+"""Configuration: frozen pydantic models, and the one loader that reads files and the environment.
+
+Precedence (later wins): cluster file (YAML, TOML or JSON) -> `TF_CONFIG` -> `PSCLUSTER_*`
+environment variables -> explicit overrides (CLI flags). Nothing else in pscluster reads os.environ.
+
+    settings = load_settings(cluster_file="cluster.yaml", overrides={"task_type": "ps", "task_index": 0})
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import pathlib
+import tomllib
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+
+from pscluster.errors import ConfigError
+
+MiB = 1 << 20
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+def _check_address(addr: str) -> str:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"address {addr!r} is not host:port with a port in 1..65535")
+    return addr
+
+
+class ClusterSpec(_Frozen):
+    """Addresses of the cluster's tasks, as TF's ClusterSpec (`chief` is the coordinator)."""
+
+    ps: list[str] = Field(min_length=1)
+    worker: list[str] = Field(default_factory=list)
+    coordinator: str | None = None
+
+    @field_validator("ps", "worker")
+    @classmethod
+    def _addresses(cls, value: list[str]) -> list[str]:
+        for addr in value:
+            _check_address(addr)
+        if len(set(value)) != len(value):
+            raise ValueError(f"duplicate addresses in {value}")
+        return value
+
+    @field_validator("coordinator")
+    @classmethod
+    def _coordinator(cls, value: str | None) -> str | None:
+        return None if value is None else _check_address(value)
+
+
+TaskType = Literal["ps", "worker", "coordinator"]
+
+
+class Settings(_Frozen):
+    """Everything a daemon or a client needs; validated once at start."""
+
+    cluster: ClusterSpec
+    task_type: TaskType | None = None
+    task_index: int = Field(default=0, ge=0)
+    token: SecretStr | None = None
+    bind_host: str = "127.0.0.1"
+    port: int | None = Field(default=None, ge=0, lt=65536)  # overrides the port of the cluster address
+    max_message_bytes: int = Field(default=64 * MiB, ge=MiB, le=2047 * MiB)
+    chunk_bytes: int = Field(default=4 * MiB, ge=64 * 1024)
+    stream_threshold_bytes: int = Field(default=16 * MiB, ge=0)
+    checkpoint_dir: pathlib.Path | None = None
+    keep_checkpoints: int = Field(default=3, ge=1)
+    restore: bool = False
+    nan_policy: Literal["reject", "allow"] = "reject"
+    rpc_timeout_s: float = Field(default=60.0, gt=0)
+    heartbeat_interval_s: float = Field(default=0.5, gt=0)
+    heartbeat_timeout_s: float = Field(default=2.0, gt=0)
+    server_threads: int = Field(default=16, ge=2, le=256)
+    dedup_window: int = Field(default=1_000_000, ge=1000)
+
+    @field_validator("bind_host")
+    @classmethod
+    def _host(cls, value: str) -> str:
+        if value in ("localhost", "0.0.0.0", "::"):
+            return value
+        try:
+            ipaddress.ip_address(value)
+        except ValueError as exc:
+            raise ValueError(f"bind_host {value!r} is not an IP address") from exc
+        return value
+
+    @model_validator(mode="after")
+    def _secure(self) -> Settings:
+        if self.task_type is not None:
+            count = {"ps": len(self.cluster.ps), "worker": len(self.cluster.worker) or 1 << 30,
+                     "coordinator": 1}[self.task_type]
+            if self.task_index >= count:
+                raise ValueError(f"task_index {self.task_index} is out of range for {count} {self.task_type} task(s)")
+        if not is_loopback(self.bind_host) and self.token is None:
+            raise ValueError(
+                f"bind_host {self.bind_host!r} listens beyond loopback without a token; "
+                "set PSCLUSTER_TOKEN or --token-file")
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError("heartbeat_timeout_s must exceed heartbeat_interval_s")
+        return self
+
+    def own_address(self) -> str:
+        """This task's address in the cluster spec."""
+        if self.task_type == "ps":
+            return self.cluster.ps[self.task_index]
+        if self.task_type == "coordinator" and self.cluster.coordinator:
+            return self.cluster.coordinator
+        if self.task_type == "worker" and self.task_index < len(self.cluster.worker):
+            return self.cluster.worker[self.task_index]
+        return f"{self.bind_host}:0"
+
+    def listen_address(self) -> str:
+        """host:port to bind: bind_host, and the port of own_address unless `port` overrides it."""
+        port = self.port if self.port is not None else int(self.own_address().rpartition(":")[2])
+        return f"{self.bind_host}:{port}"
+
+    def token_value(self) -> str | None:
+        """The shared token in clear, or None."""
+        return self.token.get_secret_value() if self.token else None
+
+
+def is_loopback(host: str) -> bool:
+    """True when host names only this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _read_file(path: pathlib.Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read cluster file {path}: {exc.strerror}") from exc
+    try:
+        if path.suffix == ".toml":
+            data: Any = tomllib.loads(text)
+        elif path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            data = yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cluster file {path} is not valid {path.suffix.lstrip('.') or 'YAML'}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"cluster file {path} must hold a mapping, got {type(data).__name__}")
+    # A bare cluster spec (ps:/worker:) or full settings (cluster: plus settings fields).
+    return data if "cluster" in data else {"cluster": data}
+
+
+def _from_tf_config(raw: str) -> dict[str, Any]:
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise ConfigError(f"TF_CONFIG is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError("TF_CONFIG must be a JSON object with 'cluster' and 'task'")
+    out: dict[str, Any] = {}
+    cluster = data.get("cluster")
+    if cluster is not None:
+        if not isinstance(cluster, dict):
+            raise ConfigError("TF_CONFIG.cluster must be an object")
+        spec: dict[str, Any] = {k: v for k, v in cluster.items() if k in ("ps", "worker")}
+        chief = cluster.get("chief") or cluster.get("coordinator")
+        if chief:
+            spec["coordinator"] = chief[0] if isinstance(chief, list) else chief
+        out["cluster"] = spec
+    task = data.get("task")
+    if isinstance(task, dict):
+        kind = task.get("type")
+        out["task_type"] = "coordinator" if kind == "chief" else kind
+        out["task_index"] = task.get("index", 0)
+    return out
+
+
+_ENV_FIELDS = {
+    "PSCLUSTER_BIND_HOST": "bind_host",
+    "PSCLUSTER_CHECKPOINT_DIR": "checkpoint_dir",
+    "PSCLUSTER_MAX_MESSAGE_BYTES": "max_message_bytes",
+    "PSCLUSTER_NAN_POLICY": "nan_policy",
+    "PSCLUSTER_HEARTBEAT_INTERVAL_S": "heartbeat_interval_s",
+    "PSCLUSTER_HEARTBEAT_TIMEOUT_S": "heartbeat_timeout_s",
+}
+
+
+def load_settings(cluster_file: str | pathlib.Path | None = None,
+                  env: Mapping[str, str] | None = None,
+                  overrides: Mapping[str, Any] | None = None) -> Settings:
+    """Merge cluster file, TF_CONFIG, PSCLUSTER_* and overrides into validated Settings.
+
+    Raises:
+        ConfigError: naming the offending field and value.
+    """
+    env = os.environ if env is None else env
+    merged: dict[str, Any] = {}
+    if cluster_file is not None:
+        merged.update(_read_file(pathlib.Path(cluster_file)))
+    if env.get("TF_CONFIG"):
+        tf = _from_tf_config(env["TF_CONFIG"])
+        if cluster_file is not None:
+            tf.pop("cluster", None)  # an explicit cluster file wins over the environment's spec
+        merged.update(tf)
+    for var, field in _ENV_FIELDS.items():
+        if var in env:
+            merged[field] = env[var]
+    token_file = (overrides or {}).get("token_file") or env.get("PSCLUSTER_TOKEN_FILE")
+    if env.get("PSCLUSTER_TOKEN"):
+        merged["token"] = env["PSCLUSTER_TOKEN"]
+    if token_file:
+        try:
+            merged["token"] = pathlib.Path(token_file).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"token_file {token_file}: {exc.strerror}") from exc
+    merged.update({k: v for k, v in (overrides or {}).items() if v is not None and k != "token_file"})
+    if "cluster" not in merged:
+        raise ConfigError("no cluster spec: pass --cluster FILE or set TF_CONFIG")
+    return validate(merged)
+
+
+def validate(data: Mapping[str, Any]) -> Settings:
+    """Settings from a mapping; ConfigError names each bad field and echoes its value."""
+    try:
+        return Settings.model_validate(dict(data))
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            field = ".".join(str(p) for p in err["loc"]) or "settings"
+            value = err.get("input")
+            shown = "" if isinstance(value, dict) else f" (got {value!r})"
+            problems.append(f"{field}: {err['msg']}{shown}")
+        raise ConfigError("invalid configuration: " + "; ".join(problems)) from exc

@@ -1,0 +1,69 @@
+"""Where a variable handle finds its PS client, and a closure its push ids.
+
+A handle pickled into a closure carries no connection; on the worker it resolves the worker's client
+through `current_client()`. Inside a closure, `push_id()` yields deterministic ids derived from the
+closure id, so a rescheduled closure re-sends the same ids and no shard applies a push twice.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from pscluster.errors import FailedPreconditionError
+
+if TYPE_CHECKING:
+    from pscluster.client import PSClient
+
+_default_client: PSClient | None = None
+_local = threading.local()
+
+
+def set_default_client(client: PSClient | None) -> None:
+    """Make client the process's default (the coordinator's or the worker's)."""
+    global _default_client
+    _default_client = client
+
+
+def current_client() -> PSClient:
+    """The PS client for this thread: the closure's, else the process default."""
+    client = getattr(_local, "client", None) or _default_client
+    if client is None:
+        raise FailedPreconditionError(
+            "no PS client in this process: create a ClusterCoordinator or PSClient first")
+    return client
+
+
+class ClosureScope:
+    """Identity of the closure running on this thread: ids for its pushes, its worker, its datasets."""
+
+    def __init__(self, closure_id: int, client: PSClient, worker: Any = None) -> None:
+        self.closure_id = closure_id
+        self.client = client
+        self.worker = worker
+        self._seq = itertools.count()
+
+    def __enter__(self) -> ClosureScope:
+        self._saved = (getattr(_local, "scope", None), getattr(_local, "client", None))
+        _local.scope, _local.client = self, self.client
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _local.scope, _local.client = self._saved
+
+    def next_push_id(self) -> str:
+        """The n-th push of this closure: the same across reschedules of the closure."""
+        return f"c{self.closure_id}.{next(self._seq)}"
+
+
+def current_scope() -> ClosureScope | None:
+    """The running closure's scope, or None outside closures."""
+    return getattr(_local, "scope", None)
+
+
+def push_id() -> str:
+    """Id for the next push: deterministic inside a closure, random (still retry-safe) outside."""
+    scope = current_scope()
+    return scope.next_push_id() if scope is not None else f"u{uuid.uuid4().hex}"

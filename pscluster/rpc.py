@@ -1,0 +1,200 @@
+"""gRPC plumbing shared by every daemon and client: servers, channels, auth, error mapping, retries.
+
+Servers: `create_server(settings, add_servicers)` binds, installs the one `ErrorInterceptor` (token
+check + PsclusterError -> status) and returns `(server, port)`; callers `server.stop(grace)` in a
+`finally`. Clients: `open_channel(address, settings)` attaches the token to every call, and
+`call(...)` maps a status back onto the error tree, retrying only UNAVAILABLE / DEADLINE_EXCEEDED.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import random
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import Any, TypeVar
+
+import grpc
+
+from pscluster.config import Settings
+from pscluster.errors import ConfigError, PsclusterError, from_status
+
+log = logging.getLogger(__name__)
+TOKEN_KEY = "x-pscluster-token"
+T = TypeVar("T")
+
+
+def channel_options(settings: Settings) -> list[tuple[str, Any]]:
+    """Channel/server options: message size limits and keepalive suited to long training runs."""
+    return [
+        ("grpc.max_send_message_length", settings.max_message_bytes),
+        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def _abort(context: grpc.ServicerContext, err: BaseException) -> None:
+    if isinstance(err, PsclusterError):
+        context.abort(err.code, str(err))
+    log.exception("internal error in %s", type(err).__name__)
+    context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}: {err}")
+
+
+def _wrap_unary(behavior: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[..., Any]:
+    def handle(request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return behavior(request, context)
+        except Exception as err:  # noqa: BLE001 - the one mapping boundary
+            _abort(context, err)
+
+    return handle
+
+
+def _wrap_stream(behavior: Callable[[Any, grpc.ServicerContext], Iterator[Any]]) -> Callable[..., Any]:
+    def handle(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        try:
+            yield from behavior(request, context)
+        except Exception as err:  # noqa: BLE001 - the one mapping boundary
+            _abort(context, err)
+
+    return handle
+
+
+def _reject(code: grpc.StatusCode, message: str) -> Callable[..., Any]:
+    def handle(request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(code, message)
+
+    return handle
+
+
+class ErrorInterceptor(grpc.ServerInterceptor):
+    """Checks the shared token on every call and maps PsclusterError onto gRPC status codes."""
+
+    def __init__(self, token: str | None) -> None:
+        self._token = token.encode() if token else None
+
+    def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
+        if self._token is None:
+            return True
+        for key, value in details.invocation_metadata or ():
+            if key == TOKEN_KEY:
+                got = value.encode() if isinstance(value, str) else value
+                return hmac.compare_digest(got, self._token)
+        return False
+
+    def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Any],
+                          details: grpc.HandlerCallDetails) -> Any:
+        handler = continuation(details)
+        if handler is None:
+            return None
+        if not self._authorized(details):
+            reject = _reject(grpc.StatusCode.UNAUTHENTICATED,
+                             f"{details.method}: missing or wrong token in metadata {TOKEN_KEY!r}")
+            uu, us, su, ss = reject, reject, reject, reject
+        else:
+            uu = us = su = ss = None
+            if handler.unary_unary:
+                uu = _wrap_unary(handler.unary_unary)
+            if handler.stream_unary:
+                su = _wrap_unary(handler.stream_unary)
+            if handler.unary_stream:
+                us = _wrap_stream(handler.unary_stream)
+            if handler.stream_stream:
+                ss = _wrap_stream(handler.stream_stream)
+        kw = {"request_deserializer": handler.request_deserializer,
+              "response_serializer": handler.response_serializer}
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(uu, **kw)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(us, **kw)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(su, **kw)
+        return grpc.stream_stream_rpc_method_handler(ss, **kw)
+
+
+def create_server(settings: Settings, add_servicers: Callable[[grpc.Server], None],
+                  address: str | None = None, name: str = "rpc") -> tuple[grpc.Server, int]:
+    """Start a gRPC server with the shared interceptor; returns (server, bound port).
+
+    Raises:
+        ConfigError: the address cannot be bound.
+    """
+    address = address or settings.listen_address()
+    pool = futures.ThreadPoolExecutor(max_workers=settings.server_threads, thread_name_prefix=name)
+    server = grpc.server(pool, interceptors=[ErrorInterceptor(settings.token_value())],
+                         options=channel_options(settings))
+    add_servicers(server)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise ConfigError(f"cannot listen on {address}: {exc}") from exc
+    if port == 0:
+        raise ConfigError(f"cannot listen on {address}: address in use or not local")
+    server.start()
+    return server, port
+
+
+class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                        grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self._metadata = ((TOKEN_KEY, token),)
+
+    def _details(self, details: Any) -> Any:
+        return details._replace(metadata=tuple(details.metadata or ()) + self._metadata)
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+        return continuation(self._details(details), request_iterator)
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
+        return continuation(self._details(details), request_iterator)
+
+
+
+
+def open_channel(address: str, settings: Settings) -> grpc.Channel:
+    """An insecure channel to address that attaches the cluster token to every call."""
+    channel = grpc.insecure_channel(address, options=channel_options(settings))
+    token = settings.token_value()
+    if token:
+        channel = grpc.intercept_channel(channel, _TokenInterceptor(token))
+    return channel
+
+
+def translate(exc: grpc.RpcError, what: str = "") -> PsclusterError:
+    """The PsclusterError for a failed call (by status code only)."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    return from_status(code, f"{what}: {details}" if what else (details or ""))
+
+
+def call(method: Callable[..., T], request: Any, *, timeout: float, what: str = "",
+         retry_for: float = 0.0, sleep: Callable[[float], None] = time.sleep) -> T:
+    """Call a stub method; map failures onto the error tree and retry retryable ones for retry_for s.
+
+    Raises:
+        PsclusterError: the mapped status of the last attempt.
+    """
+    give_up = time.monotonic() + retry_for
+    backoff = 0.02
+    while True:
+        try:
+            return method(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            err = translate(exc, what)
+            if not err.retryable or time.monotonic() + backoff > give_up:
+                raise err from exc
+            sleep(backoff * (0.5 + random.random()))
+            backoff = min(backoff * 2, 1.0)
+
+

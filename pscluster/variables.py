@@ -1,0 +1,88 @@
+"""Variable handles: picklable descriptions of a (possibly sharded) variable, with pull/push.
+
+    w = coordinator.create_variable("w", initial_value=np.zeros((784, 10), np.float32),
+                                    optimizer=SGD(0.5))
+    def step(it):
+        x, y = next(it)
+        grad = compute(w.pull(), x, y)     # parallel pull of every shard, reassembled
+        w.push(grad)                       # split per shard, applied by the PS's optimizer
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pscluster import context
+
+
+@dataclass(frozen=True)
+class ShardPlacement:
+    """Where one shard lives: its index, PS task, and rows [row_offset, row_offset + rows)."""
+
+    shard_index: int
+    ps: int
+    row_offset: int
+    rows: int
+    ordinal: int
+
+
+@dataclass(frozen=True)
+class Variable:
+    """A handle on a variable held by the PS tasks. Safe to capture in closures."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    shards: tuple[ShardPlacement, ...]
+    sparse: bool = False
+
+    @property
+    def num_shards(self) -> int:
+        """Number of shards."""
+        return len(self.shards)
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the whole variable in bytes."""
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def shard_shape(self, placement: ShardPlacement) -> tuple[int, ...]:
+        """Shape of one shard."""
+        return (placement.rows,) + self.shape[1:] if self.shape else ()
+
+    def pull(self) -> np.ndarray:
+        """The current value, every shard pulled in parallel and reassembled."""
+        return context.current_client().pull([self])[0]
+
+    def read_value(self) -> np.ndarray:
+        """Alias of pull(), as TF's Variable.read_value."""
+        return self.pull()
+
+    def numpy(self) -> np.ndarray:
+        """Alias of pull(), as TF's Variable.numpy."""
+        return self.pull()
+
+    def push(self, grad: np.ndarray) -> list[int]:
+        """Send a dense gradient; the PS applies it with this variable's optimizer. Returns shard versions."""
+        return context.current_client().push([(self, grad)])
+
+    def pull_rows(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Rows `ids` (int64) of an embedding table."""
+        return context.current_client().pull_rows(self, ids)
+
+    def push_rows(self, ids: Sequence[int] | np.ndarray, grads: np.ndarray) -> list[int]:
+        """Row gradients for rows `ids`; only those rows (and their slots) change."""
+        return context.current_client().push_rows(self, ids, grads)
+
+
+def pull(variables: Sequence[Variable]) -> list[np.ndarray]:
+    """Pull several variables at once: one request per PS task, all in parallel."""
+    return context.current_client().pull(variables)
+
+
+def push(grads: Sequence[tuple[Variable, np.ndarray]]) -> list[int]:
+    """Push gradients of several variables at once (one push id, one request per PS task)."""
+    return context.current_client().push(grads)

@@ -1,0 +1,55 @@
+"""Start a PS daemon: `start(settings)` for tests and launchers, `serve(settings)` for the CLI."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+import grpc
+
+from pscluster import rpc
+from pscluster.config import Settings
+from pscluster.proto import pscluster_pb2_grpc as pb_grpc
+from pscluster.server.ps import ParameterServerCore
+from pscluster.server.servicer import ParameterServerServicer
+
+log = logging.getLogger(__name__)
+
+
+def start(settings: Settings) -> tuple[grpc.Server, int, ParameterServerCore]:
+    """Build the PS core (restoring if asked), start its gRPC server; returns (server, port, core)."""
+    from pscluster.server import sync_replicas
+
+    core = ParameterServerCore(
+        settings.task_index, len(settings.cluster.ps), nan_policy=settings.nan_policy,
+        checkpoint_dir=settings.checkpoint_dir, keep_checkpoints=settings.keep_checkpoints,
+        dedup_window=settings.dedup_window)
+    sync_replicas.attach(core)
+    if settings.restore:
+        core.restore()
+    servicer = ParameterServerServicer(core, settings.chunk_bytes)
+    server, port = rpc.create_server(
+        settings, lambda s: pb_grpc.add_ParameterServerServicer_to_server(servicer, s),
+        name=f"ps{settings.task_index}")
+    return server, port, core
+
+
+def wait_for_signal() -> None:
+    """Block until SIGTERM or SIGINT."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+
+
+def serve(settings: Settings) -> None:
+    """Run a PS daemon until SIGTERM/SIGINT."""
+    server, port, core = start(settings)
+    try:
+        print(f"READY ps {settings.task_index} {settings.bind_host}:{port} restored_step={core.restored_step}",
+              flush=True)
+        wait_for_signal()
+        log.info("ps %d: stopping", settings.task_index)
+    finally:
+        server.stop(grace=1.0).wait()

@@ -1,0 +1,121 @@
+"""Optimizers applied on the PS, next to the shard; slot variables live beside it.
+
+Dense updates run over blocks of rows so that a 1 GB shard never needs a 1 GB temporary. Sparse
+updates touch only the given (unique, summed) rows, as TF's sparse apply ops; Adam's sparse variant
+is the "lazy" one (moments of untouched rows do not decay).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from pscluster.errors import InvalidArgumentError
+
+BLOCK_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Hyper-parameters of a PS-side optimizer (TF/Keras defaults)."""
+
+    kind: str = "sgd"
+    learning_rate: float = 0.01
+    momentum: float = 0.0
+    nesterov: bool = False
+    beta1: float = 0.9
+    beta2: float = 0.999
+    epsilon: float = 1e-7
+    initial_accumulator_value: float = 0.1
+
+    def slot_names(self) -> tuple[str, ...]:
+        """Names of the slot variables this optimizer keeps per shard."""
+        return {"sgd": (), "momentum": ("momentum",), "adagrad": ("accumulator",),
+                "adam": ("m", "v")}[self.kind]
+
+    def validate(self) -> OptimizerConfig:
+        """Self, or InvalidArgumentError naming the bad hyper-parameter."""
+        if self.kind not in ("sgd", "momentum", "adagrad", "adam"):
+            raise InvalidArgumentError(f"unknown optimizer {self.kind!r}; use sgd, momentum, adagrad or adam")
+        if not (math.isfinite(self.learning_rate) and self.learning_rate >= 0):
+            raise InvalidArgumentError(f"learning_rate must be finite and >= 0, got {self.learning_rate}")
+        if not 0 <= self.momentum < 1 + 1e-12 or not 0 <= self.beta1 < 1 or not 0 <= self.beta2 < 1:
+            raise InvalidArgumentError("momentum must be in [0, 1]; beta1 and beta2 in [0, 1)")
+        if self.epsilon < 0 or self.initial_accumulator_value < 0:
+            raise InvalidArgumentError("epsilon and initial_accumulator_value must be >= 0")
+        return self
+
+
+def init_slots(cfg: OptimizerConfig, shape: tuple[int, ...], dtype: np.dtype) -> dict[str, np.ndarray]:
+    """Fresh slot variables for one shard."""
+    slots = {name: np.zeros(shape, dtype=dtype) for name in cfg.slot_names()}
+    if cfg.kind == "adagrad":
+        slots["accumulator"].fill(cfg.initial_accumulator_value)
+    return slots
+
+
+def _blocks(rows: int, row_bytes: int) -> Iterator[slice]:
+    step = max(1, BLOCK_BYTES // max(row_bytes, 1))
+    for start in range(0, max(rows, 1), step):
+        yield slice(start, min(rows, start + step) if rows else None)
+
+
+def _update(cfg: OptimizerConfig, w: np.ndarray, g: np.ndarray, slots: dict[str, np.ndarray], t: int) -> None:
+    """One update of w (a view) in place; slots are views of the same rows. t counts from 1."""
+    lr = cfg.learning_rate
+    if not np.issubdtype(w.dtype, np.floating):
+        # Integer variables take SGD steps rounded toward zero (counters, step variables).
+        np.subtract(w, (lr * g.astype(np.float64)).astype(w.dtype), out=w, casting="unsafe")
+        return
+    if cfg.kind == "sgd":
+        w -= w.dtype.type(lr) * g
+    elif cfg.kind == "momentum":
+        a = slots["momentum"]
+        a *= w.dtype.type(cfg.momentum)
+        a += g
+        if cfg.nesterov:
+            w -= w.dtype.type(lr) * (g + w.dtype.type(cfg.momentum) * a)
+        else:
+            w -= w.dtype.type(lr) * a
+    elif cfg.kind == "adagrad":
+        acc = slots["accumulator"]
+        acc += g * g
+        w -= w.dtype.type(lr) * g / (np.sqrt(acc) + w.dtype.type(cfg.epsilon))
+    else:  # adam
+        m, v = slots["m"], slots["v"]
+        b1, b2 = cfg.beta1, cfg.beta2
+        m *= w.dtype.type(b1)
+        m += w.dtype.type(1 - b1) * g
+        v *= w.dtype.type(b2)
+        v += w.dtype.type(1 - b2) * (g * g)
+        lr_t = lr * math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+        w -= w.dtype.type(lr_t) * m / (np.sqrt(v) + w.dtype.type(cfg.epsilon))
+
+
+def apply_dense(cfg: OptimizerConfig, value: np.ndarray, grad: np.ndarray,
+                slots: dict[str, np.ndarray], t: int) -> None:
+    """Apply a dense gradient to value in place; t is the update's 1-based count on this shard."""
+    if value.ndim == 0:
+        v = value.reshape(1)
+        _update(cfg, v, grad.reshape(1), {k: s.reshape(1) for k, s in slots.items()}, t)
+        return
+    row_bytes = value.itemsize * (value.size // max(value.shape[0], 1))
+    for rows in _blocks(value.shape[0], row_bytes):
+        _update(cfg, value[rows], grad[rows], {k: s[rows] for k, s in slots.items()}, t)
+
+
+def apply_sparse(cfg: OptimizerConfig, value: np.ndarray, rows: np.ndarray, grad_rows: np.ndarray,
+                 slots: dict[str, np.ndarray], t: int) -> None:
+    """Apply gradients of the given local rows; duplicate ids are summed first, as TF does."""
+    unique, inverse = np.unique(rows, return_inverse=True)
+    summed = np.zeros((unique.size,) + grad_rows.shape[1:], dtype=value.dtype)
+    np.add.at(summed, inverse, grad_rows)
+    w = value[unique]
+    sub = {k: s[unique] for k, s in slots.items()}
+    _update(cfg, w, summed, sub, t)
+    value[unique] = w
+    for k, s in slots.items():
+        s[unique] = sub[k]

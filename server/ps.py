@@ -1,0 +1,112 @@
+"""The PS core: the store plus checkpoints, global step and request-level validation; no gRPC."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import pathlib
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+
+import numpy as np
+
+from pscluster.errors import FailedPreconditionError, InvalidArgumentError
+from pscluster.server import checkpoint
+from pscluster.server.store import PushItem, PushResult, Shard, ShardSpec, VariableStore, ensure_created
+
+log = logging.getLogger(__name__)
+
+
+class ParameterServerCore:
+    """One PS task's state and operations, called by the servicer with decoded arguments."""
+
+    def __init__(self, ps_index: int, num_ps: int, *, nan_policy: str = "reject",
+                 checkpoint_dir: pathlib.Path | None = None, keep_checkpoints: int = 3,
+                 dedup_window: int = 1_000_000) -> None:
+        self.ps_index = ps_index
+        self.num_ps = num_ps
+        self.store = VariableStore(nan_policy=nan_policy, dedup_window=dedup_window)
+        self.checkpoint_dir = checkpoint_dir
+        self.keep_checkpoints = keep_checkpoints
+        self.global_step = 0
+        self.restored_step = -1
+        self.incarnation = int.from_bytes(os.urandom(6), "little")
+        self._save_lock = threading.Lock()
+        self.sync = None  # set by sync_replicas.attach()
+
+    def restore(self) -> int:
+        """Load the newest complete checkpoint into the store; returns its step or -1."""
+        if self.checkpoint_dir is None:
+            raise FailedPreconditionError("restore requested without a checkpoint_dir")
+        found = checkpoint.restore(self.store, self.checkpoint_dir, self.ps_index, self.num_ps)
+        if found is None:
+            log.info("ps %d: no complete checkpoint in %s; starting empty", self.ps_index, self.checkpoint_dir)
+            return -1
+        self.global_step = self.restored_step = found.step
+        if self.sync is not None:
+            self.sync.restore(found.extra.get("sync"), found.step)
+        log.info("ps %d: restored step %d (%d shards) from %s", self.ps_index, found.step, found.shards,
+                 self.checkpoint_dir)
+        return found.step
+
+    def create(self, spec: ShardSpec, initial: np.ndarray | None, init_kind: str, init_value: float,
+               seed: int) -> Shard:
+        """Create (or find the identical) shard."""
+        shard, created = ensure_created(self.store, spec, initial, init_kind, init_value, seed)
+        if created:
+            log.info("ps %d: created %s[%d] %s%s (%s)", self.ps_index, spec.variable, spec.shard_index,
+                     spec.dtype, list(spec.shape), spec.optimizer.kind)
+        return shard
+
+    def pull(self, items: Sequence[tuple[tuple[str, int], np.ndarray | None]]) -> list[tuple[np.ndarray, int]]:
+        """Pull several shards (or rows of them)."""
+        return [self.store.pull(key, ids) for key, ids in items]
+
+    def push(self, push_id: str, step: int, items: Sequence[PushItem]) -> list[PushResult]:
+        """Apply (async) or accumulate (sync) a push."""
+        if self.sync is not None and self.sync.accumulates:
+            return self.sync.push(push_id, step, items)
+        return self.store.push(push_id, items)
+
+    def push_stream(self, push_id: str, step: int, key: tuple[str, int], dtype: np.dtype,
+                    shape: tuple[int, ...], ids: np.ndarray | None, chunks: Iterable[bytes]) -> PushResult:
+        """Assemble a streamed gradient into one buffer, then push it like a unary one."""
+        shard = self.store.get(key)
+        expected = math.prod(shape) * dtype.itemsize
+        if ids is None and expected != shard.spec.nbytes:
+            raise InvalidArgumentError(
+                f"{key[0]}[{key[1]}]: streamed gradient of shape {shape} does not match shard shape {shard.spec.shape}")
+        buf = np.empty(expected, dtype=np.uint8)
+        filled = 0
+        for chunk in chunks:
+            if filled + len(chunk) > expected:
+                raise InvalidArgumentError(f"{key[0]}[{key[1]}]: streamed more than the {expected} bytes announced")
+            buf[filled:filled + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
+            filled += len(chunk)
+        if filled != expected:
+            raise InvalidArgumentError(f"{key[0]}[{key[1]}]: stream ended after {filled} of {expected} bytes")
+        grad = buf.view(dtype).reshape(shape)
+        return self.push(push_id, step, [PushItem(key, grad, ids)])[0]
+
+    def pull_stream(self, key: tuple[str, int], chunk_bytes: int) -> tuple[ShardSpec, int, Iterator[bytes]]:
+        """Spec, version and byte chunks of one shard."""
+        return self.store.pull_chunks(key, chunk_bytes)
+
+    def save(self, step: int) -> pathlib.Path:
+        """Checkpoint every shard at `step` (consistent on this task: pushes wait)."""
+        if self.checkpoint_dir is None:
+            raise FailedPreconditionError(
+                f"ps {self.ps_index} has no checkpoint_dir; start it with --checkpoint-dir")
+        if step < 0:
+            raise InvalidArgumentError(f"checkpoint step must be >= 0, got {step}")
+        with self._save_lock:
+            extra = {"sync": self.sync.snapshot() if self.sync is not None else None}
+            path = checkpoint.save(self.store, self.checkpoint_dir, step, self.ps_index, self.num_ps,
+                                   self.keep_checkpoints, extra)
+            self.global_step = max(self.global_step, step)
+            return path
+
+    def total_bytes(self) -> int:
+        """Bytes held in shard values."""
+        return sum(s.spec.nbytes for s in self.store.shards())

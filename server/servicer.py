@@ -1,0 +1,90 @@
+"""The ParameterServer gRPC servicer: decode, call ParameterServerCore, encode. Nothing else."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+
+from pscluster import codec
+from pscluster.errors import InvalidArgumentError
+from pscluster.proto import pscluster_pb2 as pb
+from pscluster.proto import pscluster_pb2_grpc as pb_grpc
+from pscluster.server.convert import spec_from_pb, spec_to_pb
+from pscluster.server.ps import ParameterServerCore
+from pscluster.server.store import PushItem
+
+
+def _key(ref: pb.ShardRef) -> tuple[str, int]:
+    return (ref.variable, ref.shard_index)
+
+
+def _ids(msg: pb.Tensor, present: bool) -> np.ndarray | None:
+    return codec.decode_ids(msg) if present else None
+
+
+class ParameterServerServicer(pb_grpc.ParameterServerServicer):
+    """Thin translation layer over a ParameterServerCore."""
+
+    def __init__(self, core: ParameterServerCore, chunk_bytes: int) -> None:
+        self.core = core
+        self.chunk_bytes = chunk_bytes
+
+    def CreateShard(self, request: pb.CreateShardRequest, context: grpc.ServicerContext) -> pb.ShardInfo:
+        spec = spec_from_pb(request.spec)
+        initial = codec.decode(request.initial_value, spec.variable) if request.HasField("initial_value") else None
+        init = request.initializer
+        shard = self.core.create(spec, initial, init.kind, init.value, init.seed)
+        return pb.ShardInfo(spec=spec_to_pb(shard.spec), version=shard.version, ps_index=self.core.ps_index)
+
+    def ListShards(self, request: pb.ListShardsRequest, context: grpc.ServicerContext) -> pb.ListShardsReply:
+        return pb.ListShardsReply(shards=[
+            pb.ShardInfo(spec=spec_to_pb(s.spec), version=s.version, ps_index=self.core.ps_index)
+            for s in self.core.store.shards()])
+
+    def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> pb.PullReply:
+        out = self.core.pull([(_key(i.ref), _ids(i.ids, i.HasField("ids"))) for i in request.items])
+        return pb.PullReply(tensors=[codec.encode(a) for a, _ in out], versions=[v for _, v in out])
+
+    def Push(self, request: pb.PushRequest, context: grpc.ServicerContext) -> pb.PushReply:
+        items = [PushItem(_key(i.ref), codec.decode(i.grad, i.ref.variable), _ids(i.ids, i.HasField("ids")))
+                 for i in request.items]
+        results = self.core.push(request.push_id, request.step, items)
+        return pb.PushReply(versions=[r.version for r in results], applied=[r.applied for r in results])
+
+    def PullStream(self, request: pb.PullItem, context: grpc.ServicerContext) -> Iterator[pb.PullChunk]:
+        spec, version, chunks = self.core.pull_stream(_key(request.ref), self.chunk_bytes)
+        yield pb.PullChunk(header=codec.header(np.dtype(spec.dtype), spec.shape), version=version)
+        for chunk in chunks:
+            yield pb.PullChunk(data=chunk)
+
+    def PushStream(self, request_iterator: Iterator[pb.PushChunk], context: grpc.ServicerContext) -> pb.PushReply:
+        first = next(request_iterator, None)
+        if first is None or len(first.header.items) != 1:
+            raise InvalidArgumentError("PushStream: the first message must carry a header with exactly one item")
+        req = first.header
+        item = req.items[0]
+        dtype = codec.wire_dtype(item.grad.dtype)
+        ids = _ids(item.ids, item.HasField("ids"))
+        chunks = (m.data for m in request_iterator)
+        result = self.core.push_stream(req.push_id, req.step, _key(item.ref), dtype, tuple(item.grad.shape), ids,
+                                       _prepend(first.data, chunks))
+        return pb.PushReply(versions=[result.version], applied=[result.applied])
+
+    def Save(self, request: pb.SaveRequest, context: grpc.ServicerContext) -> pb.SaveReply:
+        return pb.SaveReply(path=str(self.core.save(request.step)))
+
+    def Status(self, request: pb.PsStatusRequest, context: grpc.ServicerContext) -> pb.PsStatus:
+        core = self.core
+        return pb.PsStatus(ps_index=core.ps_index, num_ps=core.num_ps, global_step=core.global_step,
+                           restored_step=core.restored_step, num_shards=len(core.store.shards()),
+                           total_bytes=core.total_bytes(),
+                           dropped_stale=core.sync.dropped if core.sync is not None else 0,
+                           incarnation=core.incarnation)
+
+
+def _prepend(first: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:
+    if first:
+        yield first
+    yield from rest

@@ -1,0 +1,293 @@
+"""The PS's variable store: shards, versions, exactly-once pushes, validation before any change.
+
+Plain Python, no gRPC: the servicer translates messages and calls this. Each shard has its own lock
+(pushes to different shards proceed in parallel); `frozen()` takes all of them for a consistent
+checkpoint. A push is validated completely (shapes, dtypes, row ids, NaN policy) before any shard is
+touched, so bad input changes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from pscluster.codec import wire_dtype
+from pscluster.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError
+from pscluster.server import optimizers as opt
+
+Key = tuple[str, int]  # (variable name, shard index)
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """One shard of a variable: where it sits in the full variable and how it is updated."""
+
+    variable: str
+    shard_index: int
+    num_shards: int
+    full_shape: tuple[int, ...]
+    shape: tuple[int, ...]
+    row_offset: int
+    dtype: str
+    optimizer: opt.OptimizerConfig
+    sparse: bool = False
+    ordinal: int = 0
+
+    @property
+    def key(self) -> Key:
+        """(variable, shard_index)."""
+        return (self.variable, self.shard_index)
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the shard's value in bytes."""
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+    def validate(self) -> ShardSpec:
+        """Self, or InvalidArgumentError naming the inconsistency."""
+        if not self.variable or len(self.variable) > 256 or "\0" in self.variable:
+            raise InvalidArgumentError(f"variable name {self.variable!r} must be 1..256 characters without NUL")
+        if not 0 <= self.shard_index < self.num_shards:
+            raise InvalidArgumentError(
+                f"{self.variable}: shard_index {self.shard_index} not in [0, {self.num_shards})")
+        if any(d < 0 for d in self.full_shape) or any(d < 0 for d in self.shape):
+            raise InvalidArgumentError(f"{self.variable}: negative dimension in {self.full_shape}")
+        if self.num_shards > 1 or self.shape != self.full_shape:
+            if not self.full_shape or self.shape[1:] != self.full_shape[1:] or \
+                    self.row_offset + self.shape[0] > self.full_shape[0] or self.row_offset < 0:
+                raise InvalidArgumentError(
+                    f"{self.variable}: shard {self.shard_index} shape {self.shape} at row {self.row_offset} "
+                    f"does not fit full shape {self.full_shape}")
+        if self.sparse and len(self.shape) < 1:
+            raise InvalidArgumentError(f"{self.variable}: a sparse table needs at least one dimension")
+        wire_dtype(self.dtype)
+        self.optimizer.validate()
+        return self
+
+
+@dataclass
+class Shard:
+    """A shard's state: value, optimizer slots, version, and the push ids it has applied."""
+
+    spec: ShardSpec
+    value: np.ndarray
+    slots: dict[str, np.ndarray]
+    version: int = 0
+    applied: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+
+@dataclass(frozen=True)
+class PushItem:
+    """One shard's part of a push: a dense gradient, or row ids (global) with row gradients."""
+
+    key: Key
+    grad: np.ndarray
+    ids: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """What a push did to one shard."""
+
+    version: int
+    applied: bool
+
+
+def initial_value(spec: ShardSpec, kind: str, value: float, seed: int) -> np.ndarray:
+    """A shard's initial value from an initializer spec; seeded per shard so restarts agree."""
+    dt = np.dtype(spec.dtype)
+    if kind in ("", "zeros"):
+        return np.zeros(spec.shape, dt)
+    if kind == "ones":
+        return np.ones(spec.shape, dt)
+    if kind == "constant":
+        return np.full(spec.shape, value, dt)
+    rng = np.random.default_rng([seed, spec.ordinal])
+    if kind == "uniform":
+        return rng.uniform(-value, value, spec.shape).astype(dt)
+    if kind == "normal":
+        return rng.normal(0.0, value, spec.shape).astype(dt)
+    raise InvalidArgumentError(f"{spec.variable}: unknown initializer {kind!r}; use zeros, ones, constant, "
+                               "uniform or normal")
+
+
+class VariableStore:
+    """All shards held by one PS task."""
+
+    def __init__(self, nan_policy: str = "reject", dedup_window: int = 1_000_000) -> None:
+        self._shards: dict[Key, Shard] = {}
+        self._create_lock = threading.Lock()
+        self._nan_policy = nan_policy
+        self._dedup_window = dedup_window
+
+    # -- structure -------------------------------------------------------------------------------
+    def create(self, spec: ShardSpec, value: np.ndarray) -> tuple[Shard, bool]:
+        """Create a shard, or return the existing identical one. Returns (shard, created).
+
+        Raises:
+            AlreadyExistsError: a shard with this key exists with another definition.
+            InvalidArgumentError: value does not match the spec.
+        """
+        spec.validate()
+        if value.shape != spec.shape or value.dtype != np.dtype(spec.dtype):
+            raise InvalidArgumentError(
+                f"{spec.variable}: initial value {value.dtype}{list(value.shape)} does not match "
+                f"{np.dtype(spec.dtype)}{list(spec.shape)}")
+        with self._create_lock:
+            existing = self._shards.get(spec.key)
+            if existing is not None:
+                if replace(existing.spec, ordinal=spec.ordinal) != spec:
+                    raise AlreadyExistsError(
+                        f"variable {spec.variable!r} shard {spec.shard_index} exists as "
+                        f"{existing.spec.dtype}{list(existing.spec.full_shape)} "
+                        f"({existing.spec.num_shards} shards, {existing.spec.optimizer.kind}); "
+                        f"cannot redefine it as {spec.dtype}{list(spec.full_shape)} "
+                        f"({spec.num_shards} shards, {spec.optimizer.kind})")
+                return existing, False
+            owned = value.flags.writeable and value.flags.c_contiguous and value.flags.owndata
+            arr = value if owned else np.array(value, dtype=np.dtype(spec.dtype), copy=True, order="C")
+            shard = Shard(spec, arr, opt.init_slots(spec.optimizer, spec.shape, arr.dtype))
+            self._shards[spec.key] = shard
+            return shard, True
+
+    def install(self, shard: Shard) -> None:
+        """Put a restored shard in place (checkpoint restore)."""
+        with self._create_lock:
+            self._shards[shard.spec.key] = shard
+
+    def get(self, key: Key) -> Shard:
+        """The shard for key, or NotFoundError."""
+        shard = self._shards.get(key)
+        if shard is None:
+            raise NotFoundError(f"unknown variable {key[0]!r} shard {key[1]} on this PS")
+        return shard
+
+    def shards(self) -> list[Shard]:
+        """All shards, in creation ordinal order."""
+        return sorted(self._shards.values(), key=lambda s: s.spec.ordinal)
+
+    @contextlib.contextmanager
+    def frozen(self) -> Iterator[list[Shard]]:
+        """Hold every shard's lock: no push applies while the caller reads a consistent state."""
+        with self._create_lock:
+            shards = self.shards()
+            with contextlib.ExitStack() as stack:
+                for shard in shards:
+                    stack.enter_context(shard.lock)
+                yield shards
+
+    # -- reads -----------------------------------------------------------------------------------
+    def pull(self, key: Key, ids: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+        """A copy of the shard (or of its rows `ids`, global row numbers) and its version."""
+        shard = self.get(key)
+        local = None if ids is None else self._local_rows(shard, ids)
+        with shard.lock:
+            out = shard.value.copy() if local is None else shard.value[local]
+            return out, shard.version
+
+    def pull_chunks(self, key: Key, chunk_bytes: int) -> tuple[ShardSpec, int, Iterator[bytes]]:
+        """Stream a shard as byte chunks; each chunk is copied under the lock (bounded memory).
+
+        A pull that overlaps a push may see rows of two versions, as any Hogwild-style async PS.
+        """
+        shard = self.get(key)
+        flat = shard.value.reshape(-1).view(np.uint8)
+
+        def chunks() -> Iterator[bytes]:
+            for start in range(0, flat.size, chunk_bytes):
+                with shard.lock:
+                    piece = flat[start:start + chunk_bytes].tobytes()
+                yield piece
+
+        return shard.spec, shard.version, chunks()
+
+    # -- writes ----------------------------------------------------------------------------------
+    def validate_push(self, items: Sequence[PushItem]) -> list[tuple[Shard, PushItem, np.ndarray | None]]:
+        """Check every item against its shard; returns (shard, item, local rows) or raises."""
+        checked = []
+        seen: set[Key] = set()
+        for item in items:
+            shard = self.get(item.key)
+            spec = shard.spec
+            name = f"{spec.variable}[{spec.shard_index}]"
+            if item.key in seen:
+                raise InvalidArgumentError(f"{name}: pushed twice in one request")
+            seen.add(item.key)
+            if item.grad.dtype != np.dtype(spec.dtype):
+                raise InvalidArgumentError(
+                    f"{name}: gradient dtype {item.grad.dtype} does not match variable dtype {np.dtype(spec.dtype)}")
+            local = None
+            if item.ids is None:
+                if item.grad.shape != spec.shape:
+                    raise InvalidArgumentError(
+                        f"{name}: gradient shape {item.grad.shape} does not match shard shape {spec.shape}")
+            else:
+                local = self._local_rows(shard, item.ids)
+                want = (item.ids.shape[0],) + spec.shape[1:]
+                if item.grad.shape != want:
+                    raise InvalidArgumentError(
+                        f"{name}: row gradients of shape {item.grad.shape} for {item.ids.shape[0]} ids; "
+                        f"expected {want}")
+            if self._nan_policy == "reject" and item.grad.dtype.kind == "f" and not np.isfinite(item.grad).all():
+                raise InvalidArgumentError(
+                    f"{name}: gradient holds NaN or Inf; rejected (nan_policy=reject)")
+            checked.append((shard, item, local))
+        return checked
+
+    def push(self, push_id: str, items: Sequence[PushItem]) -> list[PushResult]:
+        """Apply a push to its shards, at most once per push_id per shard (empty id: always)."""
+        checked = self.validate_push(items)
+        return [self.apply(shard, item.grad, local, push_id) for shard, item, local in checked]
+
+    def apply(self, shard: Shard, grad: np.ndarray, local: np.ndarray | None, push_id: str) -> PushResult:
+        """Apply one validated gradient under the shard's lock, unless push_id was applied already."""
+        with shard.lock:
+            if push_id and push_id in shard.applied:
+                return PushResult(shard.version, False)
+            t = shard.version + 1
+            if local is None:
+                opt.apply_dense(shard.spec.optimizer, shard.value, grad, shard.slots, t)
+            else:
+                opt.apply_sparse(shard.spec.optimizer, shard.value, local, grad, shard.slots, t)
+            shard.version = t
+            if push_id:
+                self._remember(shard, push_id)
+            return PushResult(shard.version, True)
+
+    def _remember(self, shard: Shard, push_id: str) -> None:
+        shard.applied[push_id] = None
+        while len(shard.applied) > self._dedup_window:
+            shard.applied.popitem(last=False)
+
+    @staticmethod
+    def _local_rows(shard: Shard, ids: np.ndarray) -> np.ndarray:
+        spec = shard.spec
+        if not spec.shape:
+            raise InvalidArgumentError(f"{spec.variable}: a scalar has no rows")
+        if ids.ndim != 1:
+            raise InvalidArgumentError(f"{spec.variable}: row ids must be 1-D, got shape {ids.shape}")
+        local = ids - spec.row_offset
+        if ids.size and (local.min() < 0 or local.max() >= spec.shape[0]):
+            bad = ids[(local < 0) | (local >= spec.shape[0])][0]
+            raise InvalidArgumentError(
+                f"{spec.variable}[{spec.shard_index}]: row id {bad} outside rows "
+                f"[{spec.row_offset}, {spec.row_offset + spec.shape[0]}) of this shard "
+                f"(table has {spec.full_shape[0]} rows)")
+        return local
+
+
+def ensure_created(store: VariableStore, spec: ShardSpec, initial: np.ndarray | None,
+                   init_kind: str, init_value: float, seed: int) -> tuple[Shard, bool]:
+    """Create a shard from an explicit value or an initializer spec (idempotently)."""
+    if initial is None:
+        existing = store._shards.get(spec.key)  # noqa: SLF001 - skip building a large initial value twice
+        value = initial_value(spec, init_kind, init_value, seed) if existing is None else existing.value
+        return store.create(spec.validate(), value)
+    return store.create(spec, initial)
