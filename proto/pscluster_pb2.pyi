@@ -280,17 +280,29 @@ class UserError(_message.Message):
     pickled: bytes
     def __init__(self, type_name: _Optional[str] = ..., message: _Optional[str] = ..., traceback: _Optional[str] = ..., pickled: _Optional[bytes] = ...) -> None: ...
 
+class ShardVersion(_message.Message):
+    __slots__ = ("variable", "shard_index", "version")
+    VARIABLE_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    variable: str
+    shard_index: int
+    version: int
+    def __init__(self, variable: _Optional[str] = ..., shard_index: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+
 class RunClosureReply(_message.Message):
-    __slots__ = ("result", "error", "retryable", "seconds")
+    __slots__ = ("result", "error", "retryable", "seconds", "versions")
     RESULT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     RETRYABLE_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
     result: bytes
     error: UserError
     retryable: bool
     seconds: float
-    def __init__(self, result: _Optional[bytes] = ..., error: _Optional[_Union[UserError, _Mapping]] = ..., retryable: _Optional[bool] = ..., seconds: _Optional[float] = ...) -> None: ...
+    versions: _containers.RepeatedCompositeFieldContainer[ShardVersion]
+    def __init__(self, result: _Optional[bytes] = ..., error: _Optional[_Union[UserError, _Mapping]] = ..., retryable: _Optional[bool] = ..., seconds: _Optional[float] = ..., versions: _Optional[_Iterable[_Union[ShardVersion, _Mapping]]] = ...) -> None: ...
 
 class PingRequest(_message.Message):
     __slots__ = ()

@@ -243,8 +243,19 @@ class PSClient:
                 else:
                     by_ps[pl.ps].append(pb.PushItem(ref=ref, grad=codec.encode(part)))
         calls = [(ps, "Push", pb.PushRequest(items=items, push_id=pid, step=step)) for ps, items in by_ps.items()]
-        versions = [v for reply in self._gather(calls) for v in reply.versions]
+        replies = self._gather(calls)
+        self._record([i.ref for _, _, req in calls for i in req.items], [v for r in replies for v in r.versions])
+        versions = [v for reply in replies for v in reply.versions]
         return versions + [v for fut in streams for v in fut.result().versions]
+
+    @staticmethod
+    def _record(refs: Sequence[pb.ShardRef], versions: Sequence[int]) -> None:
+        scope = context.current_scope()
+        if scope is not None:
+            for ref, version in zip(refs, versions):
+                key = (ref.variable, ref.shard_index)
+                if version > scope.versions.get(key, -1):
+                    scope.versions[key] = version
 
     def _push_stream(self, ps: int, pid: str, step: int, ref: pb.ShardRef, grad: np.ndarray) -> pb.PushReply:
         grad = np.ascontiguousarray(grad, dtype=grad.dtype.newbyteorder("<"))
@@ -273,7 +284,9 @@ class PSClient:
             ref=pb.ShardRef(variable=var.name, shard_index=pl.shard_index),
             grad=codec.encode(arr[sel]), ids=codec.encode(ids[sel]))]))
             for pl, sel in self._group_rows(var, ids)]
-        return [v for reply in self._gather(calls) for v in reply.versions]
+        replies = self._gather(calls)
+        self._record([req.items[0].ref for _, _, req in calls], [r.versions[0] for r in replies])
+        return [v for reply in replies for v in reply.versions]
 
     @staticmethod
     def _check_ids(var: Variable, ids: Sequence[int] | np.ndarray) -> np.ndarray:

@@ -28,7 +28,7 @@ def wire_dtype(dtype: np.dtype | str | type) -> np.dtype:
 def encode(array: np.ndarray) -> pb.Tensor:
     """Encode a numpy array as a Tensor message (one copy, into the protobuf bytes field)."""
     dt = wire_dtype(array.dtype)
-    arr = np.ascontiguousarray(array, dtype=dt)
+    arr = np.asarray(array).astype(dt, order="C", copy=False)  # (ascontiguousarray turns 0-d into 1-d)
     return pb.Tensor(dtype=dt.str, shape=arr.shape, data=arr.tobytes())
 
 

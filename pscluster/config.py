@@ -68,6 +68,7 @@ class Settings(_Frozen):
     task_index: int = Field(default=0, ge=0)
     token: SecretStr | None = None
     bind_host: str = "127.0.0.1"
+    advertise_host: str | None = None  # host others use to reach this task (default: bind_host)
     port: int | None = Field(default=None, ge=0, lt=65536)  # overrides the port of the cluster address
     max_message_bytes: int = Field(default=64 * MiB, ge=MiB, le=2047 * MiB)
     chunk_bytes: int = Field(default=4 * MiB, ge=64 * 1024)
@@ -81,6 +82,9 @@ class Settings(_Frozen):
     heartbeat_timeout_s: float = Field(default=2.0, gt=0)
     server_threads: int = Field(default=16, ge=2, le=256)
     dedup_window: int = Field(default=1_000_000, ge=1000)
+    max_inflight_per_worker: int = Field(default=2, ge=1, le=64)
+    no_worker_timeout_s: float | None = Field(default=300.0, gt=0)
+    drain_timeout_s: float = Field(default=10.0, ge=0)
 
     @field_validator("bind_host")
     @classmethod
@@ -185,6 +189,7 @@ def _from_tf_config(raw: str) -> dict[str, Any]:
 
 _ENV_FIELDS = {
     "PSCLUSTER_BIND_HOST": "bind_host",
+    "PSCLUSTER_ADVERTISE_HOST": "advertise_host",
     "PSCLUSTER_CHECKPOINT_DIR": "checkpoint_dir",
     "PSCLUSTER_MAX_MESSAGE_BYTES": "max_message_bytes",
     "PSCLUSTER_NAN_POLICY": "nan_policy",

@@ -45,6 +45,10 @@ def _fsync_dir(path: pathlib.Path) -> None:
         os.close(fd)
 
 
+def _writable(arr: np.ndarray) -> np.ndarray:
+    return arr if arr.flags.writeable and arr.flags.c_contiguous else np.array(arr, copy=True, order="C")
+
+
 def save(store: VariableStore, root: pathlib.Path, step: int, ps_index: int, num_ps: int,
          keep: int, extra: dict[str, object] | None = None) -> pathlib.Path:
     """Write this task's shards at `step` atomically, then prune to the newest `keep` steps."""
@@ -127,9 +131,8 @@ def restore(store: VariableStore, root: pathlib.Path, ps_index: int, num_ps: int
                 if ps_for_ordinal(spec.ordinal, num_ps) != ps_index:
                     continue
                 base = f"{spec.variable}/{spec.shard_index}"
-                value = np.ascontiguousarray(fh.get_tensor(f"{base}/value"))
-                slots = {name: np.ascontiguousarray(fh.get_tensor(f"{base}/slot/{name}"))
-                         for name in spec.optimizer.slot_names()}
+                value = _writable(fh.get_tensor(f"{base}/value"))
+                slots = {name: _writable(fh.get_tensor(f"{base}/slot/{name}")) for name in spec.optimizer.slot_names()}
                 applied = OrderedDict((pid, None) for pid in entry["applied"])
                 store.install(Shard(spec, value, slots, entry["version"], applied))
                 loaded += 1

@@ -1,0 +1,358 @@
+"""ClusterCoordinator: schedule closures onto workers, collect results, survive worker and PS failures.
+
+    coord = ClusterCoordinator(load_settings("cluster.yaml"))   # workers register with it
+    w = coord.create_variable("w", initial_value=np.zeros((784, 10), np.float32), optimizer=SGD(0.5))
+    it = iter(coord.create_per_worker_dataset(make_batches))
+    results = [coord.schedule(step, args=(it,)) for _ in range(1000)]
+    coord.join()                      # raises the first error raised inside a closure
+    losses = coord.fetch(results)
+
+One thread (`coordinator-loop`) owns the scheduler state and applies `scheduler.decide`'s actions; RPC
+completions, registrations, heartbeats and ticks reach it as events on a queue.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import grpc
+
+from pscluster import context, rpc
+from pscluster.client import PSClient
+from pscluster.config import Settings, load_settings
+from pscluster.coordinator import scheduler as sch
+from pscluster.coordinator.values import RemoteValue
+from pscluster.datasets import PerWorkerDataset
+from pscluster.errors import AbortedError, DeadlineExceededError, PsclusterError, UnavailableError
+from pscluster.proto import pscluster_pb2 as pb
+from pscluster.proto import pscluster_pb2_grpc as pb_grpc
+from pscluster.variables import Variable
+from pscluster.worker.runner import remote_tuple
+
+log = logging.getLogger(__name__)
+_STOP = object()
+
+
+class ClusterCoordinator:
+    """Schedules step closures onto the cluster's workers (TF's ClusterCoordinator, plus failure handling)."""
+
+    def __init__(self, cluster: Settings | str | None = None, *, serve: bool = True,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = cluster if isinstance(cluster, Settings) else load_settings(cluster)
+        self.client = PSClient(self.settings)
+        context.set_default_client(self.client)
+        self._clock = clock
+        self._state = sch.SchedulerState(
+            max_inflight=self.settings.max_inflight_per_worker,
+            heartbeat_timeout=self.settings.heartbeat_timeout_s,
+            no_worker_timeout=self.settings.no_worker_timeout_s)
+        self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._values: dict[int, RemoteValue] = {}
+        self._payloads: dict[int, bytes] = {}
+        self._rpcs: dict[tuple[int, str], grpc.Future] = {}
+        self._stubs: dict[str, tuple[grpc.Channel, pb_grpc.WorkerStub]] = {}
+        # Closure ids are unique across coordinator restarts: push ids derive from them.
+        self._ids = itertools.count((int.from_bytes(os.urandom(3), "little") << 32) + 1)
+        self._cond = threading.Condition()
+        self._outstanding = 0
+        self._join_error: tuple[int, BaseException] | None = None
+        self.known_workers: set[str] = set()
+        self.worker_index: dict[str, int] = {}
+        self.lost_updates = 0
+        self._seen_versions: dict[tuple[str, int], int] = {}
+        self._stop = threading.Event()
+        statuses = self.client.status()
+        self._incarnations = [s.incarnation for s in statuses]
+        self.initial_step = max(s.global_step for s in statuses)
+        self._loop = threading.Thread(target=self._run, name="coordinator-loop", daemon=True)
+        self._ticker = threading.Thread(target=self._tick, name="coordinator-tick", daemon=True)
+        self._loop.start()
+        self._ticker.start()
+        self._server: grpc.Server | None = None
+        self.port = 0
+        if serve:
+            from pscluster.coordinator.servicer import CoordinatorServicer
+
+            servicer = CoordinatorServicer(self)
+            address = self.settings.cluster.coordinator or f"{self.settings.bind_host}:0"
+            if self.settings.port is not None:
+                address = f"{self.settings.bind_host}:{self.settings.port}"
+            elif self.settings.cluster.coordinator:
+                address = f"{self.settings.bind_host}:{address.rpartition(':')[2]}"
+            self._server, self.port = rpc.create_server(
+                self.settings, lambda s: pb_grpc.add_CoordinatorServicer_to_server(servicer, s),
+                address=address, name="coordinator")
+
+    # -- public API (TF names) -------------------------------------------------------------------
+    def create_variable(self, name: str, shape: Any = None, dtype: Any = "float32", **kwargs: Any) -> Variable:
+        """Create (or find) a variable on the PS tasks; see PSClient.create_variable."""
+        return self.client.create_variable(name, shape, dtype, **kwargs)
+
+    def create_per_worker_dataset(self, dataset_fn: Callable[..., Any]) -> PerWorkerDataset:
+        """A dataset built on each worker by dataset_fn (optionally taking a WorkerInfo)."""
+        return PerWorkerDataset(dataset_fn)
+
+    def schedule(self, fn: Callable[..., Any], args: tuple[Any, ...] = (),
+                 kwargs: dict[str, Any] | None = None) -> RemoteValue:
+        """Queue fn(*args, **kwargs) to run on some worker; returns a RemoteValue at once."""
+        return self.schedule_payload(remote_tuple(fn, tuple(args), dict(kwargs or {})))
+
+    def schedule_payload(self, payload: bytes) -> RemoteValue:
+        """Queue an already-serialized closure (used by the coordinator daemon's clients)."""
+        cid = next(self._ids)
+        value = RemoteValue(cid)
+        with self._cond:
+            self._values[cid] = value
+            self._payloads[cid] = payload
+            self._outstanding += 1
+        self._events.put((sch.Submit(cid), None))
+        return value
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for every scheduled closure; raise the first error raised inside one (then clear it).
+
+        Raises:
+            DeadlineExceededError: closures still outstanding after timeout.
+        """
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._outstanding == 0, timeout):
+                raise DeadlineExceededError(f"join: {self._outstanding} closures still outstanding after {timeout} s")
+        self._raise_pending_error()
+
+    def done(self) -> bool:
+        """True when nothing is outstanding; raises a pending closure error like join()."""
+        with self._cond:
+            finished = self._outstanding == 0
+        self._raise_pending_error()
+        return finished
+
+    def fetch(self, values: Any) -> Any:
+        """Fetch a RemoteValue, or a (nested) list/tuple/dict of them, into plain values."""
+        if isinstance(values, RemoteValue):
+            return values.fetch()
+        if isinstance(values, dict):
+            return {k: self.fetch(v) for k, v in values.items()}
+        if isinstance(values, (list, tuple)):
+            return type(values)(self.fetch(v) for v in values)
+        return values
+
+    def checkpoint(self, step: int | None = None) -> list[str]:
+        """Join, then write a checkpoint of every PS at one global step (consistent: no push in flight)."""
+        self.join()
+        return self.client.checkpoint(self.global_step if step is None else step)
+
+    @property
+    def global_step(self) -> int:
+        """Steps completed: the PS's step at start plus closures completed since."""
+        return self.initial_step + self._state.completed
+
+    def status(self) -> pb.CoordinatorStatus:
+        """Queue, counters and workers, as reported by `pscluster status`."""
+        st = self._state
+        workers = [pb.WorkerState(worker_id=w.wid, address=w.address, state=w.state, closures_done=w.done)
+                   for w in list(st.workers.values())]
+        return pb.CoordinatorStatus(queued=len(st.queue), running=st.running(), done=st.completed,
+                                    retried=st.retried, failed=st.failed, workers=workers,
+                                    lost_updates=self.lost_updates)
+
+    def num_workers(self) -> int:
+        """Workers currently registered and alive."""
+        return sum(1 for w in list(self._state.workers.values()) if w.state == "alive")
+
+    def wait_for_workers(self, n: int, timeout: float = 60.0) -> None:
+        """Block until at least n workers have registered."""
+        deadline = time.monotonic() + timeout
+        while self.num_workers() < n:
+            if time.monotonic() > deadline:
+                raise DeadlineExceededError(f"only {self.num_workers()} of {n} workers registered after {timeout} s")
+            time.sleep(0.02)
+
+    def shutdown(self) -> None:
+        """Stop the loop, the server and every connection."""
+        self._stop.set()
+        self._events.put((_STOP, None))
+        self._loop.join(timeout=5)
+        self._ticker.join(timeout=5)
+        if self._server is not None:
+            self._server.stop(grace=0.5).wait()
+        for channel, _ in list(self._stubs.values()):
+            channel.close()
+        self.client.close()
+        context.set_default_client(None)
+
+    def __enter__(self) -> ClusterCoordinator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- entry points for the servicer -------------------------------------------------------------
+    def register(self, worker_id: str, address: str, timeout: float = 5.0) -> int:
+        """Register a worker (or refresh it); returns its index."""
+        reply: Future[list[sch.Action]] = Future()
+        self._events.put((sch.Register(worker_id, address), reply))
+        for action in reply.result(timeout):
+            if isinstance(action, sch.Registered) and action.wid == worker_id:
+                return action.index
+        raise UnavailableError(f"worker {worker_id} could not register")
+
+    def heartbeat(self, worker_id: str, leaving: bool) -> bool:
+        """Record a heartbeat (or a leaving notice); False if the worker must re-register."""
+        known = worker_id in self.known_workers
+        if known:
+            self._events.put((sch.Leave(worker_id) if leaving else sch.Heartbeat(worker_id), None))
+        return known
+
+    # -- the loop that owns the state ------------------------------------------------------------
+    def _tick(self) -> None:
+        period = min(0.25, self.settings.heartbeat_interval_s / 2)
+        while not self._stop.wait(period):
+            self._events.put((sch.Tick(), None))
+
+    def _run(self) -> None:
+        while True:
+            event, reply = self._events.get()
+            if event is _STOP:
+                return
+            if isinstance(event, tuple):  # (Finished, RunClosureReply) from an RPC callback
+                event, closure_reply = event
+                self._store_reply(event.cid, closure_reply)
+            try:
+                actions = sch.decide(self._state, event, self._clock())
+                for action in actions:
+                    self._perform(action)
+            except Exception as exc:  # noqa: BLE001 - the loop must survive; a bug is logged loudly
+                log.exception("coordinator loop: failed on %s", event)
+                actions = []
+                if reply is not None:
+                    reply.set_exception(exc)
+                    continue
+            if reply is not None:
+                reply.set_result(actions)
+
+    def _store_reply(self, cid: int, reply: pb.RunClosureReply) -> None:
+        for v in reply.versions:
+            key = (v.variable, v.shard_index)
+            if v.version > self._seen_versions.get(key, -1):
+                self._seen_versions[key] = v.version
+        value = self._values.get(cid)
+        if value is not None and not value.done():
+            value._reply = reply  # published by the Resolve action
+
+    def _perform(self, action: sch.Action) -> None:
+        if isinstance(action, sch.Dispatch):
+            self._dispatch(action)
+        elif isinstance(action, sch.Resolve):
+            value = self._values[action.cid]
+            reply = value._reply
+            assert reply is not None
+            value._set_reply(reply)
+            if reply.HasField("error"):
+                log.warning("closure %d raised %s: %s", action.cid, reply.error.type_name, reply.error.message)
+                self._finish(action.cid, value._error)
+            else:
+                self._finish(action.cid, None)
+        elif isinstance(action, sch.Cancel):
+            self._values[action.cid]._set_error(AbortedError(f"closure {action.cid} {action.reason}"))
+            self._finish(action.cid, None)
+        elif isinstance(action, sch.FailUnscheduled):
+            err = UnavailableError(action.reason)
+            self._values[action.cid]._set_error(err)
+            log.error("closure %d failed: %s", action.cid, action.reason)
+            self._finish(action.cid, err)
+        elif isinstance(action, sch.Abandon):
+            fut = self._rpcs.pop((action.cid, action.wid), None)
+            if fut is not None:
+                fut.cancel()
+        elif isinstance(action, sch.WorkerGone):
+            self.known_workers.discard(action.wid)
+            log.warning("%s; closures %s rescheduled", action.reason, list(action.rescheduled) or "none")
+            entry = self._stubs.pop(action.address, None)
+            if entry is not None:
+                entry[0].close()
+        elif isinstance(action, sch.Registered):
+            if action.wid not in self.known_workers:
+                log.info("worker %d (%s) joined", action.index, action.wid)
+            self.known_workers.add(action.wid)
+            self.worker_index[action.wid] = action.index
+        elif isinstance(action, sch.WatchPs):
+            threading.Thread(target=self._watch_ps, name="ps-watch", daemon=True).start()
+
+    def _finish(self, cid: int, error: BaseException | None) -> None:
+        self._payloads.pop(cid, None)
+        with self._cond:
+            if error is not None and self._join_error is None:
+                self._join_error = (cid, error)
+            self._outstanding -= 1
+            self._cond.notify_all()
+
+    def _raise_pending_error(self) -> None:
+        with self._cond:
+            pending, self._join_error = self._join_error, None
+        if pending is not None:
+            self._events.put((sch.ErrorReported(), None))
+            raise pending[1]
+
+    def _dispatch(self, action: sch.Dispatch) -> None:
+        entry = self._stubs.get(action.address)
+        if entry is None:
+            channel = rpc.open_channel(action.address, self.settings)
+            entry = (channel, pb_grpc.WorkerStub(channel))
+            self._stubs[action.address] = entry
+        request = pb.RunClosureRequest(closure_id=action.cid, attempt=action.attempt,
+                                       payload=self._payloads[action.cid])
+        fut = entry[1].RunClosure.future(request, timeout=self.settings.rpc_timeout_s * 100)
+        self._rpcs[(action.cid, action.wid)] = fut
+        fut.add_done_callback(lambda f, cid=action.cid, wid=action.wid: self._completed(cid, wid, f))
+
+    def _completed(self, cid: int, wid: str, fut: grpc.Future) -> None:
+        if fut.cancelled():
+            return  # abandoned by the scheduler
+        try:
+            reply = fut.result()
+        except grpc.RpcError as exc:
+            err = rpc.translate(exc, "RunClosure")
+            self._events.put((sch.TransportFailed(cid, wid, f"failed a closure RPC ({err})"), None))
+            return
+        finally:
+            self._rpcs.pop((cid, wid), None)
+        if reply.retryable:
+            log.warning("closure %d hit an unavailable PS: %s", cid, reply.error.message)
+            self._events.put((sch.Finished(cid, wid, "retry"), None))
+        else:
+            outcome = "user_error" if reply.HasField("error") else "ok"
+            self._events.put(((sch.Finished(cid, wid, outcome), reply), None))
+
+    def _watch_ps(self) -> None:
+        """Wait for every PS to answer again; count updates lost by a restarted one; resume."""
+        started = time.monotonic()
+        log.warning("a PS is unavailable: dispatch paused until every PS answers")
+        while not self._stop.is_set():
+            try:
+                statuses = [rpc.call(stub.Status, pb.PsStatusRequest(), timeout=1.0) for stub in self.client.stubs]
+                break
+            except PsclusterError:
+                time.sleep(0.1)
+        else:
+            return
+        lost = 0
+        for ps, st in enumerate(statuses):
+            if st.incarnation != self._incarnations[ps]:
+                reply = rpc.call(self.client.stubs[ps].ListShards, pb.ListShardsRequest(), timeout=5.0)
+                for info in reply.shards:
+                    seen = self._seen_versions.get((info.spec.variable, info.spec.shard_index), info.version)
+                    lost += max(0, seen - info.version)
+                log.warning("ps %d restarted from checkpoint step %d; %d applied updates lost", ps,
+                            st.restored_step, lost)
+                self._incarnations[ps] = st.incarnation
+        self.lost_updates += lost
+        log.warning("every PS answers again after %.1f s; resuming dispatch", time.monotonic() - started)
+        self._events.put((sch.PsUp(), None))

@@ -1,0 +1,350 @@
+"""Closure scheduling and worker membership as one pure state machine.
+
+`decide(state, event, now)` updates `state` in place and returns the side effects to perform as
+`Action`s; it does no I/O and reads no clock, so every path (dispatch, completion, worker loss,
+rejoin, user error, cancellation, PS outage) is unit-tested by feeding events. The executor in
+`coordinator.py` performs the actions (RPCs, resolving RemoteValues) and feeds results back as events.
+
+Closure lifecycle: queued -> running -> done | failed | cancelled; running -> queued when its worker
+dies, hangs (missed heartbeats), leaves, or the closure hit an unavailable PS.
+Worker lifecycle: alive -> leaving (SIGTERM: no new work) -> gone; alive -> gone (death, hang).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+ClosureState = Literal["queued", "running", "done", "failed", "cancelled"]
+
+
+@dataclass
+class ClosureRec:
+    """Scheduling record of one closure."""
+
+    cid: int
+    state: ClosureState = "queued"
+    workers: set[str] = field(default_factory=set)  # workers running an attempt now
+    attempts: int = 0
+
+
+@dataclass
+class WorkerRec:
+    """Membership record of one worker."""
+
+    wid: str
+    address: str
+    index: int
+    last_seen: float
+    state: Literal["alive", "leaving"] = "alive"
+    inflight: set[int] = field(default_factory=set)
+    done: int = 0
+
+
+@dataclass
+class SchedulerState:
+    """Everything the scheduler decides from."""
+
+    max_inflight: int = 1
+    heartbeat_timeout: float = 2.0
+    max_attempts: int = 10
+    no_worker_timeout: float | None = 300.0
+    closures: dict[int, ClosureRec] = field(default_factory=dict)
+    queue: deque[int] = field(default_factory=deque)
+    workers: dict[str, WorkerRec] = field(default_factory=dict)
+    next_index: int = 0
+    paused: bool = False  # a PS is down: dispatch nothing until it is back
+    error_cid: int | None = None  # first closure that raised, until join reports it
+    no_worker_since: float | None = None
+    retried: int = 0
+    failed: int = 0
+    completed: int = 0
+
+    def running(self) -> int:
+        """Closures running now."""
+        return sum(1 for c in self.closures.values() if c.state == "running")
+
+    def unfinished(self) -> int:
+        """Closures queued or running."""
+        return len(self.queue) + self.running()
+
+
+# -- events ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Submit:
+    cid: int
+
+
+@dataclass(frozen=True)
+class Register:
+    wid: str
+    address: str
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    wid: str
+
+
+@dataclass(frozen=True)
+class Leave:
+    wid: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    """An attempt returned: ok, the user's error, or a cluster error (PS unavailable) to retry."""
+
+    cid: int
+    wid: str
+    outcome: Literal["ok", "user_error", "retry"]
+
+
+@dataclass(frozen=True)
+class TransportFailed:
+    """The RunClosure RPC to the worker failed: the worker is dead or unreachable."""
+
+    cid: int
+    wid: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Tick:
+    pass
+
+
+@dataclass(frozen=True)
+class PsUp:
+    pass
+
+
+@dataclass(frozen=True)
+class ErrorReported:
+    """join() raised the pending user error; scheduling may go on."""
+
+
+Event = Submit | Register | Heartbeat | Leave | Finished | TransportFailed | Tick | PsUp | ErrorReported
+
+
+# -- actions -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Dispatch:
+    cid: int
+    wid: str
+    address: str
+    attempt: int
+
+
+@dataclass(frozen=True)
+class Resolve:
+    """The closure's outcome is final; the executor publishes its stored reply."""
+
+    cid: int
+
+
+@dataclass(frozen=True)
+class Cancel:
+    cid: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Abandon:
+    """Stop waiting for an attempt (cancel its RPC); another attempt has it or will."""
+
+    cid: int
+    wid: str
+
+
+@dataclass(frozen=True)
+class WorkerGone:
+    wid: str
+    address: str
+    reason: str
+    rescheduled: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Registered:
+    wid: str
+    index: int
+
+
+@dataclass(frozen=True)
+class WatchPs:
+    """A closure met an unavailable PS: wait for every PS to answer, then send PsUp."""
+
+
+@dataclass(frozen=True)
+class FailUnscheduled:
+    cid: int
+    reason: str
+
+
+Action = Dispatch | Resolve | Cancel | Abandon | WorkerGone | Registered | WatchPs | FailUnscheduled
+
+
+def decide(state: SchedulerState, event: Event, now: float) -> list[Action]:
+    """Apply one event to state; return the actions to perform, dispatches last."""
+    actions: list[Action] = []
+    if isinstance(event, Submit):
+        state.closures[event.cid] = ClosureRec(event.cid)
+        state.queue.append(event.cid)
+    elif isinstance(event, Register):
+        old = state.workers.get(event.wid)
+        if old is None:
+            state.workers[event.wid] = WorkerRec(event.wid, event.address, state.next_index, now)
+            state.next_index += 1
+            actions.append(Registered(event.wid, state.next_index - 1))
+        else:
+            old.last_seen = now
+            actions.append(Registered(event.wid, old.index))
+    elif isinstance(event, Heartbeat):
+        if event.wid in state.workers:
+            state.workers[event.wid].last_seen = now
+    elif isinstance(event, Leave):
+        worker = state.workers.get(event.wid)
+        if worker is not None:
+            if worker.inflight:
+                worker.state = "leaving"
+            else:
+                actions += _lose_worker(state, worker, "left (preempted)")
+    elif isinstance(event, Finished):
+        actions += _finished(state, event)
+    elif isinstance(event, TransportFailed):
+        worker = state.workers.get(event.wid)
+        if worker is not None and event.cid in worker.inflight:
+            actions += _lose_worker(state, worker, event.reason)
+    elif isinstance(event, Tick):
+        for worker in list(state.workers.values()):
+            if now - worker.last_seen > state.heartbeat_timeout:
+                actions += _lose_worker(
+                    state, worker, f"missed heartbeats for {now - worker.last_seen:.1f} s "
+                                   f"(timeout {state.heartbeat_timeout:.1f} s)")
+        actions += _check_starvation(state, now)
+    elif isinstance(event, PsUp):
+        state.paused = False
+    elif isinstance(event, ErrorReported):
+        state.error_cid = None
+    return actions + _dispatch(state)
+
+
+def _finished(state: SchedulerState, event: Finished) -> list[Action]:
+    actions: list[Action] = []
+    worker = state.workers.get(event.wid)
+    if worker is not None:
+        worker.inflight.discard(event.cid)
+        if event.outcome == "ok":
+            worker.done += 1
+    rec = state.closures.get(event.cid)
+    if rec is None or rec.state != "running":
+        return actions  # a late answer from an attempt that was already replaced or resolved
+    rec.workers.discard(event.wid)
+    if event.outcome == "retry":
+        if not rec.workers:
+            rec.state = "queued"
+            state.queue.appendleft(rec.cid)
+            state.retried += 1
+            if not state.paused:
+                state.paused = True
+                actions.append(WatchPs())
+    else:
+        rec.state = "done" if event.outcome == "ok" else "failed"
+        actions.append(Resolve(rec.cid))
+        for other in rec.workers:  # first answer wins; stop waiting for duplicates
+            if other in state.workers:
+                state.workers[other].inflight.discard(rec.cid)
+            actions.append(Abandon(rec.cid, other))
+        rec.workers.clear()
+        if event.outcome == "ok":
+            state.completed += 1
+        else:
+            state.failed += 1
+            if state.error_cid is None:
+                state.error_cid = rec.cid
+            actions += _cancel_queued(state, f"closure {rec.cid} raised an error")
+    if worker is not None and worker.state == "leaving" and not worker.inflight:
+        actions += _lose_worker(state, worker, "left (preempted) after finishing its closures")
+    return actions
+
+
+def _cancel_queued(state: SchedulerState, reason: str) -> list[Action]:
+    actions: list[Action] = []
+    while state.queue:
+        cid = state.queue.popleft()
+        state.closures[cid].state = "cancelled"
+        actions.append(Cancel(cid, f"cancelled: {reason}"))
+    return actions
+
+
+def _lose_worker(state: SchedulerState, worker: WorkerRec, reason: str) -> list[Action]:
+    del state.workers[worker.wid]
+    actions: list[Action] = []
+    requeued = []
+    for cid in sorted(worker.inflight):
+        rec = state.closures[cid]
+        rec.workers.discard(worker.wid)
+        actions.append(Abandon(cid, worker.wid))
+        if rec.state == "running" and not rec.workers:
+            if rec.attempts >= state.max_attempts:
+                rec.state = "failed"
+                state.failed += 1
+                actions.append(FailUnscheduled(cid, f"closure {cid} lost its worker {rec.attempts} times; "
+                                                    f"last: worker {worker.index} ({worker.address}) {reason}"))
+                continue
+            rec.state = "queued"
+            requeued.append(cid)
+    for cid in reversed(requeued):
+        state.queue.appendleft(cid)
+    state.retried += len(requeued)
+    actions.insert(0, WorkerGone(worker.wid, worker.address, f"worker {worker.index} ({worker.address}) {reason}",
+                                 tuple(requeued)))
+    return actions
+
+
+def _check_starvation(state: SchedulerState, now: float) -> list[Action]:
+    if not state.queue or any(w.state == "alive" for w in state.workers.values()):
+        state.no_worker_since = None
+        return []
+    if state.no_worker_since is None:
+        state.no_worker_since = now
+        return []
+    if state.no_worker_timeout is None or now - state.no_worker_since < state.no_worker_timeout:
+        return []
+    actions: list[Action] = []
+    reason = (f"no live worker for {now - state.no_worker_since:.0f} s "
+              f"(no_worker_timeout_s={state.no_worker_timeout:g}); start a worker or raise the timeout")
+    while state.queue:
+        cid = state.queue.popleft()
+        state.closures[cid].state = "failed"
+        state.failed += 1
+        actions.append(FailUnscheduled(cid, reason))
+    return actions
+
+
+def _dispatch(state: SchedulerState) -> list[Action]:
+    if state.paused or not state.queue:
+        return []
+    actions: list[Action] = []
+    # Least-loaded first, so a new worker picks up work at once and stragglers get less.
+    workers = sorted((w for w in state.workers.values() if w.state == "alive"),
+                     key=lambda w: (len(w.inflight), w.index))
+    progress = True
+    while state.queue and progress:
+        progress = False
+        for worker in workers:
+            if not state.queue:
+                break
+            if len(worker.inflight) >= state.max_inflight:
+                continue
+            cid = state.queue.popleft()
+            rec = state.closures[cid]
+            rec.state = "running"
+            rec.attempts += 1
+            rec.workers.add(worker.wid)
+            worker.inflight.add(cid)
+            actions.append(Dispatch(cid, worker.wid, worker.address, rec.attempts))
+            progress = True
+    return actions

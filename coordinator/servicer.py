@@ -1,0 +1,75 @@
+"""The Coordinator gRPC servicer: translate messages, call the ClusterCoordinator."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import grpc
+
+from pscluster.errors import DeadlineExceededError, NotFoundError, PsclusterError
+from pscluster.proto import pscluster_pb2 as pb
+from pscluster.proto import pscluster_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from pscluster.coordinator.coordinator import ClusterCoordinator
+
+MAX_WAIT_S = 30.0  # long-poll bound; clients poll again
+
+
+def error_to_pb(exc: BaseException) -> pb.UserError:
+    """An exception as a UserError message (for remote clients)."""
+    import cloudpickle
+
+    from pscluster.errors import ClosureError
+
+    cause = exc.__cause__
+    tb = cause.remote_traceback if isinstance(cause, ClosureError) else ""
+    if isinstance(exc, ClosureError):
+        return pb.UserError(type_name=exc.type_name, message=exc.remote_message, traceback=exc.remote_traceback)
+    try:
+        pickled = cloudpickle.dumps(exc)
+    except Exception:  # noqa: BLE001 - text only then
+        pickled = b""
+    return pb.UserError(type_name=type(exc).__name__, message=str(exc), traceback=tb, pickled=pickled)
+
+
+class CoordinatorServicer(pb_grpc.CoordinatorServicer):
+    """Thin translation layer over a ClusterCoordinator."""
+
+    def __init__(self, coordinator: ClusterCoordinator) -> None:
+        self.coordinator = coordinator
+
+    def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterReply:
+        index = self.coordinator.register(request.worker_id, request.address)
+        return pb.RegisterReply(worker_index=index,
+                                heartbeat_interval_s=self.coordinator.settings.heartbeat_interval_s)
+
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatReply:
+        return pb.HeartbeatReply(known=self.coordinator.heartbeat(request.worker_id, request.leaving))
+
+    def Schedule(self, request: pb.ScheduleRequest, context: grpc.ServicerContext) -> pb.ScheduleReply:
+        return pb.ScheduleReply(closure_id=self.coordinator.schedule_payload(request.payload).closure_id)
+
+    def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> pb.FetchReply:
+        value = self.coordinator._values.get(request.closure_id)  # noqa: SLF001 - results live there
+        if value is None:
+            raise NotFoundError(f"no closure {request.closure_id} on this coordinator")
+        if not value._ready.wait(min(request.timeout_s, MAX_WAIT_S)):  # noqa: SLF001
+            return pb.FetchReply(done=False)
+        if value._reply is not None:  # noqa: SLF001
+            return pb.FetchReply(done=True, reply=value._reply)  # noqa: SLF001
+        assert value._error is not None  # noqa: SLF001
+        return pb.FetchReply(done=True, reply=pb.RunClosureReply(error=error_to_pb(value._error)))  # noqa: SLF001
+
+    def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
+        try:
+            self.coordinator.join(min(request.timeout_s, MAX_WAIT_S))
+        except DeadlineExceededError:
+            return pb.JoinReply(done=False, closure_id_of_error=-1)
+        except (PsclusterError, Exception) as exc:  # noqa: BLE001 - the closure's error, sent to the client
+            return pb.JoinReply(done=True, closure_id_of_error=getattr(exc, "closure_id", 0),
+                                error=error_to_pb(exc))
+        return pb.JoinReply(done=True, closure_id_of_error=-1)
+
+    def Status(self, request: pb.CoordinatorStatusRequest, context: grpc.ServicerContext) -> pb.CoordinatorStatus:
+        return self.coordinator.status()

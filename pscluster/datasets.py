@@ -1,0 +1,72 @@
+"""Per-worker datasets, as TF's `create_per_worker_dataset`: each worker builds its own iterator.
+
+    ds = coordinator.create_per_worker_dataset(lambda ctx: batches(shard=ctx.worker_index))
+    it = iter(ds)                       # a handle; pass it to closures
+    coordinator.schedule(step, args=(it,))
+    # in the closure, next(it) draws from *this worker's* iterator, built on first use and rebuilt
+    # on a replacement worker.
+"""
+
+from __future__ import annotations
+
+import inspect
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from pscluster import context
+from pscluster.errors import FailedPreconditionError
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a dataset function learns about the worker it runs on."""
+
+    worker_id: str
+    worker_index: int
+
+
+class PerWorkerDataset:
+    """A dataset function to be called on each worker; `iter()` gives a closure-passable handle."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.dataset_id = uuid.uuid4().hex
+
+    def __iter__(self) -> PerWorkerIterator:
+        return PerWorkerIterator(self.dataset_id, self.fn)
+
+
+class PerWorkerIterator:
+    """Handle on the running worker's iterator of a PerWorkerDataset."""
+
+    def __init__(self, dataset_id: str, fn: Callable[..., Any]) -> None:
+        self.dataset_id = dataset_id
+        self.fn = fn
+
+    def __iter__(self) -> PerWorkerIterator:
+        return self
+
+    def __next__(self) -> Any:
+        scope = context.current_scope()
+        if scope is None or scope.worker is None:
+            raise FailedPreconditionError("a per-worker iterator can only be used inside a scheduled closure")
+        return next(scope.worker.iterator(self.dataset_id, self.fn))
+
+
+class WorkerDatasets:
+    """The iterators one worker process has built, by dataset id."""
+
+    def __init__(self, info: WorkerInfo) -> None:
+        self.info = info
+        self._iterators: dict[str, Iterator[Any]] = {}
+
+    def iterator(self, dataset_id: str, fn: Callable[..., Any]) -> Iterator[Any]:
+        """This worker's iterator for dataset_id, built on first use."""
+        it = self._iterators.get(dataset_id)
+        if it is None:
+            takes_ctx = bool(inspect.signature(fn).parameters)
+            it = iter(fn(self.info) if takes_ctx else fn())
+            self._iterators[dataset_id] = it
+        return it

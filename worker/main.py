@@ -1,0 +1,116 @@
+"""Start a worker daemon: serve closures, register and heartbeat with the coordinator, drain on SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+
+import grpc
+
+from pscluster import context, rpc
+from pscluster.client import PSClient
+from pscluster.config import Settings
+from pscluster.datasets import WorkerDatasets, WorkerInfo
+from pscluster.errors import PsclusterError
+from pscluster.proto import pscluster_pb2 as pb
+from pscluster.proto import pscluster_pb2_grpc as pb_grpc
+from pscluster.worker.runner import ClosureRunner
+from pscluster.worker.servicer import InflightGate, WorkerServicer
+
+log = logging.getLogger(__name__)
+
+
+class Heartbeater:
+    """Registers with the coordinator and heartbeats every interval; re-registers when forgotten."""
+
+    def __init__(self, settings: Settings, worker_id: str, address: str, on_index: WorkerDatasets) -> None:
+        assert settings.cluster.coordinator is not None
+        self._channel = rpc.open_channel(settings.cluster.coordinator, settings)
+        self._stub = pb_grpc.CoordinatorStub(self._channel)
+        self._settings = settings
+        self._worker_id = worker_id
+        self._address = address
+        self._datasets = on_index
+        self._stop = threading.Event()
+        self._registered = False
+        self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
+
+    def start(self) -> None:
+        """Start the heartbeat thread."""
+        self._thread.start()
+
+    def _register(self) -> None:
+        reply = rpc.call(self._stub.Register, pb.RegisterRequest(worker_id=self._worker_id, address=self._address),
+                         timeout=2.0, what="register with coordinator")
+        self._datasets.info = WorkerInfo(self._worker_id, reply.worker_index)
+        self._registered = True
+        log.info("worker %s: registered as worker %d at %s", self._worker_id, reply.worker_index, self._address)
+
+    def _loop(self) -> None:
+        interval = self._settings.heartbeat_interval_s
+        while not self._stop.is_set():
+            try:
+                if not self._registered:
+                    self._register()
+                else:
+                    reply = rpc.call(self._stub.Heartbeat, pb.HeartbeatRequest(worker_id=self._worker_id),
+                                     timeout=max(interval, 1.0), what="heartbeat")
+                    self._registered = reply.known
+            except PsclusterError as exc:
+                log.debug("worker %s: coordinator unreachable (%s)", self._worker_id, exc)
+                self._registered = False
+            self._stop.wait(interval)
+
+    def leave(self) -> None:
+        """Tell the coordinator this worker is leaving (best effort) and stop heartbeating."""
+        self._stop.set()
+        self._thread.join(timeout=2.0)
+        try:
+            rpc.call(self._stub.Heartbeat, pb.HeartbeatRequest(worker_id=self._worker_id, leaving=True),
+                     timeout=1.0, what="leave")
+        except PsclusterError:
+            pass
+        self._channel.close()
+
+
+def start(settings: Settings) -> tuple[grpc.Server, int, WorkerServicer]:
+    """Start the worker's gRPC server; returns (server, port, servicer)."""
+    worker_id = f"{socket.gethostname()}-{os.getpid()}-{os.urandom(2).hex()}"
+    client = PSClient(settings, retry_for=1.0)
+    context.set_default_client(client)
+    datasets = WorkerDatasets(WorkerInfo(worker_id, settings.task_index))
+    servicer = WorkerServicer(ClosureRunner(client, datasets), worker_id, InflightGate())
+    address = settings.listen_address() if settings.task_index < len(settings.cluster.worker) \
+        else f"{settings.bind_host}:{settings.port or 0}"
+    server, port = rpc.create_server(settings, lambda s: pb_grpc.add_WorkerServicer_to_server(servicer, s),
+                                     address=address, name="worker")
+    return server, port, servicer
+
+
+def serve(settings: Settings) -> None:
+    """Run a worker daemon until SIGTERM (drain, then leave) or SIGINT."""
+    server, port, servicer = start(settings)
+    advertised = f"{settings.advertise_host or settings.bind_host}:{port}"
+    heart = None
+    if settings.cluster.coordinator:
+        heart = Heartbeater(settings, servicer.worker_id, advertised, servicer.runner.datasets)
+        heart.start()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"READY worker {servicer.worker_id} {advertised}", flush=True)
+    try:
+        stop.wait()
+        log.info("worker %s: stopping; draining closures for up to %.1f s", servicer.worker_id,
+                 settings.drain_timeout_s)
+        if heart is not None:
+            threading.Thread(target=heart.leave, name="leave", daemon=True).start()
+        drained = servicer.gate.drain(settings.drain_timeout_s)
+        if not drained:
+            log.warning("worker %s: closures still running after drain timeout; they will be rescheduled",
+                        servicer.worker_id)
+    finally:
+        server.stop(grace=0.5).wait()

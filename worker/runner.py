@@ -1,0 +1,89 @@
+"""Runs one closure: unpickle, run inside a ClosureScope, classify the outcome. No gRPC."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+
+from pscluster.client import PSClient
+from pscluster.context import ClosureScope
+from pscluster.datasets import WorkerDatasets
+from pscluster.errors import PsclusterError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What running a closure produced: a pickled result, the user's error, or a cluster failure."""
+
+    result: bytes = b""
+    error_type: str = ""
+    error_message: str = ""
+    error_traceback: str = ""
+    error_pickled: bytes = b""
+    retryable: bool = False
+    seconds: float = 0.0
+    versions: tuple[tuple[str, int, int], ...] = ()
+
+
+class ClosureRunner:
+    """Executes closures for one worker process."""
+
+    def __init__(self, client: PSClient, datasets: WorkerDatasets) -> None:
+        self.client = client
+        self.datasets = datasets
+        self.closures_run = 0
+
+    def run(self, closure_id: int, payload: bytes) -> Outcome:
+        """Run the closure in payload; never raises."""
+        start = time.perf_counter()
+        try:
+            fn, args, kwargs = cloudpickle.loads(payload)
+            with ClosureScope(closure_id, self.client, self.datasets) as scope:
+                value = fn(*args, **kwargs)
+            result = cloudpickle.dumps(value)
+            versions = tuple((k[0], k[1], v) for k, v in scope.versions.items())
+        except PsclusterError as exc:
+            if exc.retryable:  # the cluster failed the closure (a PS is down): rescheduled, not the user's
+                log.warning("closure %d: %s; handing it back", closure_id, exc)
+                return Outcome(retryable=True, error_type=type(exc).__name__, error_message=str(exc),
+                               seconds=time.perf_counter() - start)
+            return self._user_error(exc, start)
+        except Exception as exc:  # noqa: BLE001 - the user's error, reported not retried
+            return self._user_error(exc, start)
+        self.closures_run += 1
+        return Outcome(result=result, seconds=time.perf_counter() - start, versions=versions)
+
+    @staticmethod
+    def _user_error(exc: Exception, start: float) -> Outcome:
+        try:
+            pickled = cloudpickle.dumps(exc)
+            cloudpickle.loads(pickled)
+        except Exception:  # noqa: BLE001 - unpicklable exceptions travel as text only
+            pickled = b""
+        return Outcome(error_type=type(exc).__name__, error_message=str(exc),
+                       error_traceback="".join(traceback.format_exception(exc)), error_pickled=pickled,
+                       seconds=time.perf_counter() - start)
+
+
+def load_error(pickled: bytes) -> BaseException | None:
+    """The original exception from its pickle, if it survives the trip."""
+    if not pickled:
+        return None
+    try:
+        exc = pickle.loads(pickled)
+    except Exception:  # noqa: BLE001 - a class missing here: fall back to ClosureError only
+        return None
+    return exc if isinstance(exc, BaseException) else None
+
+
+def remote_tuple(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
+    """Serialize a closure call for the wire."""
+    return cloudpickle.dumps((fn, args, kwargs))
