@@ -155,7 +155,7 @@ def _read_file(path: pathlib.Path) -> dict[str, Any]:
         else:
             data = yaml.safe_load(text)
     except (ValueError, yaml.YAMLError) as exc:
-        raise ConfigError(f"cluster file {path} is not valid {path.suffix.lstrip('.') or 'YAML'}: {exc}") from exc
+        raise ConfigError(f"cluster file {path} is not valid {path.suffix.lstrip('.').upper() or 'YAML'}: {exc}") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"cluster file {path} must hold a mapping, got {type(data).__name__}")
     # A bare cluster spec (ps:/worker:) or full settings (cluster: plus settings fields).

@@ -1,0 +1,94 @@
+"""Checkpoint write/read, atomicity, keep-K, and re-sharding into a different number of PS tasks."""
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from pscluster.placement import ps_for_ordinal
+from pscluster.server import checkpoint
+from pscluster.server.optimizers import OptimizerConfig
+from pscluster.server.store import PushItem, ShardSpec, VariableStore
+
+ADAM = OptimizerConfig("adam", 0.1)
+
+
+def make_stores(num_ps: int, num_shards: int = 5) -> list[VariableStore]:
+    """A 10x2 variable in num_shards shards, placed round-robin over num_ps stores, with one update."""
+    stores = [VariableStore() for _ in range(num_ps)]
+    rows = 10 // num_shards
+    for i in range(num_shards):
+        spec = ShardSpec("w", i, num_shards, (10, 2), (rows, 2), i * rows, "<f4", ADAM, False, i)
+        store = stores[ps_for_ordinal(i, num_ps)]
+        store.create(spec, np.full((rows, 2), float(i), np.float32))
+        store.push(f"p{i}", [PushItem(("w", i), np.ones((rows, 2), np.float32))])
+    return stores
+
+
+def test_save_then_restore_gives_same_values_slots_versions_and_push_ids(tmp_path):
+    stores = make_stores(2)
+    for i, s in enumerate(stores):
+        checkpoint.save(s, tmp_path, 7, i, 2, keep=3)
+    for i, original in enumerate(stores):
+        fresh = VariableStore()
+        restored = checkpoint.restore(fresh, tmp_path, i, 2)
+        assert restored is not None and restored.step == 7
+        for a, b in zip(original.shards(), fresh.shards()):
+            assert a.spec == b.spec and a.version == b.version == 1
+            np.testing.assert_array_equal(a.value, b.value)
+            for name in ("m", "v"):
+                np.testing.assert_array_equal(a.slots[name], b.slots[name])
+            assert list(a.applied) == list(b.applied)
+
+
+def test_restore_into_a_different_number_of_ps_tasks(tmp_path):
+    stores = make_stores(2)
+    for i, s in enumerate(stores):
+        checkpoint.save(s, tmp_path, 3, i, 2, keep=3)
+    resharded = [VariableStore() for _ in range(3)]
+    for i, s in enumerate(resharded):
+        checkpoint.restore(s, tmp_path, i, 3)
+    for i, s in enumerate(resharded):
+        assert all(ps_for_ordinal(sh.spec.ordinal, 3) == i for sh in s.shards())
+    got = {sh.spec.shard_index: sh.value for s in resharded for sh in s.shards()}
+    want = {sh.spec.shard_index: sh.value for s in stores for sh in s.shards()}
+    assert sorted(got) == list(range(5))
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k])
+
+
+def test_incomplete_step_is_not_restored_and_no_temp_files_remain(tmp_path):
+    stores = make_stores(2)
+    for i, s in enumerate(stores):
+        checkpoint.save(s, tmp_path, 1, i, 2, keep=3)
+    checkpoint.save(stores[0], tmp_path, 2, 0, 2, keep=3)  # PS 1 never wrote step 2
+    assert [step for step, _ in checkpoint.complete_steps(tmp_path)] == [1]
+    assert checkpoint.restore(VariableStore(), tmp_path, 0, 2).step == 1
+    assert not list(tmp_path.rglob("*.tmp-*"))
+
+
+def test_only_the_newest_k_steps_are_kept(tmp_path):
+    store = make_stores(1)[0]
+    for step in range(1, 6):
+        checkpoint.save(store, tmp_path, step, 0, 1, keep=2)
+    assert [s for s, _ in checkpoint.complete_steps(tmp_path)] == [4, 5]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000000004", "step-000000000005"]
+
+
+def test_checkpoint_file_is_plain_safetensors(tmp_path):
+    store = make_stores(1)[0]
+    path = checkpoint.save(store, tmp_path, 1, 0, 1, keep=1)
+    tensors = load_file(str(path))
+    assert tensors["w/0/value"].shape == (2, 2) and "w/0/slot/m" in tensors
+
+
+def test_restore_without_checkpoint_returns_none(tmp_path):
+    assert checkpoint.restore(VariableStore(), tmp_path / "missing", 0, 1) is None
+
+
+@pytest.mark.parametrize("num_ps", [1, 4])
+def test_every_shard_lands_on_exactly_one_task(tmp_path, num_ps):
+    stores = make_stores(2)
+    for i, s in enumerate(stores):
+        checkpoint.save(s, tmp_path, 1, i, 2, keep=1)
+    counts = [checkpoint.restore(VariableStore(), tmp_path, i, num_ps).shards for i in range(num_ps)]
+    assert sum(counts) == 5

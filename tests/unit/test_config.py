@@ -1,0 +1,74 @@
+"""Configuration: files, TF_CONFIG, environment precedence, and errors that name the field."""
+
+import json
+
+import pytest
+
+from pscluster.config import load_settings, validate
+from pscluster.errors import ConfigError
+
+PS = ["127.0.0.1:7001", "127.0.0.1:7002"]
+
+
+def test_yaml_toml_and_json_cluster_files(tmp_path):
+    (tmp_path / "c.yaml").write_text("ps: ['127.0.0.1:7001', '127.0.0.1:7002']\n")
+    (tmp_path / "c.toml").write_text('keep_checkpoints = 5\n[cluster]\nps = ["127.0.0.1:7001", "127.0.0.1:7002"]\n')
+    (tmp_path / "c.json").write_text(json.dumps({"ps": PS, "coordinator": "127.0.0.1:7000"}))
+    assert load_settings(tmp_path / "c.yaml", env={}).cluster.ps == PS
+    toml = load_settings(tmp_path / "c.toml", env={})
+    assert toml.cluster.ps == PS and toml.keep_checkpoints == 5
+    assert load_settings(tmp_path / "c.json", env={}).cluster.coordinator == "127.0.0.1:7000"
+
+
+def test_tf_config_maps_chief_to_coordinator_and_task():
+    tf = {"cluster": {"ps": PS, "worker": ["127.0.0.1:7101"], "chief": ["127.0.0.1:7000"]},
+          "task": {"type": "ps", "index": 1}}
+    s = load_settings(env={"TF_CONFIG": json.dumps(tf)})
+    assert s.cluster.coordinator == "127.0.0.1:7000" and s.task_type == "ps" and s.task_index == 1
+    assert s.own_address() == PS[1]
+
+
+def test_environment_then_overrides_win_over_file(tmp_path):
+    (tmp_path / "c.yaml").write_text("cluster: {ps: ['127.0.0.1:7001']}\nnan_policy: allow\n")
+    s = load_settings(tmp_path / "c.yaml", env={"PSCLUSTER_NAN_POLICY": "reject", "PSCLUSTER_TOKEN": "t0k"},
+                      overrides={"keep_checkpoints": 9})
+    assert s.nan_policy == "reject" and s.keep_checkpoints == 9 and s.token_value() == "t0k"
+
+
+def test_token_file(tmp_path):
+    (tmp_path / "tok").write_text("secret\n")
+    s = load_settings(env={"TF_CONFIG": json.dumps({"cluster": {"ps": PS}}), "PSCLUSTER_TOKEN_FILE": str(tmp_path / "tok")})
+    assert s.token_value() == "secret"
+
+
+@pytest.mark.parametrize("data,field", [
+    ({"cluster": {"ps": []}}, "cluster.ps"),
+    ({"cluster": {"ps": ["nohost"]}}, "cluster.ps"),
+    ({"cluster": {"ps": ["127.0.0.1:99999"]}}, "cluster.ps"),
+    ({"cluster": {"ps": PS}, "keep_checkpoints": 0}, "keep_checkpoints"),
+    ({"cluster": {"ps": PS}, "nan_policy": "maybe"}, "nan_policy"),
+    ({"cluster": {"ps": PS}, "bogus": 1}, "bogus"),
+    ({"cluster": {"ps": PS}, "task_type": "ps", "task_index": 2}, "task_index 2 is out of range"),
+    ({"cluster": {"ps": PS}, "bind_host": "not-an-ip"}, "bind_host"),
+])
+def test_bad_configuration_names_the_field(data, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        validate(data)
+
+
+def test_listening_beyond_loopback_requires_a_token():
+    with pytest.raises(ConfigError, match="beyond loopback without a token"):
+        validate({"cluster": {"ps": PS}, "bind_host": "0.0.0.0"})
+    assert validate({"cluster": {"ps": PS}, "bind_host": "0.0.0.0", "token": "x"}).bind_host == "0.0.0.0"
+
+
+def test_malformed_files_and_tf_config_are_clear_errors(tmp_path):
+    (tmp_path / "bad.yaml").write_text("ps: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_settings(tmp_path / "bad.yaml", env={})
+    with pytest.raises(ConfigError, match="TF_CONFIG is not valid JSON"):
+        load_settings(env={"TF_CONFIG": "{"})
+    with pytest.raises(ConfigError, match="no cluster spec"):
+        load_settings(env={})
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_settings(tmp_path / "missing.yaml", env={})

@@ -1,0 +1,150 @@
+"""The scheduling/membership state machine, fed events; no sockets, no sleeps."""
+
+from pscluster.coordinator import scheduler as sch
+
+
+def kinds(actions, kind):
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def fresh(max_inflight=1, **kw):
+    state = sch.SchedulerState(max_inflight=max_inflight, heartbeat_timeout=2.0, **kw)
+    return state
+
+
+def with_workers(state, *wids, now=0.0):
+    for wid in wids:
+        sch.decide(state, sch.Register(wid, f"addr-{wid}"), now)
+    return state
+
+
+def test_closures_wait_without_workers_then_dispatch_when_one_joins():
+    state = fresh()
+    assert sch.decide(state, sch.Submit(1), 0.0) == []
+    actions = sch.decide(state, sch.Register("a", "addr-a"), 0.1)
+    assert kinds(actions, sch.Registered) == [sch.Registered("a", 0)]
+    assert kinds(actions, sch.Dispatch) == [sch.Dispatch(1, "a", "addr-a", 1)]
+
+
+def test_dispatch_respects_max_inflight_and_balances_workers():
+    state = with_workers(fresh(max_inflight=2), "a", "b")
+    dispatched = []
+    for cid in range(1, 6):
+        dispatched += kinds(sch.decide(state, sch.Submit(cid), 1.0), sch.Dispatch)
+    assert [d.wid for d in dispatched] == ["a", "b", "a", "b"]
+    assert list(state.queue) == [5]
+    more = kinds(sch.decide(state, sch.Finished(1, "a", "ok"), 1.1), sch.Dispatch)
+    assert more == [sch.Dispatch(5, "a", "addr-a", 1)]
+
+
+def test_completion_resolves_once_and_counts():
+    state = with_workers(fresh(), "a")
+    sch.decide(state, sch.Submit(1), 0.0)
+    actions = sch.decide(state, sch.Finished(1, "a", "ok"), 0.1)
+    assert kinds(actions, sch.Resolve) == [sch.Resolve(1)]
+    assert sch.decide(state, sch.Finished(1, "a", "ok"), 0.2) == []  # a duplicate answer changes nothing
+    assert state.completed == 1 and state.closures[1].state == "done"
+
+
+def test_worker_loss_requeues_its_closures_first_on_another_worker():
+    state = with_workers(fresh(), "a", "b")
+    for cid in (1, 2, 3):
+        sch.decide(state, sch.Submit(cid), 0.0)
+    actions = sch.decide(state, sch.TransportFailed(1, "a", "connection reset"), 0.5)
+    gone = kinds(actions, sch.WorkerGone)
+    assert gone and gone[0].rescheduled == (1,) and "connection reset" in gone[0].reason
+    assert kinds(actions, sch.Abandon) == [sch.Abandon(1, "a")]
+    # closure 1 goes ahead of 3 in the queue; b is busy with 2
+    assert list(state.queue) == [1, 3]
+    nxt = kinds(sch.decide(state, sch.Finished(2, "b", "ok"), 0.6), sch.Dispatch)
+    assert nxt == [sch.Dispatch(1, "b", "addr-b", 2)]
+    assert state.retried == 1
+
+
+def test_missed_heartbeats_mark_a_hung_worker_gone():
+    state = with_workers(fresh(), "a", "b")
+    sch.decide(state, sch.Submit(1), 0.0)  # goes to a
+    sch.decide(state, sch.Heartbeat("b"), 1.9)
+    actions = sch.decide(state, sch.Tick(), 2.5)
+    gone = kinds(actions, sch.WorkerGone)
+    assert [g.wid for g in gone] == ["a"] and "missed heartbeats" in gone[0].reason
+    assert kinds(actions, sch.Dispatch) == [sch.Dispatch(1, "b", "addr-b", 2)]
+
+
+def test_late_answer_from_a_replaced_attempt_is_first_wins():
+    state = with_workers(fresh(), "a", "b")
+    sch.decide(state, sch.Submit(1), 0.0)
+    sch.decide(state, sch.Tick(), 3.0)  # a and b both missed heartbeats
+    with_workers(state, "c", now=3.1)  # closure 1 goes to c
+    assert state.closures[1].workers == {"c"}
+    # a was declared gone, but its late answer is a valid result (pushes are exactly-once): it resolves
+    # the closure and the attempt on c is abandoned; c's answer then changes nothing.
+    actions = sch.decide(state, sch.Finished(1, "a", "ok"), 3.2)
+    assert kinds(actions, sch.Resolve) == [sch.Resolve(1)]
+    assert kinds(actions, sch.Abandon) == [sch.Abandon(1, "c")]
+    assert sch.decide(state, sch.Finished(1, "c", "ok"), 3.3) == []
+    assert state.completed == 1
+
+
+def test_rejoin_after_being_declared_gone_gets_a_new_index():
+    state = with_workers(fresh(), "a")
+    sch.decide(state, sch.Tick(), 5.0)
+    assert "a" not in state.workers
+    actions = sch.decide(state, sch.Register("a", "addr-a"), 5.1)
+    assert kinds(actions, sch.Registered) == [sch.Registered("a", 1)]
+
+
+def test_user_error_fails_the_closure_cancels_the_queue_and_is_not_retried():
+    state = with_workers(fresh(), "a")
+    for cid in (1, 2, 3):
+        sch.decide(state, sch.Submit(cid), 0.0)
+    actions = sch.decide(state, sch.Finished(1, "a", "user_error"), 0.1)
+    assert kinds(actions, sch.Resolve) == [sch.Resolve(1)]
+    assert [c.cid for c in kinds(actions, sch.Cancel)] == [2, 3]
+    assert not kinds(actions, sch.Dispatch)
+    assert state.error_cid == 1 and state.closures[1].attempts == 1
+    sch.decide(state, sch.ErrorReported(), 0.2)
+    assert state.error_cid is None
+    assert kinds(sch.decide(state, sch.Submit(4), 0.3), sch.Dispatch)  # scheduling goes on
+
+
+def test_closure_that_met_an_unavailable_ps_pauses_dispatch_until_ps_up():
+    state = with_workers(fresh(), "a", "b")
+    for cid in (1, 2, 3):
+        sch.decide(state, sch.Submit(cid), 0.0)
+    actions = sch.decide(state, sch.Finished(1, "a", "retry"), 0.1)
+    assert kinds(actions, sch.WatchPs) == [sch.WatchPs()]
+    assert not kinds(actions, sch.Dispatch) and state.paused
+    assert list(state.queue) == [1, 3]
+    assert not kinds(sch.decide(state, sch.Finished(2, "b", "retry"), 0.2), sch.WatchPs)  # one watcher
+    resumed = kinds(sch.decide(state, sch.PsUp(), 1.0), sch.Dispatch)
+    assert {d.cid for d in resumed} == {2, 1}
+
+
+def test_preempted_worker_finishes_its_closures_gets_no_new_ones_then_leaves():
+    state = with_workers(fresh(), "a", "b")
+    for cid in (1, 2, 3):
+        sch.decide(state, sch.Submit(cid), 0.0)
+    assert sch.decide(state, sch.Leave("a"), 0.1) == []
+    actions = sch.decide(state, sch.Finished(1, "a", "ok"), 0.2)
+    assert kinds(actions, sch.Resolve) and kinds(actions, sch.WorkerGone)
+    assert not [d for d in kinds(actions, sch.Dispatch) if d.wid == "a"]
+
+
+def test_no_live_worker_for_too_long_fails_queued_closures_with_a_clear_reason():
+    state = fresh(no_worker_timeout=10.0)
+    sch.decide(state, sch.Submit(1), 0.0)
+    assert sch.decide(state, sch.Tick(), 1.0) == []
+    assert sch.decide(state, sch.Tick(), 5.0) == []
+    failed = kinds(sch.decide(state, sch.Tick(), 11.5), sch.FailUnscheduled)
+    assert [f.cid for f in failed] == [1] and "no live worker" in failed[0].reason
+
+
+def test_closure_that_keeps_losing_workers_fails_after_max_attempts():
+    state = fresh(max_attempts=2)
+    sch.decide(state, sch.Submit(1), 0.0)
+    for n, wid in enumerate(["a", "b"]):
+        with_workers(state, wid, now=float(n))
+        actions = sch.decide(state, sch.TransportFailed(1, wid, "killed"), float(n) + 0.5)
+    assert [f.cid for f in kinds(actions, sch.FailUnscheduled)] == [1]
+    assert state.closures[1].state == "failed"
