@@ -92,7 +92,7 @@ class ClusterCoordinator:
                 address=address, name="coordinator")
 
     # -- public API (TF names) -------------------------------------------------------------------
-    def create_variable(self, name: str, shape: Any = None, dtype: Any = "float32", **kwargs: Any) -> Variable:
+    def create_variable(self, name: str, shape: Any = None, dtype: Any = None, **kwargs: Any) -> Variable:
         """Create (or find) a variable on the PS tasks; see PSClient.create_variable."""
         return self.client.create_variable(name, shape, dtype, **kwargs)
 

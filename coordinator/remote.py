@@ -58,7 +58,7 @@ class RemoteCoordinator:
         return rpc.call(getattr(self._stub, method), request, timeout=60.0, what=f"coordinator {method}",
                         retry_for=30.0)
 
-    def create_variable(self, name: str, shape: Any = None, dtype: Any = "float32", **kwargs: Any) -> Variable:
+    def create_variable(self, name: str, shape: Any = None, dtype: Any = None, **kwargs: Any) -> Variable:
         """Create (or find) a variable on the PS tasks."""
         return self.client.create_variable(name, shape, dtype, **kwargs)
 

@@ -120,7 +120,7 @@ class PSClient:
             known = self._known
         return dict(known) if known is not None else self.discover()
 
-    def create_variable(self, name: str, shape: Sequence[int] | None = None, dtype: Any = np.float32, *,
+    def create_variable(self, name: str, shape: Sequence[int] | None = None, dtype: Any = None, *,
                         initial_value: np.ndarray | None = None, initializer: str = "zeros",
                         init_scale: float = 0.0, seed: int = 0, partitioner: Partitioner | None = None,
                         optimizer: OptimizerConfig | None = None, sparse: bool = False) -> Variable:
@@ -141,7 +141,7 @@ class PSClient:
         else:
             if shape is None:
                 raise InvalidArgumentError(f"{name}: give a shape or an initial_value")
-            dt = codec.wire_dtype(dtype)
+            dt = codec.wire_dtype(np.float32 if dtype is None else dtype)
             full = tuple(int(d) for d in shape)
         rows = split_rows(full, dt, partitioner)
         known = self.variables()

@@ -1,0 +1,24 @@
+"""Shared fixtures: real daemons on 127.0.0.1, always stopped by pid."""
+
+import os
+
+import pytest
+
+os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
+
+
+@pytest.fixture
+def fresh_cluster(tmp_path):
+    """Factory for LocalClusters that are stopped at the end of the test."""
+    from pscluster.launcher import LocalCluster
+
+    started = []
+
+    def make(*args, **kwargs):
+        cluster = LocalCluster(*args, workdir=kwargs.pop("workdir", tmp_path / f"c{len(started)}"), **kwargs)
+        started.append(cluster)
+        return cluster.start()
+
+    yield make
+    for cluster in started:
+        cluster.stop()
