@@ -321,6 +321,7 @@ def _check_starvation(state: SchedulerState, now: float) -> list[Action]:
         state.closures[cid].state = "failed"
         state.failed += 1
         actions.append(FailUnscheduled(cid, reason))
+    state.no_worker_since = None  # closures submitted later wait a full timeout of their own
     return actions
 
 

@@ -35,6 +35,10 @@ def channel_options(settings: Settings) -> list[tuple[str, Any]]:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.so_reuseport", 0),
+        # A restarted daemon is back within a second or two: reconnect fast, not after 1 s..120 s backoff.
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
     ]
 
 

@@ -138,6 +138,9 @@ def test_no_live_worker_for_too_long_fails_queued_closures_with_a_clear_reason()
     assert sch.decide(state, sch.Tick(), 5.0) == []
     failed = kinds(sch.decide(state, sch.Tick(), 11.5), sch.FailUnscheduled)
     assert [f.cid for f in failed] == [1] and "no live worker" in failed[0].reason
+    sch.decide(state, sch.Submit(2), 12.0)  # a later closure gets a full timeout of its own
+    assert sch.decide(state, sch.Tick(), 12.5) == []
+    assert sch.decide(state, sch.Tick(), 20.0) == []
 
 
 def test_closure_that_keeps_losing_workers_fails_after_max_attempts():
