@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import inspect
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -55,18 +56,35 @@ class PerWorkerIterator:
         return next(scope.worker.iterator(self.dataset_id, self.fn))
 
 
+class _LockedIterator:
+    """An iterator several closures on one worker may draw from at once (generators may not)."""
+
+    def __init__(self, it: Iterator[Any]) -> None:
+        self._it = it
+        self._lock = threading.Lock()
+
+    def __iter__(self) -> _LockedIterator:
+        return self
+
+    def __next__(self) -> Any:
+        with self._lock:
+            return next(self._it)
+
+
 class WorkerDatasets:
     """The iterators one worker process has built, by dataset id."""
 
     def __init__(self, info: WorkerInfo) -> None:
         self.info = info
-        self._iterators: dict[str, Iterator[Any]] = {}
+        self._iterators: dict[str, _LockedIterator] = {}
+        self._lock = threading.Lock()
 
     def iterator(self, dataset_id: str, fn: Callable[..., Any]) -> Iterator[Any]:
-        """This worker's iterator for dataset_id, built on first use."""
-        it = self._iterators.get(dataset_id)
-        if it is None:
-            takes_ctx = bool(inspect.signature(fn).parameters)
-            it = iter(fn(self.info) if takes_ctx else fn())
-            self._iterators[dataset_id] = it
+        """This worker's iterator for dataset_id, built once on first use."""
+        with self._lock:
+            it = self._iterators.get(dataset_id)
+            if it is None:
+                takes_ctx = bool(inspect.signature(fn).parameters)
+                it = _LockedIterator(iter(fn(self.info) if takes_ctx else fn()))
+                self._iterators[dataset_id] = it
         return it
