@@ -29,6 +29,7 @@ from pscluster import context, rpc
 from pscluster.client import PSClient
 from pscluster.config import Settings, load_settings
 from pscluster.coordinator import scheduler as sch
+from pscluster.coordinator.ps_monitor import PsMonitor
 from pscluster.coordinator.values import RemoteValue
 from pscluster.datasets import PerWorkerDataset
 from pscluster.errors import AbortedError, DeadlineExceededError, PsclusterError, UnavailableError
@@ -66,12 +67,10 @@ class ClusterCoordinator:
         self._join_error: tuple[int, BaseException] | None = None
         self.known_workers: set[str] = set()
         self.worker_index: dict[str, int] = {}
-        self.lost_updates = 0
-        self._seen_versions: dict[tuple[str, int], int] = {}
         self._stop = threading.Event()
-        statuses = self.client.status()
-        self._incarnations = [s.incarnation for s in statuses]
-        self.initial_step = max(s.global_step for s in statuses)
+        self.initial_step = max(s.global_step for s in self.client.status())
+        self._monitor = PsMonitor(self.client, on_down=lambda: self._events.put((sch.PsDown(), None)),
+                                  on_up=lambda: self._events.put((sch.PsUp(), None))).start()
         self._loop = threading.Thread(target=self._run, name="coordinator-loop", daemon=True)
         self._ticker = threading.Thread(target=self._tick, name="coordinator-tick", daemon=True)
         self._loop.start()
@@ -150,6 +149,11 @@ class ClusterCoordinator:
         return self.client.checkpoint(self.global_step if step is None else step)
 
     @property
+    def lost_updates(self) -> int:
+        """Updates applied on a PS after its last checkpoint and lost when it restarted."""
+        return self._monitor.lost_updates
+
+    @property
     def global_step(self) -> int:
         """Steps completed: the PS's step at start plus closures completed since."""
         return self.initial_step + self._state.completed
@@ -178,6 +182,7 @@ class ClusterCoordinator:
     def shutdown(self) -> None:
         """Stop the loop, the server and every connection."""
         self._stop.set()
+        self._monitor.stop()
         self._events.put((_STOP, None))
         self._loop.join(timeout=5)
         self._ticker.join(timeout=5)
@@ -239,10 +244,8 @@ class ClusterCoordinator:
                 reply.set_result(actions)
 
     def _store_reply(self, cid: int, reply: pb.RunClosureReply) -> None:
-        for v in reply.versions:
-            key = (v.variable, v.shard_index)
-            if v.version > self._seen_versions.get(key, -1):
-                self._seen_versions[key] = v.version
+        if reply.versions:
+            self._monitor.record(list(reply.versions))
         value = self._values.get(cid)
         if value is not None and not value.done():
             value._reply = reply  # published by the Resolve action
@@ -284,7 +287,7 @@ class ClusterCoordinator:
             self.known_workers.add(action.wid)
             self.worker_index[action.wid] = action.index
         elif isinstance(action, sch.WatchPs):
-            threading.Thread(target=self._watch_ps, name="ps-watch", daemon=True).start()
+            self._monitor.wake()
 
     def _finish(self, cid: int, error: BaseException | None) -> None:
         self._payloads.pop(cid, None)
@@ -330,29 +333,3 @@ class ClusterCoordinator:
         else:
             outcome = "user_error" if reply.HasField("error") else "ok"
             self._events.put(((sch.Finished(cid, wid, outcome), reply), None))
-
-    def _watch_ps(self) -> None:
-        """Wait for every PS to answer again; count updates lost by a restarted one; resume."""
-        started = time.monotonic()
-        log.warning("a PS is unavailable: dispatch paused until every PS answers")
-        while not self._stop.is_set():
-            try:
-                statuses = [rpc.call(stub.Status, pb.PsStatusRequest(), timeout=1.0) for stub in self.client.stubs]
-                break
-            except PsclusterError:
-                time.sleep(0.1)
-        else:
-            return
-        lost = 0
-        for ps, st in enumerate(statuses):
-            if st.incarnation != self._incarnations[ps]:
-                reply = rpc.call(self.client.stubs[ps].ListShards, pb.ListShardsRequest(), timeout=5.0)
-                for info in reply.shards:
-                    seen = self._seen_versions.get((info.spec.variable, info.spec.shard_index), info.version)
-                    lost += max(0, seen - info.version)
-                log.warning("ps %d restarted from checkpoint step %d; %d applied updates lost", ps,
-                            st.restored_step, lost)
-                self._incarnations[ps] = st.incarnation
-        self.lost_updates += lost
-        log.warning("every PS answers again after %.1f s; resuming dispatch", time.monotonic() - started)
-        self._events.put((sch.PsUp(), None))

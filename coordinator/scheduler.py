@@ -116,6 +116,11 @@ class Tick:
 
 
 @dataclass(frozen=True)
+class PsDown:
+    """A PS stopped answering: dispatch nothing until PsUp."""
+
+
+@dataclass(frozen=True)
 class PsUp:
     pass
 
@@ -125,7 +130,7 @@ class ErrorReported:
     """join() raised the pending user error; scheduling may go on."""
 
 
-Event = Submit | Register | Heartbeat | Leave | Finished | TransportFailed | Tick | PsUp | ErrorReported
+Event = Submit | Register | Heartbeat | Leave | Finished | TransportFailed | Tick | PsDown | PsUp | ErrorReported
 
 
 # -- actions -----------------------------------------------------------------------------------
@@ -224,6 +229,8 @@ def decide(state: SchedulerState, event: Event, now: float) -> list[Action]:
                     state, worker, f"missed heartbeats for {now - worker.last_seen:.1f} s "
                                    f"(timeout {state.heartbeat_timeout:.1f} s)")
         actions += _check_starvation(state, now)
+    elif isinstance(event, PsDown):
+        state.paused = True
     elif isinstance(event, PsUp):
         state.paused = False
     elif isinstance(event, ErrorReported):

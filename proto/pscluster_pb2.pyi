@@ -89,14 +89,16 @@ class CreateShardRequest(_message.Message):
     def __init__(self, spec: _Optional[_Union[ShardSpec, _Mapping]] = ..., initial_value: _Optional[_Union[Tensor, _Mapping]] = ..., initializer: _Optional[_Union[Initializer, _Mapping]] = ...) -> None: ...
 
 class ShardInfo(_message.Message):
-    __slots__ = ("spec", "version", "ps_index")
+    __slots__ = ("spec", "version", "ps_index", "restored_version")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PS_INDEX_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_VERSION_FIELD_NUMBER: _ClassVar[int]
     spec: ShardSpec
     version: int
     ps_index: int
-    def __init__(self, spec: _Optional[_Union[ShardSpec, _Mapping]] = ..., version: _Optional[int] = ..., ps_index: _Optional[int] = ...) -> None: ...
+    restored_version: int
+    def __init__(self, spec: _Optional[_Union[ShardSpec, _Mapping]] = ..., version: _Optional[int] = ..., ps_index: _Optional[int] = ..., restored_version: _Optional[int] = ...) -> None: ...
 
 class ListShardsRequest(_message.Message):
     __slots__ = ()
@@ -151,12 +153,14 @@ class PushRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[PushItem, _Mapping]]] = ..., push_id: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class PushReply(_message.Message):
-    __slots__ = ("versions", "applied")
+    __slots__ = ("versions", "applied", "incarnation")
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     versions: _containers.RepeatedScalarFieldContainer[int]
     applied: _containers.RepeatedScalarFieldContainer[bool]
-    def __init__(self, versions: _Optional[_Iterable[int]] = ..., applied: _Optional[_Iterable[bool]] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, versions: _Optional[_Iterable[int]] = ..., applied: _Optional[_Iterable[bool]] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class PullChunk(_message.Message):
     __slots__ = ("header", "version", "data")
@@ -193,7 +197,7 @@ class PsStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PsStatus(_message.Message):
-    __slots__ = ("ps_index", "num_ps", "global_step", "restored_step", "num_shards", "total_bytes", "dropped_stale", "incarnation")
+    __slots__ = ("ps_index", "num_ps", "global_step", "restored_step", "num_shards", "total_bytes", "dropped_stale", "incarnation", "bulk_port")
     PS_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_PS_FIELD_NUMBER: _ClassVar[int]
     GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +206,7 @@ class PsStatus(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     DROPPED_STALE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     ps_index: int
     num_ps: int
     global_step: int
@@ -210,7 +215,30 @@ class PsStatus(_message.Message):
     total_bytes: int
     dropped_stale: int
     incarnation: int
-    def __init__(self, ps_index: _Optional[int] = ..., num_ps: _Optional[int] = ..., global_step: _Optional[int] = ..., restored_step: _Optional[int] = ..., num_shards: _Optional[int] = ..., total_bytes: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    bulk_port: int
+    def __init__(self, ps_index: _Optional[int] = ..., num_ps: _Optional[int] = ..., global_step: _Optional[int] = ..., restored_step: _Optional[int] = ..., num_shards: _Optional[int] = ..., total_bytes: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., incarnation: _Optional[int] = ..., bulk_port: _Optional[int] = ...) -> None: ...
+
+class BulkRequest(_message.Message):
+    __slots__ = ("token", "pull", "push")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    pull: PullRequest
+    push: PushRequest
+    def __init__(self, token: _Optional[str] = ..., pull: _Optional[_Union[PullRequest, _Mapping]] = ..., push: _Optional[_Union[PushRequest, _Mapping]] = ...) -> None: ...
+
+class BulkReply(_message.Message):
+    __slots__ = ("code", "message", "pull", "push")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    pull: PullReply
+    push: PushReply
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., pull: _Optional[_Union[PullReply, _Mapping]] = ..., push: _Optional[_Union[PushReply, _Mapping]] = ...) -> None: ...
 
 class SyncConfigRequest(_message.Message):
     __slots__ = ("replicas_to_aggregate", "total_num_replicas", "mode", "staleness")
@@ -281,14 +309,16 @@ class UserError(_message.Message):
     def __init__(self, type_name: _Optional[str] = ..., message: _Optional[str] = ..., traceback: _Optional[str] = ..., pickled: _Optional[bytes] = ...) -> None: ...
 
 class ShardVersion(_message.Message):
-    __slots__ = ("variable", "shard_index", "version")
+    __slots__ = ("variable", "shard_index", "version", "incarnation")
     VARIABLE_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     variable: str
     shard_index: int
     version: int
-    def __init__(self, variable: _Optional[str] = ..., shard_index: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, variable: _Optional[str] = ..., shard_index: _Optional[int] = ..., version: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class RunClosureReply(_message.Message):
     __slots__ = ("result", "error", "retryable", "seconds", "versions")

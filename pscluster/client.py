@@ -12,15 +12,17 @@ request travel in one unary RPC per PS task; shards above `stream_threshold_byte
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 
 from pscluster import codec, context, rpc
+from pscluster.bulk import BulkCall, BulkClient
 from pscluster.config import Settings
 from pscluster.errors import AlreadyExistsError, InvalidArgumentError, PsclusterError
 from pscluster.placement import Partitioner, ps_for_ordinal, split_rows
@@ -32,6 +34,7 @@ from pscluster.server.store import ShardSpec
 from pscluster.variables import ShardPlacement, Variable
 
 Grads = Sequence[tuple[Variable, np.ndarray]]
+T = TypeVar("T")
 
 
 def _as_grad(var: Variable, grad: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -55,6 +58,12 @@ class PSClient:
         self._lock = threading.Lock()
         self._known: dict[str, Variable] | None = None
         self._timeout = settings.rpc_timeout_s
+        self._bulk = BulkClient([a.rpartition(":")[0] for a in settings.cluster.ps], self._bulk_port,
+                                settings.token_value(), settings.rpc_timeout_s, self._pool) \
+            if settings.bulk_transport else None
+
+    def _bulk_port(self, ps: int) -> int:
+        return int(self._call(ps, "Status", pb.PsStatusRequest()).bulk_port)
 
     @property
     def num_ps(self) -> int:
@@ -62,7 +71,9 @@ class PSClient:
         return len(self.stubs)
 
     def close(self) -> None:
-        """Close channels and the stream pool."""
+        """Close channels, bulk connections and the stream pool."""
+        if self._bulk is not None:
+            self._bulk.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         for ch in self._channels:
             ch.close()
@@ -180,26 +191,53 @@ class PSClient:
         return pl.rows * (var.nbytes // max(var.shape[0], 1) if var.shape else var.nbytes) \
             > self.settings.stream_threshold_bytes
 
+    def _retrying(self, fn: Callable[[], T]) -> T:
+        """Run fn, retrying UnavailableError/DeadlineExceeded for retry_for seconds (ids make it safe)."""
+        deadline = time.monotonic() + self.retry_for
+        backoff = 0.02
+        while True:
+            try:
+                return fn()
+            except PsclusterError as err:
+                if not err.retryable or time.monotonic() + backoff > deadline:
+                    raise
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 0.5)
+
     def pull(self, variables: Sequence[Variable]) -> list[np.ndarray]:
-        """Current values of variables: one unary RPC per PS task, large shards streamed, in parallel."""
+        """Current values of variables: one request per PS task, all in parallel, reassembled."""
         outs = [np.empty(v.shape, v.dtype) for v in variables]
-        by_ps: dict[int, list[tuple[np.ndarray, pb.PullItem]]] = defaultdict(list)
-        streams: list[Future[None]] = []
+        plan: dict[int, list[tuple[pb.PullItem, np.ndarray]]] = defaultdict(list)
         for var, out in zip(variables, outs):
             for pl in var.shards:
                 target = out[pl.row_offset:pl.row_offset + pl.rows] if var.shape else out
-                item = pb.PullItem(ref=pb.ShardRef(variable=var.name, shard_index=pl.shard_index))
-                if self._streamed(var, pl):
-                    streams.append(self._pool.submit(self._pull_stream, pl.ps, item, target))
+                plan[pl.ps].append((pb.PullItem(ref=pb.ShardRef(variable=var.name, shard_index=pl.shard_index)),
+                                    target))
+        self._pull_plan(plan, {(v.name, pl.shard_index): self._streamed(v, pl) for v in variables for pl in v.shards})
+        return outs
+
+    def _pull_plan(self, plan: dict[int, list[tuple[pb.PullItem, np.ndarray]]],
+                   streamed: dict[tuple[str, int], bool] | None = None) -> None:
+        """Fill each target with its item's tensor, over the bulk path or gRPC."""
+        if self._bulk is not None:
+            calls = [BulkCall(ps, pb.BulkRequest(pull=pb.PullRequest(items=[i for i, _ in items])),
+                              targets=[t for _, t in items]) for ps, items in plan.items()]
+            self._retrying(lambda: self._bulk.run(calls))  # type: ignore[union-attr]
+            return
+        unary: dict[int, list[tuple[pb.PullItem, np.ndarray]]] = defaultdict(list)
+        streams: list[Future[None]] = []
+        for ps, items in plan.items():
+            for item, target in items:
+                if (streamed or {}).get((item.ref.variable, item.ref.shard_index)):
+                    streams.append(self._pool.submit(self._pull_stream, ps, item, target))
                 else:
-                    by_ps[pl.ps].append((target, item))
-        calls = [(ps, "Pull", pb.PullRequest(items=[i for _, i in items])) for ps, items in by_ps.items()]
+                    unary[ps].append((item, target))
+        calls = [(ps, "Pull", pb.PullRequest(items=[i for i, _ in items])) for ps, items in unary.items()]
         for (ps, _, _), reply in zip(calls, self._gather(calls)):
-            for (target, _), tensor in zip(by_ps[ps], reply.tensors):
+            for (_, target), tensor in zip(unary[ps], reply.tensors):
                 target[...] = codec.decode(tensor).reshape(target.shape)
         for fut in streams:
             fut.result()
-        return outs
 
     def _pull_stream(self, ps: int, item: pb.PullItem, target: np.ndarray) -> None:
         flat = target.reshape(-1).view(np.uint8)
@@ -219,43 +257,89 @@ class PSClient:
         """Rows `ids` of a table, gathered from the shards that hold them."""
         ids = self._check_ids(var, ids)
         out = np.empty((ids.size,) + var.shape[1:], var.dtype)
-        groups = self._group_rows(var, ids)
-        calls = [(pl.ps, "Pull", pb.PullRequest(items=[pb.PullItem(
-            ref=pb.ShardRef(variable=var.name, shard_index=pl.shard_index), ids=codec.encode(ids[sel]))]))
-            for pl, sel in groups]
-        for (pl, sel), reply in zip(groups, self._gather(calls)):
-            out[sel] = codec.decode(reply.tensors[0])
+        plan: dict[int, list[tuple[pb.PullItem, np.ndarray]]] = defaultdict(list)
+        scatter = []
+        for pl, sel in self._group_rows(var, ids):
+            part = np.empty((sel.size,) + var.shape[1:], var.dtype)
+            plan[pl.ps].append((pb.PullItem(ref=pb.ShardRef(variable=var.name, shard_index=pl.shard_index),
+                                            ids=codec.encode(ids[sel])), part))
+            scatter.append((sel, part))
+        self._pull_plan(plan)
+        for sel, part in scatter:
+            out[sel] = part
         return out
 
     # -- push ------------------------------------------------------------------------------------
     def push(self, grads: Grads, push_id: str | None = None, step: int = 0) -> list[int]:
-        """Send dense gradients; returns the new version of every shard touched, in order."""
-        pid = push_id or context.push_id()
-        by_ps: dict[int, list[pb.PushItem]] = defaultdict(list)
-        streams: list[Future[pb.PushReply]] = []
+        """Send dense gradients; returns the new version of every shard touched, in request order."""
+        plan: dict[int, list[tuple[pb.PushItem, np.ndarray]]] = defaultdict(list)
         for var, grad in grads:
             arr = _as_grad(var, grad, var.shape)
             for pl in var.shards:
                 part = arr[pl.row_offset:pl.row_offset + pl.rows] if var.shape else arr
-                ref = pb.ShardRef(variable=var.name, shard_index=pl.shard_index)
-                if self._streamed(var, pl):
-                    streams.append(self._pool.submit(self._push_stream, pl.ps, pid, step, ref, part))
+                plan[pl.ps].append((pb.PushItem(ref=pb.ShardRef(variable=var.name, shard_index=pl.shard_index)), part))
+        return self._push_plan(plan, push_id or context.push_id(), step)
+
+    def push_rows(self, var: Variable, ids: Sequence[int] | np.ndarray, grads: np.ndarray,
+                  push_id: str | None = None, step: int = 0) -> list[int]:
+        """Row gradients of a table; only those rows change. Returns versions of the shards touched."""
+        ids = self._check_ids(var, ids)
+        arr = _as_grad(var, grads, (ids.size,) + var.shape[1:])
+        plan: dict[int, list[tuple[pb.PushItem, np.ndarray]]] = defaultdict(list)
+        for pl, sel in self._group_rows(var, ids):
+            plan[pl.ps].append((pb.PushItem(ref=pb.ShardRef(variable=var.name, shard_index=pl.shard_index),
+                                            ids=codec.encode(ids[sel])), arr[sel]))
+        return self._push_plan(plan, push_id or context.push_id(), step)
+
+    def _push_plan(self, plan: dict[int, list[tuple[pb.PushItem, np.ndarray]]], pid: str, step: int) -> list[int]:
+        refs = [item.ref for items in plan.values() for item, _ in items]
+        if self._bulk is not None:
+            calls = []
+            for ps, items in plan.items():
+                heads = []
+                for item, part in items:
+                    head = pb.PushItem()
+                    head.CopyFrom(item)
+                    head.grad.CopyFrom(codec.header(part.dtype, part.shape))
+                    heads.append(head)
+                calls.append(BulkCall(ps, pb.BulkRequest(push=pb.PushRequest(items=heads, push_id=pid, step=step)),
+                                      payloads=[np.ascontiguousarray(p).astype(p.dtype.newbyteorder("<"), copy=False)
+                                                for _, p in items]))
+            self._retrying(lambda: self._bulk.run(calls))  # type: ignore[union-attr]
+            replies = [c.reply.push for c in calls]  # type: ignore[union-attr]
+        else:
+            replies = self._push_grpc(plan, pid, step)
+        self._record(refs, replies)
+        return [v for r in replies for v in r.versions]
+
+    def _push_grpc(self, plan: dict[int, list[tuple[pb.PushItem, np.ndarray]]], pid: str,
+                   step: int) -> list[pb.PushReply]:
+        unary: dict[int, list[pb.PushItem]] = defaultdict(list)
+        streams: list[Future[pb.PushReply]] = []
+        for ps, items in plan.items():
+            for item, part in items:
+                if part.nbytes > self.settings.stream_threshold_bytes and not item.HasField("ids"):
+                    streams.append(self._pool.submit(self._push_stream, ps, pid, step, item.ref, part))
                 else:
-                    by_ps[pl.ps].append(pb.PushItem(ref=ref, grad=codec.encode(part)))
-        calls = [(ps, "Push", pb.PushRequest(items=items, push_id=pid, step=step)) for ps, items in by_ps.items()]
-        replies = self._gather(calls)
-        self._record([i.ref for _, _, req in calls for i in req.items], [v for r in replies for v in r.versions])
-        versions = [v for reply in replies for v in reply.versions]
-        return versions + [v for fut in streams for v in fut.result().versions]
+                    full = pb.PushItem()
+                    full.CopyFrom(item)
+                    full.grad.CopyFrom(codec.encode(part))
+                    unary[ps].append(full)
+        calls = [(ps, "Push", pb.PushRequest(items=items, push_id=pid, step=step)) for ps, items in unary.items()]
+        # same order as the refs: unary items per PS, then streamed ones
+        return list(self._gather(calls)) + [fut.result() for fut in streams]
 
     @staticmethod
-    def _record(refs: Sequence[pb.ShardRef], versions: Sequence[int]) -> None:
+    def _record(refs: Sequence[pb.ShardRef], replies: Sequence[pb.PushReply]) -> None:
+        """Note in the running closure's scope which shard versions its pushes produced."""
         scope = context.current_scope()
-        if scope is not None:
-            for ref, version in zip(refs, versions):
-                key = (ref.variable, ref.shard_index)
-                if version > scope.versions.get(key, -1):
-                    scope.versions[key] = version
+        if scope is None:
+            return
+        pairs = [(v, r.incarnation) for r in replies for v in r.versions]
+        for ref, (version, incarnation) in zip(refs, pairs):
+            key = (ref.variable, ref.shard_index, incarnation)
+            if version > scope.versions.get(key, -1):
+                scope.versions[key] = version
 
     def _push_stream(self, ps: int, pid: str, step: int, ref: pb.ShardRef, grad: np.ndarray) -> pb.PushReply:
         grad = np.ascontiguousarray(grad, dtype=grad.dtype.newbyteorder("<"))
@@ -273,20 +357,6 @@ class PSClient:
 
         return rpc.call(once, None, timeout=self._timeout, what=f"ps {ps} PushStream {ref.variable}",
                         retry_for=self.retry_for)
-
-    def push_rows(self, var: Variable, ids: Sequence[int] | np.ndarray, grads: np.ndarray,
-                  push_id: str | None = None, step: int = 0) -> list[int]:
-        """Row gradients of a table; only those rows change. Returns versions of the shards touched."""
-        ids = self._check_ids(var, ids)
-        arr = _as_grad(var, grads, (ids.size,) + var.shape[1:])
-        pid = push_id or context.push_id()
-        calls = [(pl.ps, "Push", pb.PushRequest(push_id=pid, step=step, items=[pb.PushItem(
-            ref=pb.ShardRef(variable=var.name, shard_index=pl.shard_index),
-            grad=codec.encode(arr[sel]), ids=codec.encode(ids[sel]))]))
-            for pl, sel in self._group_rows(var, ids)]
-        replies = self._gather(calls)
-        self._record([req.items[0].ref for _, _, req in calls], [r.versions[0] for r in replies])
-        return [v for reply in replies for v in reply.versions]
 
     @staticmethod
     def _check_ids(var: Variable, ids: Sequence[int] | np.ndarray) -> np.ndarray:

@@ -82,6 +82,7 @@ class Settings(_Frozen):
     heartbeat_timeout_s: float = Field(default=2.0, gt=0)
     server_threads: int = Field(default=16, ge=2, le=256)
     dedup_window: int = Field(default=1_000_000, ge=1000)
+    bulk_transport: bool = True  # pull/push tensors over the PS's raw TCP port; False: gRPC only
     max_inflight_per_worker: int = Field(default=2, ge=1, le=64)
     no_worker_timeout_s: float | None = Field(default=300.0, gt=0)
     drain_timeout_s: float = Field(default=10.0, ge=0)

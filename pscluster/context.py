@@ -44,7 +44,7 @@ class ClosureScope:
         self.client = client
         self.worker = worker
         self._seq = itertools.count()
-        self.versions: dict[tuple[str, int], int] = {}
+        self.versions: dict[tuple[str, int, int], int] = {}  # (variable, shard, PS incarnation) -> version
 
     def __enter__(self) -> ClosureScope:
         self._saved = (getattr(_local, "scope", None), getattr(_local, "client", None))

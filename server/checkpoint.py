@@ -134,6 +134,6 @@ def restore(store: VariableStore, root: pathlib.Path, ps_index: int, num_ps: int
                 value = _writable(fh.get_tensor(f"{base}/value"))
                 slots = {name: _writable(fh.get_tensor(f"{base}/slot/{name}")) for name in spec.optimizer.slot_names()}
                 applied = OrderedDict((pid, None) for pid in entry["applied"])
-                store.install(Shard(spec, value, slots, entry["version"], applied))
+                store.install(Shard(spec, value, slots, entry["version"], entry["version"], applied))
                 loaded += 1
     return Restored(step, loaded, extra)

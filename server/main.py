@@ -11,6 +11,7 @@ import grpc
 from pscluster import rpc
 from pscluster.config import Settings
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
+from pscluster.server.bulk import BulkServer
 from pscluster.server.ps import ParameterServerCore
 from pscluster.server.servicer import ParameterServerServicer
 
@@ -28,10 +29,22 @@ def start(settings: Settings) -> tuple[grpc.Server, int, ParameterServerCore]:
     sync_replicas.attach(core)
     if settings.restore:
         core.restore()
+    bulk = None
+    if settings.bulk_transport:
+        bulk = BulkServer(core, settings.bind_host, settings.token_value(), settings.max_message_bytes).start()
+        core.bulk_port = bulk.port
     servicer = ParameterServerServicer(core, settings.chunk_bytes)
     server, port = rpc.create_server(
         settings, lambda s: pb_grpc.add_ParameterServerServicer_to_server(servicer, s),
         name=f"ps{settings.task_index}")
+    if bulk is not None:
+        _stop = server.stop
+
+        def stop(grace: float | None) -> threading.Event:  # the bulk listener goes down with the server
+            bulk.stop()
+            return _stop(grace)
+
+        server.stop = stop  # type: ignore[method-assign]
     return server, port, core
 
 

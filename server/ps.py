@@ -34,6 +34,7 @@ class ParameterServerCore:
         self.incarnation = int.from_bytes(os.urandom(6), "little")
         self._save_lock = threading.Lock()
         self.sync = None  # set by sync_replicas.attach()
+        self.bulk_port = 0
 
     def restore(self) -> int:
         """Load the newest complete checkpoint into the store; returns its step or -1."""

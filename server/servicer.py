@@ -40,7 +40,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     def ListShards(self, request: pb.ListShardsRequest, context: grpc.ServicerContext) -> pb.ListShardsReply:
         return pb.ListShardsReply(shards=[
-            pb.ShardInfo(spec=spec_to_pb(s.spec), version=s.version, ps_index=self.core.ps_index)
+            pb.ShardInfo(spec=spec_to_pb(s.spec), version=s.version, ps_index=self.core.ps_index,
+                         restored_version=s.restored_version)
             for s in self.core.store.shards()])
 
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> pb.PullReply:
@@ -51,7 +52,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         items = [PushItem(_key(i.ref), codec.decode(i.grad, i.ref.variable), _ids(i.ids, i.HasField("ids")))
                  for i in request.items]
         results = self.core.push(request.push_id, request.step, items)
-        return pb.PushReply(versions=[r.version for r in results], applied=[r.applied for r in results])
+        return pb.PushReply(versions=[r.version for r in results], applied=[r.applied for r in results],
+                            incarnation=self.core.incarnation)
 
     def PullStream(self, request: pb.PullItem, context: grpc.ServicerContext) -> Iterator[pb.PullChunk]:
         spec, version, chunks = self.core.pull_stream(_key(request.ref), self.chunk_bytes)
@@ -70,7 +72,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         chunks = (m.data for m in request_iterator)
         result = self.core.push_stream(req.push_id, req.step, _key(item.ref), dtype, tuple(item.grad.shape), ids,
                                        _prepend(first.data, chunks))
-        return pb.PushReply(versions=[result.version], applied=[result.applied])
+        return pb.PushReply(versions=[result.version], applied=[result.applied], incarnation=self.core.incarnation)
 
     def Save(self, request: pb.SaveRequest, context: grpc.ServicerContext) -> pb.SaveReply:
         return pb.SaveReply(path=str(self.core.save(request.step)))
@@ -81,7 +83,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                            restored_step=core.restored_step, num_shards=len(core.store.shards()),
                            total_bytes=core.total_bytes(),
                            dropped_stale=core.sync.dropped if core.sync is not None else 0,
-                           incarnation=core.incarnation)
+                           incarnation=core.incarnation, bulk_port=core.bulk_port)
 
 
 def _prepend(first: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:

@@ -79,6 +79,7 @@ class Shard:
     value: np.ndarray
     slots: dict[str, np.ndarray]
     version: int = 0
+    restored_version: int = -1
     applied: OrderedDict[str, None] = field(default_factory=OrderedDict)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 

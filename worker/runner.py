@@ -30,7 +30,7 @@ class Outcome:
     error_pickled: bytes = b""
     retryable: bool = False
     seconds: float = 0.0
-    versions: tuple[tuple[str, int, int], ...] = ()
+    versions: tuple[tuple[str, int, int, int], ...] = ()  # (variable, shard, version, PS incarnation)
 
 
 class ClosureRunner:
@@ -49,7 +49,7 @@ class ClosureRunner:
             with ClosureScope(closure_id, self.client, self.datasets) as scope:
                 value = fn(*args, **kwargs)
             result = cloudpickle.dumps(value)
-            versions = tuple((k[0], k[1], v) for k, v in scope.versions.items())
+            versions = tuple((k[0], k[1], v, k[2]) for k, v in scope.versions.items())
         except PsclusterError as exc:
             if exc.retryable:  # the cluster failed the closure (a PS is down): rescheduled, not the user's
                 log.warning("closure %d: %s; handing it back", closure_id, exc)

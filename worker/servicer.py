@@ -15,8 +15,8 @@ from pscluster.worker.runner import ClosureRunner, Outcome
 def outcome_to_pb(out: Outcome) -> pb.RunClosureReply:
     """Outcome -> RunClosureReply."""
     reply = pb.RunClosureReply(result=out.result, retryable=out.retryable, seconds=out.seconds,
-                               versions=[pb.ShardVersion(variable=v, shard_index=i, version=n)
-                                         for v, i, n in out.versions])
+                               versions=[pb.ShardVersion(variable=v, shard_index=i, version=n, incarnation=inc)
+                                         for v, i, n, inc in out.versions])
     if out.error_type:
         reply.error.CopyFrom(pb.UserError(type_name=out.error_type, message=out.error_message,
                                           traceback=out.error_traceback, pickled=out.error_pickled))

@@ -96,8 +96,8 @@ def test_ps_killed_mid_run_restarts_from_checkpoint_and_run_completes(fresh_clus
         assert coord.fetch(first + rest) == list(range(250))
         total = int(counter.pull())
         assert coord.lost_updates > 0
-        # what was applied after the checkpoint and acknowledged is lost, and reported as lost
-        assert 250 - coord.lost_updates <= total <= 250
+        # exactly what was applied after the checkpoint (and acknowledged) is lost, and reported as lost
+        assert total == 250 - coord.lost_updates
     finally:
         coord.shutdown()
 

@@ -1,0 +1,110 @@
+"""Watches every PS task: pauses dispatch while one is down, and counts updates lost by a restart.
+
+A restarted PS has a new incarnation and serves its newest checkpoint. Workers report the shard
+versions their pushes produced, tagged with the PS incarnation; the updates lost are the versions
+seen under the old incarnation beyond the version the PS restored.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from pscluster import rpc
+from pscluster.client import PSClient
+from pscluster.errors import PsclusterError
+from pscluster.proto import pscluster_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+class PsMonitor:
+    """Owns the `ps-monitor` thread; `wake()` asks for an immediate check, `stop()` ends it."""
+
+    def __init__(self, client: PSClient, on_down: Callable[[], None], on_up: Callable[[], None],
+                 interval: float = 0.5) -> None:
+        self._client = client
+        self._on_down = on_down
+        self._on_up = on_up
+        self._interval = interval
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._seen: dict[tuple[str, int, int], int] = {}  # (variable, shard, incarnation) -> max version
+        self.incarnations = [s.incarnation for s in client.status()]
+        # per restart: the old incarnation and the version each of its shards came back with
+        self._restores: list[tuple[int, dict[tuple[str, int], int]]] = []
+        self._thread = threading.Thread(target=self._loop, name="ps-monitor", daemon=True)
+
+    def start(self) -> PsMonitor:
+        """Start watching."""
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop watching and join the thread."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=5)
+
+    def wake(self) -> None:
+        """Check now (a closure just met an unavailable PS)."""
+        self._wake.set()
+
+    def record(self, versions: list[pb.ShardVersion]) -> None:
+        """Note shard versions reported by a finished closure."""
+        with self._lock:
+            for v in versions:
+                key = (v.variable, v.shard_index, v.incarnation)
+                if v.version > self._seen.get(key, -1):
+                    self._seen[key] = v.version
+
+    @property
+    def lost_updates(self) -> int:
+        """Updates acknowledged by a PS incarnation beyond what its restart restored.
+
+        Computed from the latest reports, so closures that finish after the restart still count.
+        """
+        with self._lock:
+            return sum(max(0, self._seen.get((var, shard, old), version) - version)
+                       for old, restored in self._restores for (var, shard), version in restored.items())
+
+    def _statuses(self) -> list[pb.PsStatus] | None:
+        try:
+            return [rpc.call(stub.Status, pb.PsStatusRequest(), timeout=1.0) for stub in self._client.stubs]
+        except PsclusterError:
+            return None
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self._interval)
+            self._wake.clear()
+            statuses = self._statuses()
+            restarted = statuses is not None and any(
+                s.incarnation != old for s, old in zip(statuses, self.incarnations))
+            if statuses is not None and not restarted:
+                continue
+            self._on_down()
+            started = time.monotonic()
+            log.warning("a PS is unavailable or restarted: dispatch paused until every PS answers")
+            while statuses is None and not self._stop.wait(0.1):
+                statuses = self._statuses()
+            if statuses is None:
+                return
+            for ps, status in enumerate(statuses):
+                if status.incarnation != self.incarnations[ps]:
+                    self._account(ps, status)
+            log.warning("every PS answers again after %.1f s; resuming dispatch", time.monotonic() - started)
+            self._on_up()
+
+    def _account(self, ps: int, status: pb.PsStatus) -> None:
+        old = self.incarnations[ps]
+        reply = rpc.call(self._client.stubs[ps].ListShards, pb.ListShardsRequest(), timeout=5.0)
+        restored = {(i.spec.variable, i.spec.shard_index): max(i.restored_version, 0) for i in reply.shards}
+        with self._lock:
+            self._restores.append((old, restored))
+        self.incarnations[ps] = status.incarnation
+        log.warning("ps %d restarted from checkpoint step %d; %d updates lost so far (applied after that "
+                    "checkpoint; see ClusterCoordinator.lost_updates)", ps, status.restored_step, self.lost_updates)

@@ -1,0 +1,161 @@
+"""The client side of the bulk tensor path (see server/bulk.py): pooled TCP connections per PS task.
+
+A request to several PS tasks is pipelined: every request is sent before any reply is read, so the
+PS tasks work in parallel without extra threads; transfers above `THREADED_BYTES` use one thread per
+PS so the sends themselves overlap. Any socket failure closes the connection and surfaces as
+UnavailableError, which callers retry (pushes carry ids, so a retry never applies twice).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pscluster.errors import InternalError, UnavailableError, from_status
+from pscluster.proto import pscluster_pb2 as pb
+from pscluster.server.bulk import PREFIX, STATUS_BY_VALUE, recv_exact, recv_into, send_frame
+
+THREADED_BYTES = 2 << 20
+
+
+@dataclass
+class BulkCall:
+    """One request to one PS: the header, payload buffers to send, and where reply tensors go."""
+
+    ps: int
+    request: pb.BulkRequest
+    payloads: Sequence[np.ndarray] = ()
+    targets: Sequence[np.ndarray] = ()  # pull: C-contiguous arrays to receive into, in item order
+    reply: pb.BulkReply | None = field(default=None)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this call moves in either direction."""
+        return sum(p.nbytes for p in self.payloads) + sum(t.nbytes for t in self.targets)
+
+
+class BulkClient:
+    """Connection pools to the bulk ports of every PS task."""
+
+    def __init__(self, hosts: Sequence[str], port_of: Callable[[int], int], token: str | None,
+                 timeout: float, pool: ThreadPoolExecutor) -> None:
+        self._hosts = list(hosts)
+        self._port_of = port_of  # asks the PS (gRPC Status) for its bulk port
+        self._token = token or ""
+        self._timeout = timeout
+        self._pool = pool
+        self._free: list[list[socket.socket]] = [[] for _ in hosts]
+        self._ports: list[int | None] = [None] * len(hosts)
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        """Close every pooled connection."""
+        with self._lock:
+            for conns in self._free:
+                for conn in conns:
+                    conn.close()
+                conns.clear()
+
+    def _acquire(self, ps: int) -> tuple[socket.socket, bool]:
+        with self._lock:
+            if self._free[ps]:
+                return self._free[ps].pop(), False
+            port = self._ports[ps]
+        if port is None:
+            port = self._port_of(ps)
+            if not port:
+                raise UnavailableError(f"ps {ps} serves no bulk port")
+            with self._lock:
+                self._ports[ps] = port
+        try:
+            conn = socket.create_connection((self._hosts[ps], port), timeout=self._timeout)
+        except OSError as exc:
+            with self._lock:
+                self._ports[ps] = None  # a restarted PS listens on a new port
+            raise UnavailableError(f"ps {ps} bulk port {self._hosts[ps]}:{port}: {exc}") from exc
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return conn, True
+
+    def _release(self, ps: int, conn: socket.socket) -> None:
+        with self._lock:
+            self._free[ps].append(conn)
+
+    def _fail(self, ps: int, conn: socket.socket, exc: BaseException) -> UnavailableError:
+        conn.close()
+        with self._lock:
+            self._ports[ps] = None
+            for c in self._free[ps]:
+                c.close()
+            self._free[ps].clear()
+        return UnavailableError(f"ps {ps} ({self._hosts[ps]}) bulk connection failed: {exc}")
+
+    def _send(self, call: BulkCall, conn: socket.socket, fresh: bool) -> None:
+        if fresh:
+            call.request.token = self._token
+        header = call.request.SerializeToString()
+        send_frame(conn, header, sum(p.nbytes for p in call.payloads))
+        for payload in call.payloads:
+            conn.sendall(memoryview(np.ascontiguousarray(payload)).cast("B"))
+
+    def _receive(self, call: BulkCall, conn: socket.socket) -> None:
+        header_len, payload_len = PREFIX.unpack(recv_exact(conn, PREFIX.size))
+        reply = pb.BulkReply()
+        reply.ParseFromString(recv_exact(conn, header_len))
+        if reply.code:
+            if payload_len:
+                recv_exact(conn, payload_len)
+            raise from_status(STATUS_BY_VALUE.get(reply.code, STATUS_BY_VALUE[13]),
+                              f"ps {call.ps}: {reply.message}")
+        if call.targets:
+            if payload_len != sum(t.nbytes for t in call.targets) or len(reply.pull.tensors) != len(call.targets):
+                raise InternalError(f"ps {call.ps}: bulk reply of {payload_len} bytes does not match the request")
+            for target in call.targets:
+                recv_into(conn, memoryview(target.reshape(-1).view(np.uint8)))
+        call.reply = reply
+
+    def _one(self, call: BulkCall) -> None:
+        conn, fresh = self._acquire(call.ps)
+        try:
+            self._send(call, conn, fresh)
+            self._receive(call, conn)
+        except (OSError, ConnectionError) as exc:
+            raise self._fail(call.ps, conn, exc) from exc
+        except BaseException:
+            conn.close()  # state of the stream unknown after an error reply with a bad payload
+            raise
+        self._release(call.ps, conn)
+
+    def run(self, calls: Sequence[BulkCall]) -> None:
+        """Perform calls (at most one per PS is best) in parallel; fills each call.reply."""
+        if len(calls) == 1:
+            self._one(calls[0])
+            return
+        if sum(c.nbytes for c in calls) > THREADED_BYTES:
+            for fut in [self._pool.submit(self._one, c) for c in calls]:
+                fut.result()
+            return
+        opened: list[tuple[BulkCall, socket.socket]] = []
+        try:
+            for call in calls:
+                conn, fresh = self._acquire(call.ps)
+                opened.append((call, conn))
+                self._send(call, conn, fresh)
+            while opened:
+                call, conn = opened[0]
+                self._receive(call, conn)
+                opened.pop(0)
+                self._release(call.ps, conn)
+        except (OSError, ConnectionError) as exc:
+            failed = opened[0][0].ps if opened else -1
+            for call, conn in opened:
+                conn.close()
+            raise UnavailableError(f"ps {failed} bulk connection failed: {exc}") from exc
+        except BaseException:
+            for _, conn in opened:
+                conn.close()
+            raise
