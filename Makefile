@@ -1,0 +1,33 @@
+# pscluster: `make demo` trains MNIST on a local cluster; `make test` runs the whole test suite.
+# Both create .venv with Python 3.11 and install everything they need.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench proto lint clean
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c "import sys; assert sys.version_info >= (3, 11), sys.version" || { echo "pscluster needs Python >= 3.11 (make PYTHON=/path/to/python3.11)"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/mnist.py --steps 3000
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) bench/run.py --write BENCHMARKS.md
+
+proto: $(STAMP)
+	$(PY) proto/generate.py
+
+lint: $(STAMP)
+	$(PY) -m mypy pscluster
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache
