@@ -27,6 +27,7 @@ from pscluster.server.store import PushItem
 log = logging.getLogger(__name__)
 PREFIX = struct.Struct("<IQ")
 CHUNK = 4 << 20
+REUSE_BYTES = 64 << 20  # pushes up to this size land in a per-connection buffer (no page faults)
 
 
 def recv_exact(conn: socket.socket, n: int) -> bytes:
@@ -109,6 +110,7 @@ class BulkServer:
 
     def _serve(self, conn: socket.socket) -> None:
         authed = self._token is None
+        scratch = np.empty(0, np.uint8)
         try:
             while not self._stop.is_set():
                 header_len, payload_len = PREFIX.unpack(recv_exact(conn, PREFIX.size))
@@ -130,7 +132,9 @@ class BulkServer:
                         return
                     authed = True
                 if request.HasField("push"):
-                    self._push(conn, request.push, payload_len)
+                    if payload_len <= REUSE_BYTES and scratch.size < payload_len:
+                        scratch = np.empty(payload_len, np.uint8)
+                    self._push(conn, request.push, payload_len, scratch)
                 elif request.HasField("pull"):
                     self._pull(conn, request.pull, payload_len)
                 else:
@@ -150,8 +154,8 @@ class BulkServer:
         except OSError:
             pass
 
-    def _push(self, conn: socket.socket, req: pb.PushRequest, payload_len: int) -> None:
-        buf = np.empty(payload_len, np.uint8)
+    def _push(self, conn: socket.socket, req: pb.PushRequest, payload_len: int, scratch: np.ndarray) -> None:
+        buf = scratch[:payload_len] if payload_len <= REUSE_BYTES else np.empty(payload_len, np.uint8)
         recv_into(conn, memoryview(buf))
         try:
             items = []
@@ -174,6 +178,9 @@ class BulkServer:
         except PsclusterError as err:
             self._reply_error(conn, err)
             return
+        finally:
+            items = []
+            del buf  # a large one-off buffer goes back to the OS before the reply, not after
         reply = pb.BulkReply(push=pb.PushReply(versions=[r.version for r in results],
                                                applied=[r.applied for r in results],
                                                incarnation=self.core.incarnation))
