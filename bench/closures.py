@@ -1,0 +1,131 @@
+"""B4 (closure dispatch), B5 (worker SIGKILL), B6 (worker SIGSTOP), B7 (PS SIGKILL)."""
+
+from __future__ import annotations
+
+import signal
+import statistics
+import time
+
+import numpy as np
+
+import pscluster as ps
+from pscluster.launcher import LocalCluster
+
+
+def _noop() -> None:
+    return None
+
+
+def b4(closures: int = 3000, round_trips: int = 300) -> dict[str, float]:
+    """Empty closures per second with 2 workers, and one closure's round-trip latency."""
+    with LocalCluster(1, 2) as cluster:
+        coord = ps.ClusterCoordinator(cluster.settings())
+        try:
+            coord.wait_for_workers(2)
+            for _ in range(200):
+                coord.schedule(_noop)
+            coord.join()
+            start = time.perf_counter()
+            for _ in range(closures):
+                coord.schedule(_noop)
+            coord.join()
+            rate = closures / (time.perf_counter() - start)
+            latencies = []
+            for _ in range(round_trips):
+                t = time.perf_counter()
+                coord.schedule(_noop).fetch()
+                latencies.append(time.perf_counter() - t)
+        finally:
+            coord.shutdown()
+    return {"closures_per_s": rate, "round_trip_ms": statistics.median(latencies) * 1e3,
+            "round_trip_p90_ms": statistics.quantiles(latencies, n=10)[-1] * 1e3}
+
+
+def _busy_step(counter: ps.Variable, seconds: float) -> int:
+    time.sleep(seconds)
+    counter.push(np.array(-1, np.int64))
+    return 1
+
+
+def _victim_closures(coord: ps.ClusterCoordinator, address: str) -> list[int]:
+    for w in list(coord._state.workers.values()):  # noqa: SLF001 - the benchmark reads scheduler state
+        if w.address == address:
+            return sorted(w.inflight)
+    return []
+
+
+def _worker_fault(sig: int, runs: int, closure_s: float = 0.05) -> dict[str, float]:
+    times, twice = [], 0
+    for _ in range(runs):
+        with LocalCluster(1, 2, supervise=False) as cluster:
+            coord = ps.ClusterCoordinator(cluster.settings())
+            try:
+                coord.wait_for_workers(2)
+                counter = coord.create_variable("counter", shape=(), dtype="int64", optimizer=ps.SGD(1.0))
+                n = 200
+                values = [coord.schedule(_busy_step, args=(counter, closure_s)) for _ in range(n)]
+                while coord.status().done < 40:
+                    time.sleep(0.002)
+                victim = cluster.workers[0]
+                address = next(line.split()[-1] for line in victim.log_path.read_text().splitlines()
+                               if line.startswith("READY worker"))
+                inflight = _victim_closures(coord, address)
+                t0 = time.perf_counter()
+                cluster.kill(victim, sig)
+                by_id = {v.closure_id: v for v in values}
+                while not all(by_id[c].done() for c in inflight):
+                    time.sleep(0.001)
+                times.append(time.perf_counter() - t0)
+                coord.join(timeout=120)
+                twice += int(counter.pull()) - n  # > 0 means some update applied twice
+            finally:
+                coord.shutdown()
+                if sig == signal.SIGSTOP:
+                    cluster.kill(victim, signal.SIGCONT)
+    return {"seconds_median": statistics.median(times), "seconds_max": max(times), "applied_twice": twice,
+            "closure_seconds": closure_s, "runs": runs}
+
+
+def b5(runs: int = 5) -> dict[str, float]:
+    """Worker SIGKILLed while busy: time until its closures finish elsewhere; updates applied twice."""
+    return _worker_fault(signal.SIGKILL, runs)
+
+
+def b6(runs: int = 3) -> dict[str, float]:
+    """Worker SIGSTOPped (hang): time until its closures finish elsewhere (default heartbeat settings)."""
+    return _worker_fault(signal.SIGSTOP, runs)
+
+
+def b7(runs: int = 3) -> dict[str, float]:
+    """PS SIGKILLed mid-run (the launcher restores it): pause until closures complete again; lost updates."""
+    pauses, restore_s, lost, exact = [], [], [], 0
+    for _ in range(runs):
+        with LocalCluster(2, 2) as cluster:
+            coord = ps.ClusterCoordinator(cluster.settings())
+            try:
+                coord.wait_for_workers(2)
+                counter = coord.create_variable("counter", shape=(), dtype="int64", optimizer=ps.SGD(1.0))
+                first = [coord.schedule(_busy_step, args=(counter, 0.002)) for _ in range(100)]
+                coord.checkpoint()
+                rest = [coord.schedule(_busy_step, args=(counter, 0.002)) for _ in range(1000)]
+                while coord.status().done < 300:
+                    time.sleep(0.001)
+                victim = cluster.ps[counter.shards[0].ps]
+                restarts = victim.restarts
+                t0 = time.perf_counter()
+                cluster.kill(victim)
+                done_at_kill = coord.status().done
+                while victim.restarts == restarts:
+                    time.sleep(0.001)
+                cluster.wait_ready(victim)
+                restore_s.append(time.perf_counter() - t0)
+                while coord.status().done <= done_at_kill + 4:  # past the closures in flight at the kill
+                    time.sleep(0.001)
+                pauses.append(time.perf_counter() - t0)
+                coord.join(timeout=120)
+                lost.append(coord.lost_updates)
+                exact += int(int(counter.pull()) == len(first) + len(rest) - coord.lost_updates)
+            finally:
+                coord.shutdown()
+    return {"pause_s_median": statistics.median(pauses), "restart_and_restore_s_median": statistics.median(restore_s),
+            "lost_updates_median": statistics.median(lost), "runs_with_exact_lost_report": exact, "runs": runs}

@@ -1,0 +1,168 @@
+"""Run the benchmarks of ../shared/BENCHMARKS.md and write the table into BENCHMARKS.md.
+
+    python bench/run.py --write BENCHMARKS.md            # everything (several minutes)
+    python bench/run.py --only B1,B9                     # a subset, printed only
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import pathlib
+import platform
+import statistics
+import sys
+from collections.abc import Callable
+from typing import Any
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # the benchmark process shares 2 cores with daemons
+
+from bench import closures, training, transfer  # noqa: E402
+
+Row = tuple[str, str, str, str]  # id, what, measured, target and verdict
+
+
+def _runs(fn: Callable[[], dict[str, float]], n: int) -> dict[str, float]:
+    """Median of every field over n runs."""
+    results = [fn() for _ in range(n)]
+    return {k: statistics.median(r[k] for r in results) for k in results[0]}
+
+
+def bench_b1(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
+    r = transfer.b1(runs=args.runs)
+    rows = [("B1", "pull 100 MB float32 sharded over 2 PS",
+             f"{r['ps_pull_gbps']:.2f} GB/s = {r['pull_vs_tcp']:.2f} x raw TCP ({r['tcp_pull_gbps']:.2f}); "
+             f"gRPC-only path {r['ps_pull_grpc_gbps']:.2f}; raw grpcio stream {r['grpc_stream_gbps']:.2f}, "
+             f"one message {r['grpc_one_message_gbps']:.2f}",
+             f">= 0.75 x TCP: {'met' if r['pull_vs_tcp'] >= 0.75 else 'NOT met'}"),
+            ("B1", "push 100 MB + SGD on the PS",
+             f"{r['ps_push_gbps']:.2f} GB/s = {r['push_vs_tcp']:.2f} x raw TCP ({r['tcp_push_gbps']:.2f}); "
+             f"gRPC-only path {r['ps_push_grpc_gbps']:.2f}",
+             f">= 0.75 x TCP: {'met' if r['push_vs_tcp'] >= 0.75 else 'NOT met'}")]
+    return r, rows
+
+
+def bench_b9(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
+    r = transfer.b9()
+    return r, [("B9", "PS peak RSS, 1 GiB float32 variable (SGD), 2 concurrent pulls",
+                f"baseline {r['baseline_rss'] / 2**20:.0f} MiB + {r['ratio']:.3f} x the variable "
+                f"(peak {r['peak_rss_during_pulls'] / 2**20:.0f} MiB)",
+                f"<= 1.3 x + baseline: {'met' if r['ratio'] <= 1.3 else 'NOT met'}")]
+
+
+def bench_b2(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
+    base = training.numpy_baseline()
+    r = _runs(lambda: training.w2(), args.runs)
+    r10 = _runs(lambda: training.w2(steps_per_closure=10), max(3, args.runs // 2))
+    out = {"numpy": base, "w2": r, "w2_10_per_closure": r10}
+    return out, [("B2", "W2 async, 2 PS + 2 workers, 1 step/closure",
+                  f"{r['steps_per_s']:.0f} steps/s, accuracy {r['accuracy']:.4f} "
+                  f"(single-process numpy in the same run: {base['steps_per_s']:.0f} steps/s, {base['accuracy']:.4f})",
+                  f">= 560 steps/s, acc >= 0.925: "
+                  f"{'met' if r['steps_per_s'] >= 560 and r['accuracy'] >= 0.925 else 'NOT met'}"),
+                 ("B2", "W2 async, 10 steps/closure", f"{r10['steps_per_s']:.0f} steps/s, accuracy {r10['accuracy']:.4f}",
+                  "(TF PSS: 258)")]
+
+
+def bench_b3(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
+    sync = _runs(lambda: training.w2(mode="sync", replicas_to_aggregate=2, total_num_replicas=2), args.runs)
+    bounded = _runs(lambda: training.w2(mode="bounded", staleness=2), args.runs)
+    asyn = _runs(lambda: training.w2(), args.runs)
+    out = {"sync": sync, "bounded": bounded, "async": asyn}
+    return out, [("B3", "W2 sync (R = N = 2), minibatches/s",
+                  f"{sync['steps_per_s']:.0f} steps/s, accuracy {sync['accuracy']:.4f} (async same run "
+                  f"{asyn['steps_per_s']:.0f})",
+                  f">= 460 (2 x Ray's 230), acc >= 0.92: "
+                  f"{'met' if sync['steps_per_s'] >= 460 and sync['accuracy'] >= 0.92 else 'NOT met'}"),
+                 ("B3", "W2 bounded staleness (tau = 2)",
+                  f"{bounded['steps_per_s']:.0f} steps/s, accuracy {bounded['accuracy']:.4f}", "acc >= 0.92: "
+                  f"{'met' if bounded['accuracy'] >= 0.92 else 'NOT met'}")]
+
+
+def bench_b4(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
+    r = _runs(closures.b4, args.runs)
+    return r, [("B4", "empty closures through the coordinator, 2 workers",
+                f"{r['closures_per_s']:.0f} closures/s; round trip {r['round_trip_ms']:.2f} ms "
+                f"(p90 {r['round_trip_p90_ms']:.2f})",
+                f"<= 0.3 ms round trip: {'met' if r['round_trip_ms'] <= 0.3 else 'NOT met'}")]
+
+
+def bench_b5(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
+    r = closures.b5(runs=args.runs)
+    return r, [("B5", "worker SIGKILLed while busy (50 ms closures)",
+                f"its closures finished elsewhere after {r['seconds_median']:.3f} s (max {r['seconds_max']:.3f}); "
+                f"{r['applied_twice']} updates applied twice in {r['runs']} runs",
+                f"<= 0.5 s, zero twice: {'met' if r['seconds_median'] <= 0.5 and r['applied_twice'] == 0 else 'NOT met'}")]
+
+
+def bench_b6(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
+    r = closures.b6(runs=max(3, args.runs // 2))
+    return r, [("B6", "worker SIGSTOPped (hang), default heartbeats (0.5 s / 2 s)",
+                f"its closures finished elsewhere after {r['seconds_median']:.2f} s (max {r['seconds_max']:.2f}); "
+                f"{r['applied_twice']} applied twice", f"<= 3 s: {'met' if r['seconds_max'] <= 3 else 'NOT met'}")]
+
+
+def bench_b7(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
+    r = closures.b7(runs=3)
+    return r, [("B7", "PS SIGKILLed mid-run, restarted from checkpoint by the launcher",
+                f"closures complete again {r['pause_s_median']:.2f} s after the kill (restart + restore "
+                f"{r['restart_and_restore_s_median']:.2f} s); lost updates reported exactly in "
+                f"{r['runs_with_exact_lost_report']}/{r['runs']} runs (median {r['lost_updates_median']:.0f})",
+                f"<= 5 s + restore: {'met' if r['pause_s_median'] <= 5 + r['restart_and_restore_s_median'] else 'NOT met'}")]
+
+
+def bench_b8(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
+    out, cells = {}, []
+    for p in (1, 2):
+        for w in (1, 2, 4):
+            r = training.w2(num_ps=p, num_workers=w, steps=1000)
+            out[f"{p}x{w}"] = r
+            cells.append(f"{p} PS x {w} W: {r['steps_per_s']:.0f}")
+    return out, [("B8", "W2 async steps/s by (PS, workers), 1000 steps", "; ".join(cells), "table (2 cores total)")]
+
+
+BENCHES = {"B1": bench_b1, "B9": bench_b9, "B2": bench_b2, "B3": bench_b3, "B4": bench_b4, "B5": bench_b5,
+           "B6": bench_b6, "B7": bench_b7, "B8": bench_b8}
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+
+
+def main() -> int:
+    """Run the selected benchmarks; print rows; optionally rewrite the table in BENCHMARKS.md."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default=",".join(BENCHES), help="comma-separated ids")
+    parser.add_argument("--runs", type=int, default=5, help="runs per figure (median reported)")
+    parser.add_argument("--write", help="rewrite the table between the bench markers of this file")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.ERROR)
+    rows: list[Row] = []
+    raw: dict[str, Any] = {}
+    for key in args.only.split(","):
+        result, new_rows = BENCHES[key.strip()](args)
+        raw[key] = result
+        rows += new_rows
+        for row in new_rows:
+            print(" | ".join(row), flush=True)
+    results = ROOT / "bench" / "results"
+    results.mkdir(exist_ok=True)
+    (results / "latest.json").write_text(json.dumps(raw, indent=1, default=str))
+    if args.write:
+        command = "python bench/run.py " + " ".join(a for a in sys.argv[1:])
+        table = [f"Measured {datetime.date.today()} on {platform.node() and 'this machine'} "
+                 f"({os.cpu_count()} cores, Python {platform.python_version()}), medians; command: `{command}`",
+                 "", "| id | what | measured (same run) | target |", "|---|---|---|---|"]
+        table += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
+        path = ROOT / args.write
+        text = path.read_text() if path.exists() else f"# Benchmarks\n\n{BEGIN}\n{END}\n"
+        head, _, rest = text.partition(BEGIN)
+        _, _, tail = rest.partition(END)
+        path.write_text(f"{head}{BEGIN}\n" + "\n".join(table) + f"\n{END}{tail}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
