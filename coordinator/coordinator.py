@@ -65,6 +65,7 @@ class ClusterCoordinator:
         self._cond = threading.Condition()
         self._outstanding = 0
         self._join_error: tuple[int, BaseException] | None = None
+        self.sync_mode = "async"
         self.known_workers: set[str] = set()
         self.worker_index: dict[str, int] = {}
         self._stop = threading.Event()
@@ -143,6 +144,25 @@ class ClusterCoordinator:
             return type(values)(self.fetch(v) for v in values)
         return values
 
+    def configure_sync(self, mode: str = "sync", replicas_to_aggregate: int | None = None,
+                       total_num_replicas: int | None = None, staleness: int = 0) -> int:
+        """Choose the update mode: "async", "sync" (token queue) or "bounded" (staleness tau).
+
+        sync defaults to R = N = the number of live workers; N > R makes the slowest N - R backups.
+        Call it while no closure runs. Returns the global step.
+        """
+        self.join()
+        r = replicas_to_aggregate or max(1, self.num_workers())
+        step = self.client.configure_sync(mode, r, total_num_replicas or r, staleness)
+        self.sync_mode = mode
+        return step
+
+    def sync_stats(self) -> dict[str, float]:
+        """Global step, stale gradients dropped (all PS), and bounded mode's widest admitted spread."""
+        reply = self.client.sync_step()
+        return {"global_step": reply.global_step, "dropped_stale": reply.dropped_stale,
+                "max_spread": reply.max_spread}
+
     def checkpoint(self, step: int | None = None) -> list[str]:
         """Join, then write a checkpoint of every PS at one global step (consistent: no push in flight)."""
         self.join()
@@ -155,7 +175,9 @@ class ClusterCoordinator:
 
     @property
     def global_step(self) -> int:
-        """Steps completed: the PS's step at start plus closures completed since."""
+        """Async: the PS's step at start plus closures completed since; sync/bounded: PS 0's step."""
+        if self.sync_mode != "async":
+            return int(self.client.sync_step().global_step)
         return self.initial_step + self._state.completed
 
     def status(self) -> pb.CoordinatorStatus:
@@ -311,7 +333,7 @@ class ClusterCoordinator:
             entry = (channel, pb_grpc.WorkerStub(channel))
             self._stubs[action.address] = entry
         request = pb.RunClosureRequest(closure_id=action.cid, attempt=action.attempt,
-                                       payload=self._payloads[action.cid])
+                                       payload=self._payloads[action.cid], sync_mode=self.sync_mode)
         fut = entry[1].RunClosure.future(request, timeout=self.settings.rpc_timeout_s * 100)
         self._rpcs[(action.cid, action.wid)] = fut
         fut.add_done_callback(lambda f, cid=action.cid, wid=action.wid: self._completed(cid, wid, f))

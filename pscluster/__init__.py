@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from pscluster.client import PSClient
+from pscluster.context import Token, sync_token, worker_info
 from pscluster.config import ClusterSpec, Settings, load_settings
 from pscluster.errors import ClosureError, ConfigError, PsclusterError
 from pscluster.optimizers import SGD, Adagrad, Adam, Momentum
@@ -21,7 +22,8 @@ from pscluster.variables import Variable, pull, push
 __all__ = [
     "Adagrad", "Adam", "ClosureError", "ClusterCoordinator", "ClusterSpec", "ConfigError",
     "FixedShardsPartitioner", "MaxSizePartitioner", "MinSizePartitioner", "Momentum", "PSClient",
-    "PsclusterError", "RemoteValue", "SGD", "Settings", "Variable", "load_settings", "pull", "push",
+    "PsclusterError", "RemoteValue", "SGD", "Settings", "Token", "Variable", "load_settings", "pull", "push",
+    "sync_token", "worker_info",
 ]
 
 

@@ -46,6 +46,13 @@ def _as_grad(var: Variable, grad: np.ndarray, shape: tuple[int, ...]) -> np.ndar
     return arr
 
 
+def _step_tag(step: int = 0) -> int:
+    """The step to tag a push with: the running closure's sync token (taken now if needed), else step."""
+    scope = context.current_scope()
+    token = scope.ensure_token() if scope is not None else None
+    return token.step if token is not None else step
+
+
 class PSClient:
     """Connections to every PS task, and the variable operations built on them."""
 
@@ -206,6 +213,7 @@ class PSClient:
 
     def pull(self, variables: Sequence[Variable]) -> list[np.ndarray]:
         """Current values of variables: one request per PS task, all in parallel, reassembled."""
+        _step_tag()
         outs = [np.empty(v.shape, v.dtype) for v in variables]
         plan: dict[int, list[tuple[pb.PullItem, np.ndarray]]] = defaultdict(list)
         for var, out in zip(variables, outs):
@@ -256,6 +264,7 @@ class PSClient:
     def pull_rows(self, var: Variable, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Rows `ids` of a table, gathered from the shards that hold them."""
         ids = self._check_ids(var, ids)
+        _step_tag()
         out = np.empty((ids.size,) + var.shape[1:], var.dtype)
         plan: dict[int, list[tuple[pb.PullItem, np.ndarray]]] = defaultdict(list)
         scatter = []
@@ -278,7 +287,7 @@ class PSClient:
             for pl in var.shards:
                 part = arr[pl.row_offset:pl.row_offset + pl.rows] if var.shape else arr
                 plan[pl.ps].append((pb.PushItem(ref=pb.ShardRef(variable=var.name, shard_index=pl.shard_index)), part))
-        return self._push_plan(plan, push_id or context.push_id(), step)
+        return self._push_plan(plan, push_id or context.push_id(), _step_tag(step))
 
     def push_rows(self, var: Variable, ids: Sequence[int] | np.ndarray, grads: np.ndarray,
                   push_id: str | None = None, step: int = 0) -> list[int]:
@@ -289,7 +298,7 @@ class PSClient:
         for pl, sel in self._group_rows(var, ids):
             plan[pl.ps].append((pb.PushItem(ref=pb.ShardRef(variable=var.name, shard_index=pl.shard_index),
                                             ids=codec.encode(ids[sel])), arr[sel]))
-        return self._push_plan(plan, push_id or context.push_id(), step)
+        return self._push_plan(plan, push_id or context.push_id(), _step_tag(step))
 
     def _push_plan(self, plan: dict[int, list[tuple[pb.PushItem, np.ndarray]]], pid: str, step: int) -> list[int]:
         refs = [item.ref for items in plan.values() for item, _ in items]
@@ -376,6 +385,32 @@ class PSClient:
         starts = np.array([pl.row_offset for pl in var.shards])
         which = np.searchsorted(starts, ids, side="right") - 1
         return [(pl, np.flatnonzero(which == k)) for k, pl in enumerate(var.shards) if (which == k).any()]
+
+    # -- sync replicas ---------------------------------------------------------------------------
+    def configure_sync(self, mode: str, replicas_to_aggregate: int = 1, total_num_replicas: int = 0,
+                       staleness: int = 0) -> int:
+        """Set the update mode on every PS task; returns the global step."""
+        req = pb.SyncConfigRequest(mode=mode, replicas_to_aggregate=replicas_to_aggregate,
+                                   total_num_replicas=total_num_replicas or replicas_to_aggregate, staleness=staleness)
+        return int(self._gather([(ps, "ConfigureSync", req) for ps in range(self.num_ps)])[0].global_step)
+
+    def take_token(self, closure_id: int, worker: str, timeout: float = 30.0) -> tuple[int, int]:
+        """A sync token from PS 0's queue (blocks while none is free)."""
+        reply = rpc.call(self.stubs[0].TakeToken,
+                         pb.TokenRequest(closure_id=closure_id, worker=worker, timeout_s=timeout),
+                         timeout=timeout + self._timeout, what="ps 0 TakeToken", retry_for=self.retry_for)
+        return int(reply.step), int(reply.replica)
+
+    def step_done(self, closure_id: int, step: int, worker: str) -> None:
+        """Report that a closure finished its pushes for `step`."""
+        self._call(0, "StepDone", pb.StepDoneRequest(closure_id=closure_id, step=step, worker=worker))
+
+    def sync_step(self) -> pb.StepReply:
+        """PS 0's global step, mode and clocks, with stale drops summed over every PS."""
+        replies = self._gather([(ps, "GetStep", pb.StepRequest()) for ps in range(self.num_ps)])
+        first = replies[0]
+        first.dropped_stale = sum(r.dropped_stale for r in replies)
+        return first
 
     # -- cluster-wide operations -----------------------------------------------------------------
     def checkpoint(self, step: int) -> list[str]:

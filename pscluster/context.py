@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import threading
 import uuid
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pscluster.errors import FailedPreconditionError
@@ -36,13 +37,23 @@ def current_client() -> PSClient:
     return client
 
 
+@dataclass(frozen=True)
+class Token:
+    """A sync token: the global step the closure computes for, and its replica number in that step."""
+
+    step: int
+    replica: int
+
+
 class ClosureScope:
     """Identity of the closure running on this thread: ids for its pushes, its worker, its datasets."""
 
-    def __init__(self, closure_id: int, client: PSClient, worker: Any = None) -> None:
+    def __init__(self, closure_id: int, client: PSClient, worker: Any = None, sync_mode: str = "async") -> None:
         self.closure_id = closure_id
         self.client = client
         self.worker = worker
+        self.sync_mode = sync_mode or "async"
+        self.token: Token | None = None
         self._seq = itertools.count()
         self.versions: dict[tuple[str, int, int], int] = {}  # (variable, shard, PS incarnation) -> version
 
@@ -53,6 +64,14 @@ class ClosureScope:
 
     def __exit__(self, *exc: object) -> None:
         _local.scope, _local.client = self._saved
+
+    def ensure_token(self) -> Token | None:
+        """In sync/bounded mode, take this closure's token (once) before its first pull or push."""
+        if self.token is None and self.sync_mode != "async":
+            worker = getattr(getattr(self.worker, "info", None), "worker_id", "")
+            step, replica = self.client.take_token(self.closure_id, worker)
+            self.token = Token(step, replica)
+        return self.token
 
     def next_push_id(self) -> str:
         """The n-th push of this closure: the same across reschedules of the closure."""
@@ -68,3 +87,15 @@ def push_id() -> str:
     """Id for the next push: deterministic inside a closure, random (still retry-safe) outside."""
     scope = current_scope()
     return scope.next_push_id() if scope is not None else f"u{uuid.uuid4().hex}"
+
+
+def sync_token() -> Token | None:
+    """The running closure's token (taking it now if needed); None in async mode or outside closures."""
+    scope = current_scope()
+    return scope.ensure_token() if scope is not None else None
+
+
+def worker_info() -> Any:
+    """The WorkerInfo (worker_id, worker_index) of the worker running this closure; None outside closures."""
+    scope = current_scope()
+    return getattr(scope.worker, "info", None) if scope is not None else None

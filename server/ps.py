@@ -8,6 +8,7 @@ import os
 import pathlib
 import threading
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -33,7 +34,7 @@ class ParameterServerCore:
         self.restored_step = -1
         self.incarnation = int.from_bytes(os.urandom(6), "little")
         self._save_lock = threading.Lock()
-        self.sync = None  # set by sync_replicas.attach()
+        self.sync: Any = None  # a SyncReplicas, installed by sync_replicas.attach()
         self.bulk_port = 0
 
     def restore(self) -> int:

@@ -41,13 +41,15 @@ class ClosureRunner:
         self.datasets = datasets
         self.closures_run = 0
 
-    def run(self, closure_id: int, payload: bytes) -> Outcome:
+    def run(self, closure_id: int, payload: bytes, sync_mode: str = "async") -> Outcome:
         """Run the closure in payload; never raises."""
         start = time.perf_counter()
         try:
             fn, args, kwargs = cloudpickle.loads(payload)
-            with ClosureScope(closure_id, self.client, self.datasets) as scope:
+            with ClosureScope(closure_id, self.client, self.datasets, sync_mode) as scope:
                 value = fn(*args, **kwargs)
+                if scope.token is not None:  # its pushes are in: count it towards the step
+                    self.client.step_done(closure_id, scope.token.step, self.datasets.info.worker_id)
             result = cloudpickle.dumps(value)
             versions = tuple((k[0], k[1], v, k[2]) for k, v in scope.versions.items())
         except PsclusterError as exc:

@@ -62,7 +62,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     def RunClosure(self, request: pb.RunClosureRequest, context: grpc.ServicerContext) -> pb.RunClosureReply:
         self.gate.enter()
         try:
-            return outcome_to_pb(self.runner.run(request.closure_id, request.payload))
+            return outcome_to_pb(self.runner.run(request.closure_id, request.payload, request.sync_mode))
         finally:
             self.gate.exit()
 
