@@ -220,3 +220,85 @@ def test_export_is_one_safetensors_file_readable_without_pscluster(client, tmp_p
                          cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]"
+
+
+# -- the bulk tensor port gets the same scrutiny as gRPC ------------------------------------------
+def bulk_exchange(client, ps_index, request, payload=b"", token=TOKEN, raw_prefix=None):
+    """Send one frame to a PS's bulk port; return its BulkReply, or None if the PS hung up silently."""
+    import socket
+    import struct
+
+    port = client.status()[ps_index].bulk_port
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        if token is not None and request is not None:
+            request.token = token
+        header = request.SerializeToString() if request is not None else b"\x08\xff\xff garbage"
+        conn.sendall(raw_prefix or struct.pack("<IQ", len(header), len(payload)))
+        if raw_prefix is None:
+            conn.sendall(header + payload)
+        try:
+            head = conn.recv(12, socket.MSG_WAITALL)
+        except ConnectionResetError:
+            return None
+        if len(head) < 12:
+            return None
+        hlen, _ = struct.unpack("<IQ", head)
+        reply = pb.BulkReply()
+        reply.ParseFromString(conn.recv(hlen, socket.MSG_WAITALL))
+        return reply
+
+
+def bulk_push(var, grad, shape=None, dtype="<f4"):
+    item = pb.PushItem(ref=pb.ShardRef(variable=var), grad=pb.Tensor(dtype=dtype, shape=list(shape or grad.shape)))
+    return pb.BulkRequest(push=pb.PushRequest(items=[item], push_id="bulk-bad")), grad.tobytes()
+
+
+@pytest.mark.parametrize("case", ["no token", "wrong token", "wrong shape", "wrong dtype", "unknown variable",
+                                  "payload shorter than shapes", "nan", "malformed header", "oversized frame"])
+def test_bad_bulk_requests_get_precise_codes_and_change_nothing(cluster, client, case):
+    v = client.create_variable("bulk_target", shape=(4, 2), optimizer=ps.SGD(1.0), initializer="ones")
+    before = _state(client, "bulk_target")
+    ones = np.ones((4, 2), np.float32)
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    kwargs = {}
+    if case == "no token":
+        request, payload = bulk_push("bulk_target", ones)
+        kwargs["token"], code = "", grpc.StatusCode.UNAUTHENTICATED
+    elif case == "wrong token":
+        request, payload = bulk_push("bulk_target", ones)
+        kwargs["token"], code = "nope", grpc.StatusCode.UNAUTHENTICATED
+    elif case == "wrong shape":
+        request, payload = bulk_push("bulk_target", np.ones((2, 4), np.float32))
+    elif case == "wrong dtype":
+        request, payload = bulk_push("bulk_target", np.ones((4, 2), np.float64), dtype="<f8")
+    elif case == "unknown variable":
+        request, payload = bulk_push("nope", ones)
+        code = grpc.StatusCode.NOT_FOUND
+    elif case == "payload shorter than shapes":
+        request, payload = bulk_push("bulk_target", ones, shape=(8, 2))
+    elif case == "nan":
+        request, payload = bulk_push("bulk_target", np.full((4, 2), np.nan, np.float32))
+    elif case == "malformed header":
+        request, payload = None, b""
+    else:
+        import struct
+
+        request, payload = pb.BulkRequest(), b""
+        kwargs["raw_prefix"] = struct.pack("<IQ", 1 << 30, 1 << 62)
+        code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reply = bulk_exchange(client, v.shards[0].ps, request, payload, **kwargs)
+    assert reply is not None and reply.code == code.value[0], reply
+    after = _state(client, "bulk_target")
+    np.testing.assert_array_equal(before[0], after[0])
+    assert before[1] == after[1]
+
+
+def test_bulk_and_grpc_transports_agree(cluster):
+    with ps.PSClient(cluster.settings(bulk_transport=False)) as grpc_client, \
+            ps.PSClient(cluster.settings()) as bulk_client:
+        v = bulk_client.create_variable("both", initial_value=np.arange(12.0).reshape(6, 2),
+                                        partitioner=ps.FixedShardsPartitioner(2), optimizer=ps.SGD(1.0))
+        grpc_client.push([(grpc_client.variables()["both"], np.ones((6, 2)))])
+        bulk_client.push([(v, np.ones((6, 2)))])
+        np.testing.assert_array_equal(grpc_client.pull([v])[0], bulk_client.pull([v])[0])
+        np.testing.assert_array_equal(bulk_client.pull([v])[0], np.arange(12.0).reshape(6, 2) - 2)
