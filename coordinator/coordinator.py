@@ -36,7 +36,7 @@ from pscluster.errors import AbortedError, DeadlineExceededError, PsclusterError
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 from pscluster.variables import Variable
-from pscluster.worker.runner import remote_tuple
+from pscluster.closures import ClosureEncoder
 
 log = logging.getLogger(__name__)
 _STOP = object()
@@ -58,6 +58,7 @@ class ClusterCoordinator:
         self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._values: dict[int, RemoteValue] = {}
         self._payloads: dict[int, bytes] = {}
+        self._encoder = ClosureEncoder()
         self._rpcs: dict[tuple[int, str], grpc.Future] = {}
         self._stubs: dict[str, tuple[grpc.Channel, pb_grpc.WorkerStub]] = {}
         # Closure ids are unique across coordinator restarts: push ids derive from them.
@@ -103,7 +104,7 @@ class ClusterCoordinator:
     def schedule(self, fn: Callable[..., Any], args: tuple[Any, ...] = (),
                  kwargs: dict[str, Any] | None = None) -> RemoteValue:
         """Queue fn(*args, **kwargs) to run on some worker; returns a RemoteValue at once."""
-        return self.schedule_payload(remote_tuple(fn, tuple(args), dict(kwargs or {})))
+        return self.schedule_payload(self._encoder.encode(fn, tuple(args), dict(kwargs or {})))
 
     def schedule_payload(self, payload: bytes) -> RemoteValue:
         """Queue an already-serialized closure (used by the coordinator daemon's clients)."""

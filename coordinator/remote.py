@@ -20,7 +20,7 @@ from pscluster.errors import DeadlineExceededError, FailedPreconditionError
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 from pscluster.variables import Variable
-from pscluster.worker.runner import remote_tuple
+from pscluster.closures import ClosureEncoder
 
 
 class _RemoteValue(RemoteValue):
@@ -51,6 +51,7 @@ class RemoteCoordinator:
         self.settings = settings
         self._channel = rpc.open_channel(settings.cluster.coordinator, settings)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
+        self._encoder = ClosureEncoder()
         self.client = PSClient(settings)
         context.set_default_client(self.client)
 
@@ -69,7 +70,7 @@ class RemoteCoordinator:
     def schedule(self, fn: Callable[..., Any], args: tuple[Any, ...] = (),
                  kwargs: dict[str, Any] | None = None) -> RemoteValue:
         """Submit fn(*args, **kwargs) to the coordinator daemon; returns a RemoteValue."""
-        reply = self._call("Schedule", pb.ScheduleRequest(payload=remote_tuple(fn, tuple(args), dict(kwargs or {}))))
+        reply = self._call("Schedule", pb.ScheduleRequest(payload=self._encoder.encode(fn, tuple(args), dict(kwargs or {}))))
         return _RemoteValue(reply.closure_id, self)
 
     def remote_value(self, closure_id: int) -> RemoteValue:

@@ -311,6 +311,16 @@ class StepReply(_message.Message):
     clocks: _containers.ScalarMap[str, int]
     def __init__(self, global_step: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., mode: _Optional[str] = ..., max_spread: _Optional[int] = ..., clocks: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
+class ClosurePayload(_message.Message):
+    __slots__ = ("digest", "function", "arguments")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    digest: str
+    function: bytes
+    arguments: bytes
+    def __init__(self, digest: _Optional[str] = ..., function: _Optional[bytes] = ..., arguments: _Optional[bytes] = ...) -> None: ...
+
 class RunClosureRequest(_message.Message):
     __slots__ = ("closure_id", "attempt", "payload", "sync_mode")
     CLOSURE_ID_FIELD_NUMBER: _ClassVar[int]

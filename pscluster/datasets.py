@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import cloudpickle
+
 from pscluster import context
 from pscluster.errors import FailedPreconditionError
 
@@ -34,17 +36,25 @@ class PerWorkerDataset:
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
         self.dataset_id = uuid.uuid4().hex
+        self.fn_bytes = cloudpickle.dumps(fn)  # once: the handle travels with every closure
 
     def __iter__(self) -> PerWorkerIterator:
-        return PerWorkerIterator(self.dataset_id, self.fn)
+        return PerWorkerIterator(self.dataset_id, self.fn_bytes)
+
+
+def _iterator(dataset_id: str, fn_bytes: bytes) -> PerWorkerIterator:
+    return PerWorkerIterator(dataset_id, fn_bytes)
 
 
 class PerWorkerIterator:
-    """Handle on the running worker's iterator of a PerWorkerDataset."""
+    """Handle on the running worker's iterator of a PerWorkerDataset (pickles as id + function bytes)."""
 
-    def __init__(self, dataset_id: str, fn: Callable[..., Any]) -> None:
+    def __init__(self, dataset_id: str, fn_bytes: bytes) -> None:
         self.dataset_id = dataset_id
-        self.fn = fn
+        self.fn_bytes = fn_bytes
+
+    def __reduce__(self) -> tuple[Any, tuple[str, bytes]]:
+        return _iterator, (self.dataset_id, self.fn_bytes)
 
     def __iter__(self) -> PerWorkerIterator:
         return self
@@ -53,7 +63,7 @@ class PerWorkerIterator:
         scope = context.current_scope()
         if scope is None or scope.worker is None:
             raise FailedPreconditionError("a per-worker iterator can only be used inside a scheduled closure")
-        return next(scope.worker.iterator(self.dataset_id, self.fn))
+        return next(scope.worker.iterator(self.dataset_id, self.fn_bytes))
 
 
 class _LockedIterator:
@@ -79,11 +89,12 @@ class WorkerDatasets:
         self._iterators: dict[str, _LockedIterator] = {}
         self._lock = threading.Lock()
 
-    def iterator(self, dataset_id: str, fn: Callable[..., Any]) -> Iterator[Any]:
+    def iterator(self, dataset_id: str, fn_bytes: bytes) -> Iterator[Any]:
         """This worker's iterator for dataset_id, built once on first use."""
         with self._lock:
             it = self._iterators.get(dataset_id)
             if it is None:
+                fn = cloudpickle.loads(fn_bytes)
                 takes_ctx = bool(inspect.signature(fn).parameters)
                 it = _LockedIterator(iter(fn(self.info) if takes_ctx else fn()))
                 self._iterators[dataset_id] = it

@@ -12,6 +12,7 @@ from typing import Any
 import cloudpickle
 
 from pscluster.client import PSClient
+from pscluster.closures import FunctionCache
 from pscluster.context import ClosureScope
 from pscluster.datasets import WorkerDatasets
 from pscluster.errors import PsclusterError
@@ -39,13 +40,14 @@ class ClosureRunner:
     def __init__(self, client: PSClient, datasets: WorkerDatasets) -> None:
         self.client = client
         self.datasets = datasets
+        self.functions = FunctionCache()
         self.closures_run = 0
 
     def run(self, closure_id: int, payload: bytes, sync_mode: str = "async") -> Outcome:
         """Run the closure in payload; never raises."""
         start = time.perf_counter()
         try:
-            fn, args, kwargs = cloudpickle.loads(payload)
+            fn, args, kwargs = self.functions.decode(payload)
             with ClosureScope(closure_id, self.client, self.datasets, sync_mode) as scope:
                 value = fn(*args, **kwargs)
                 if scope.token is not None:  # its pushes are in: count it towards the step
@@ -86,6 +88,3 @@ def load_error(pickled: bytes) -> BaseException | None:
     return exc if isinstance(exc, BaseException) else None
 
 
-def remote_tuple(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
-    """Serialize a closure call for the wire."""
-    return cloudpickle.dumps((fn, args, kwargs))
