@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import defaultdict, deque
 import os
 import queue
 import threading
@@ -25,7 +26,7 @@ from typing import Any
 
 import grpc
 
-from pscluster import context, rpc
+from pscluster import context, metrics, rpc
 from pscluster.client import PSClient
 from pscluster.config import Settings, load_settings
 from pscluster.coordinator import scheduler as sch
@@ -77,6 +78,11 @@ class ClusterCoordinator:
         self._ticker = threading.Thread(target=self._tick, name="coordinator-tick", daemon=True)
         self._loop.start()
         self._ticker.start()
+        self._completions: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=512))
+        self.metrics_port = 0
+        if self.settings.metrics_port is not None:
+            self.metrics_port = metrics.serve(metrics.coordinator_registry(self._metrics_snapshot),
+                                              self.settings.bind_host, self.settings.metrics_port)
         self._server: grpc.Server | None = None
         self.port = 0
         if serve:
@@ -184,11 +190,28 @@ class ClusterCoordinator:
     def status(self) -> pb.CoordinatorStatus:
         """Queue, counters and workers, as reported by `pscluster status`."""
         st = self._state
-        workers = [pb.WorkerState(worker_id=w.wid, address=w.address, state=w.state, closures_done=w.done)
+        rates = self.worker_rates()
+        workers = [pb.WorkerState(worker_id=w.wid, address=w.address, state=w.state, closures_done=w.done,
+                                  steps_per_s=rates.get(w.wid, 0.0))
                    for w in list(st.workers.values())]
         return pb.CoordinatorStatus(queued=len(st.queue), running=st.running(), done=st.completed,
                                     retried=st.retried, failed=st.failed, workers=workers,
                                     lost_updates=self.lost_updates)
+
+    def worker_rates(self, window: float = 10.0) -> dict[str, float]:
+        """Closures completed per second by each live worker over the last `window` seconds."""
+        now = time.monotonic()
+        out = {}
+        for w in list(self._state.workers.values()):
+            times = list(self._completions.get(w.wid, ()))
+            out[w.wid] = sum(1 for t in times if now - t <= window) / window
+        return out
+
+    def _metrics_snapshot(self) -> dict[str, Any]:
+        st = self._state
+        return {"queued": len(st.queue), "running": st.running(), "done": st.completed, "retried": st.retried,
+                "failed": st.failed, "workers_alive": self.num_workers(), "lost_updates": self.lost_updates,
+                "rates": self.worker_rates()}
 
     def num_workers(self) -> int:
         """Workers currently registered and alive."""
@@ -354,5 +377,7 @@ class ClusterCoordinator:
             log.warning("closure %d hit an unavailable PS: %s", cid, reply.error.message)
             self._events.put((sch.Finished(cid, wid, "retry"), None))
         else:
+            if not reply.HasField("error"):
+                self._completions[wid].append(time.monotonic())
             outcome = "user_error" if reply.HasField("error") else "ok"
             self._events.put(((sch.Finished(cid, wid, outcome), reply), None))

@@ -15,7 +15,9 @@ def serve(settings: Settings) -> None:
     """Run a coordinator daemon until SIGTERM/SIGINT."""
     coord = ClusterCoordinator(settings, serve=True)
     try:
-        print(f"READY coordinator {settings.bind_host}:{coord.port} global_step={coord.global_step}", flush=True)
+        metrics = f" metrics={coord.metrics_port}" if settings.metrics_port is not None else ""
+        print(f"READY coordinator {settings.bind_host}:{coord.port} global_step={coord.global_step}{metrics}",
+              flush=True)
         wait_for_signal()
     finally:
         coord.shutdown()

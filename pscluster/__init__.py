@@ -22,7 +22,7 @@ from pscluster.variables import Variable, pull, push
 __all__ = [
     "Adagrad", "Adam", "ClosureError", "ClusterCoordinator", "ClusterSpec", "ConfigError",
     "FixedShardsPartitioner", "MaxSizePartitioner", "MinSizePartitioner", "Momentum", "PSClient",
-    "PsclusterError", "RemoteValue", "SGD", "Settings", "Token", "Variable", "load_settings", "pull", "push",
+    "PsclusterError", "RemoteCoordinator", "RemoteValue", "SGD", "Settings", "Token", "Variable", "load_settings", "pull", "push",
     "sync_token", "worker_info",
 ]
 
@@ -33,4 +33,8 @@ def __getattr__(name: str) -> Any:
         from pscluster.coordinator import coordinator
 
         return getattr(coordinator, name)
+    if name == "RemoteCoordinator":
+        from pscluster.coordinator.remote import RemoteCoordinator
+
+        return RemoteCoordinator
     raise AttributeError(f"module 'pscluster' has no attribute {name!r}")

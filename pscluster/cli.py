@@ -17,6 +17,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-file", help="file holding the shared token (else PSCLUSTER_TOKEN)")
     p.add_argument("--bind-host", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port to listen on instead of the cluster spec's")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free port)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -56,7 +57,7 @@ def settings_from_args(args: argparse.Namespace, task_type: str | None) -> Setti
         "port": args.port, "checkpoint_dir": getattr(args, "checkpoint_dir", None),
         "keep_checkpoints": getattr(args, "keep_checkpoints", None),
         "restore": getattr(args, "restore", None) or None, "nan_policy": getattr(args, "nan_policy", None),
-        "token_file": args.token_file,
+        "token_file": args.token_file, "metrics_port": getattr(args, "metrics_port", None),
     }
     return load_settings(args.cluster, overrides=overrides)
 

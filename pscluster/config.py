@@ -82,6 +82,7 @@ class Settings(_Frozen):
     heartbeat_timeout_s: float = Field(default=2.0, gt=0)
     server_threads: int = Field(default=16, ge=2, le=256)
     dedup_window: int = Field(default=1_000_000, ge=1000)
+    metrics_port: int | None = Field(default=None, ge=0, lt=65536)  # serve Prometheus metrics (0: any port)
     bulk_transport: bool = True  # pull/push tensors over the PS's raw TCP port; False: gRPC only
     max_inflight_per_worker: int = Field(default=2, ge=1, le=64)
     no_worker_timeout_s: float | None = Field(default=300.0, gt=0)
@@ -191,6 +192,7 @@ def _from_tf_config(raw: str) -> dict[str, Any]:
 _ENV_FIELDS = {
     "PSCLUSTER_BIND_HOST": "bind_host",
     "PSCLUSTER_ADVERTISE_HOST": "advertise_host",
+    "PSCLUSTER_METRICS_PORT": "metrics_port",
     "PSCLUSTER_CHECKPOINT_DIR": "checkpoint_dir",
     "PSCLUSTER_MAX_MESSAGE_BYTES": "max_message_bytes",
     "PSCLUSTER_NAN_POLICY": "nan_policy",

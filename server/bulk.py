@@ -14,6 +14,7 @@ import logging
 import socket
 import struct
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -154,7 +155,12 @@ class BulkServer:
         except OSError:
             pass
 
+    def _observe(self, op: str, nbytes: int, started: float) -> None:
+        if self.core.metrics is not None:
+            self.core.metrics.observe(op, "bulk", nbytes, started)
+
     def _push(self, conn: socket.socket, req: pb.PushRequest, payload_len: int, scratch: np.ndarray) -> None:
+        started = time.perf_counter()
         buf = scratch[:payload_len] if payload_len <= REUSE_BYTES else np.empty(payload_len, np.uint8)
         recv_into(conn, memoryview(buf))
         try:
@@ -181,12 +187,14 @@ class BulkServer:
         finally:
             items = []
             del buf  # a large one-off buffer goes back to the OS before the reply, not after
+        self._observe("push", payload_len, started)
         reply = pb.BulkReply(push=pb.PushReply(versions=[r.version for r in results],
                                                applied=[r.applied for r in results],
                                                incarnation=self.core.incarnation))
         send_frame(conn, reply.SerializeToString(), 0)
 
     def _pull(self, conn: socket.socket, req: pb.PullRequest, payload_len: int) -> None:
+        started = time.perf_counter()
         if payload_len:
             recv_exact(conn, payload_len)  # a pull carries no payload; drop it
             self._reply_error(conn, InvalidArgumentError("a pull request carries no payload"))
@@ -220,6 +228,7 @@ class BulkServer:
             for start in range(0, flat.size, CHUNK):
                 with shard.lock:  # type: ignore[attr-defined]
                     conn.sendall(flat[start:start + CHUNK])
+        self._observe("pull", total, started)
 
 
 STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}

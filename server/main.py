@@ -10,6 +10,8 @@ import grpc
 
 from pscluster import rpc
 from pscluster.config import Settings
+from pscluster.metrics import PsMetrics
+from pscluster.metrics import serve as metrics_serve
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 from pscluster.server.bulk import BulkServer
 from pscluster.server.ps import ParameterServerCore
@@ -26,7 +28,9 @@ def start(settings: Settings) -> tuple[grpc.Server, int, ParameterServerCore]:
         settings.task_index, len(settings.cluster.ps), nan_policy=settings.nan_policy,
         checkpoint_dir=settings.checkpoint_dir, keep_checkpoints=settings.keep_checkpoints,
         dedup_window=settings.dedup_window)
-    sync_replicas.attach(core)
+    sync = sync_replicas.attach(core)
+    core.metrics = PsMetrics(lambda: len(core.store.shards()), core.total_bytes, lambda: core.global_step,
+                             lambda: sync.dropped)
     if settings.restore:
         core.restore()
     bulk = None
@@ -60,8 +64,10 @@ def serve(settings: Settings) -> None:
     """Run a PS daemon until SIGTERM/SIGINT."""
     server, port, core = start(settings)
     try:
-        print(f"READY ps {settings.task_index} {settings.bind_host}:{port} restored_step={core.restored_step}",
-              flush=True)
+        metrics = "" if settings.metrics_port is None else \
+            f" metrics={metrics_serve(core.metrics.registry, settings.bind_host, settings.metrics_port)}"
+        print(f"READY ps {settings.task_index} {settings.bind_host}:{port} restored_step={core.restored_step}"
+              f"{metrics}", flush=True)
         wait_for_signal()
         log.info("ps %d: stopping", settings.task_index)
     finally:

@@ -36,6 +36,7 @@ class ParameterServerCore:
         self._save_lock = threading.Lock()
         self.sync: Any = None  # a SyncReplicas, installed by sync_replicas.attach()
         self.bulk_port = 0
+        self.metrics: Any = None  # a PsMetrics, installed by main.start()
 
     def restore(self) -> int:
         """Load the newest complete checkpoint into the store; returns its step or -1."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -45,13 +46,21 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             for s in self.core.store.shards()])
 
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> pb.PullReply:
+        started = time.perf_counter()
         out = self.core.pull([(_key(i.ref), _ids(i.ids, i.HasField("ids"))) for i in request.items])
+        self._observe("pull", sum(a.nbytes for a, _ in out), started)
         return pb.PullReply(tensors=[codec.encode(a) for a, _ in out], versions=[v for _, v in out])
 
+    def _observe(self, op: str, nbytes: int, started: float) -> None:
+        if self.core.metrics is not None:
+            self.core.metrics.observe(op, "grpc", nbytes, started)
+
     def Push(self, request: pb.PushRequest, context: grpc.ServicerContext) -> pb.PushReply:
+        started = time.perf_counter()
         items = [PushItem(_key(i.ref), codec.decode(i.grad, i.ref.variable), _ids(i.ids, i.HasField("ids")))
                  for i in request.items]
         results = self.core.push(request.push_id, request.step, items)
+        self._observe("push", sum(i.grad.nbytes for i in items), started)
         return pb.PushReply(versions=[r.version for r in results], applied=[r.applied for r in results],
                             incarnation=self.core.incarnation)
 

@@ -15,6 +15,7 @@ from pscluster.client import PSClient
 from pscluster.config import Settings
 from pscluster.datasets import WorkerDatasets, WorkerInfo
 from pscluster.errors import PsclusterError
+from pscluster.metrics import serve as metrics_serve
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 from pscluster.worker.runner import ClosureRunner
@@ -101,7 +102,9 @@ def serve(settings: Settings) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    print(f"READY worker {servicer.worker_id} {advertised}", flush=True)
+    metrics = "" if settings.metrics_port is None else \
+        f" metrics={metrics_serve(servicer.runner.metrics.registry, settings.bind_host, settings.metrics_port)}"
+    print(f"READY worker {servicer.worker_id} {advertised}{metrics}", flush=True)
     try:
         stop.wait()
         log.info("worker %s: stopping; draining closures for up to %.1f s", servicer.worker_id,

@@ -13,6 +13,7 @@ import cloudpickle
 
 from pscluster.client import PSClient
 from pscluster.closures import FunctionCache
+from pscluster.metrics import WorkerMetrics
 from pscluster.context import ClosureScope
 from pscluster.datasets import WorkerDatasets
 from pscluster.errors import PsclusterError
@@ -42,9 +43,17 @@ class ClosureRunner:
         self.datasets = datasets
         self.functions = FunctionCache()
         self.closures_run = 0
+        self.metrics = WorkerMetrics()
 
     def run(self, closure_id: int, payload: bytes, sync_mode: str = "async") -> Outcome:
         """Run the closure in payload; never raises."""
+        outcome = self._run(closure_id, payload, sync_mode)
+        kind = "retryable" if outcome.retryable else "error" if outcome.error_type else "ok"
+        self.metrics.closures.labels(kind).inc()
+        self.metrics.latency.observe(outcome.seconds)
+        return outcome
+
+    def _run(self, closure_id: int, payload: bytes, sync_mode: str) -> Outcome:
         start = time.perf_counter()
         try:
             fn, args, kwargs = self.functions.decode(payload)

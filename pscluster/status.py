@@ -1,0 +1,95 @@
+"""`pscluster status`: the live cluster as tables: PS tasks and their shards, workers, the queue."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rich.console import Console
+from rich.table import Table
+
+from pscluster import rpc
+from pscluster.config import Settings
+from pscluster.errors import PsclusterError
+from pscluster.proto import pscluster_pb2 as pb
+from pscluster.proto import pscluster_pb2_grpc as pb_grpc
+
+
+@dataclass
+class ClusterStatus:
+    """What `status` found; None entries did not answer."""
+
+    ps: list[tuple[str, pb.PsStatus | None, list[pb.ShardInfo]]] = field(default_factory=list)
+    coordinator: pb.CoordinatorStatus | None = None
+    coordinator_error: str = ""
+
+
+def gather(settings: Settings, timeout: float = 3.0) -> ClusterStatus:
+    """Ask every PS task and the coordinator (if the spec names one) for their state."""
+    out = ClusterStatus()
+    for address in settings.cluster.ps:
+        channel = rpc.open_channel(address, settings)
+        stub = pb_grpc.ParameterServerStub(channel)
+        try:
+            status = rpc.call(stub.Status, pb.PsStatusRequest(), timeout=timeout)
+            shards = list(rpc.call(stub.ListShards, pb.ListShardsRequest(), timeout=timeout).shards)
+            out.ps.append((address, status, shards))
+        except PsclusterError:
+            out.ps.append((address, None, []))
+        finally:
+            channel.close()
+    if settings.cluster.coordinator:
+        channel = rpc.open_channel(settings.cluster.coordinator, settings)
+        try:
+            out.coordinator = rpc.call(pb_grpc.CoordinatorStub(channel).Status, pb.CoordinatorStatusRequest(),
+                                       timeout=timeout)
+        except PsclusterError as exc:
+            out.coordinator_error = str(exc)
+        finally:
+            channel.close()
+    return out
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
+
+
+def render(status: ClusterStatus, console: Console) -> None:
+    """Print the tables."""
+    ps_table = Table(title="parameter servers")
+    for col in ("ps", "address", "state", "global step", "restored step", "shards", "held", "stale dropped"):
+        ps_table.add_column(col)
+    var_table = Table(title="variables")
+    for col in ("variable", "shard", "ps", "shape", "dtype", "optimizer", "version"):
+        var_table.add_column(col)
+    for i, (address, st, shards) in enumerate(status.ps):
+        if st is None:
+            ps_table.add_row(str(i), address, "[red]unreachable", "", "", "", "", "")
+            continue
+        ps_table.add_row(str(i), address, "[green]up", str(st.global_step),
+                         str(st.restored_step) if st.restored_step >= 0 else "-", str(st.num_shards),
+                         _mib(st.total_bytes), str(st.dropped_stale))
+        for info in shards:
+            s = info.spec
+            var_table.add_row(s.variable, f"{s.shard_index + 1}/{s.num_shards}", str(i), str(tuple(s.shape)),
+                              s.dtype, s.optimizer.kind + (" sparse" if s.sparse else ""), str(info.version))
+    console.print(ps_table)
+    console.print(var_table)
+    if status.coordinator is not None:
+        c = status.coordinator
+        console.print(f"coordinator: {c.queued} queued, {c.running} running, {c.done} done, {c.retried} retried, "
+                      f"{c.failed} failed, {c.lost_updates} updates lost to PS restarts")
+        workers = Table(title="workers")
+        for col in ("worker", "address", "state", "closures done", "steps/s (10 s)"):
+            workers.add_column(col)
+        for w in sorted(c.workers, key=lambda w: w.address):
+            workers.add_row(w.worker_id, w.address, w.state, str(w.closures_done), f"{w.steps_per_s:.1f}")
+        console.print(workers)
+    elif status.coordinator_error:
+        console.print(f"[yellow]coordinator unreachable: {status.coordinator_error}")
+
+
+def show(settings: Settings, console: Console | None = None) -> int:
+    """Gather and print; exit code 1 when a PS task is unreachable."""
+    status = gather(settings)
+    render(status, console or Console())
+    return 0 if all(st is not None for _, st, _ in status.ps) else 1
