@@ -1,0 +1,79 @@
+"""pscluster on a real local Ray runtime, kept on loopback: train, kill a worker actor, exact counter."""
+
+import os
+import re
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+import pscluster as ps
+
+# Read by Ray at import time: with _node_ip_address below it keeps every Ray component on loopback.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+import ray  # noqa: E402 - after the environment above; part of the dev install
+pytestmark = pytest.mark.cluster
+
+
+def listening():
+    """(address, process) of every listening TCP socket on this machine."""
+    out = subprocess.run(["ss", "-tlnpH"], capture_output=True, text=True, check=True).stdout
+    found = set()
+    for line in out.splitlines():
+        fields = line.split()
+        proc = re.search(r'\(\("([^"]+)",pid=(\d+)', line)
+        found.add((fields[3], proc.group(1) + ":" + proc.group(2) if proc else "?"))
+    return found
+
+
+def is_loopback(address):
+    host = address.rpartition(":")[0].strip("[]")
+    return host in ("127.0.0.1", "::1", "::ffff:127.0.0.1") or host.startswith("127.")
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    before = listening()
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+             configure_logging=False)
+    try:
+        yield before
+    finally:
+        ray.shutdown()
+
+
+def counter_step(counter):
+    time.sleep(0.01)
+    counter.push(np.array(-1, np.int64))
+    return 1
+
+
+def test_train_on_ray_kill_a_worker_actor_counter_is_exact_and_all_on_loopback(local_ray):
+    from pscluster.ray_launcher import RayCluster
+
+    cluster = RayCluster(num_ps=2, num_workers=2).start()
+    coord = ps.ClusterCoordinator(cluster.settings())
+    try:
+        coord.wait_for_workers(2, timeout=60)
+        counter = coord.create_variable("counter", shape=(), dtype="int64", optimizer=ps.SGD(1.0))
+        w = coord.create_variable("w", initial_value=np.zeros((8, 2), np.float32),
+                                  partitioner=ps.FixedShardsPartitioner(2), optimizer=ps.SGD(0.5))
+        assert {pl.ps for pl in w.shards} == {0, 1}
+        values = [coord.schedule(counter_step, args=(counter,)) for _ in range(200)]
+        while coord.status().done < 60:
+            time.sleep(0.01)
+        victim = cluster.workers[0]
+        old_pid = ray.get(victim.pid.remote())
+        ray.kill(victim, no_restart=False)  # Ray restarts the actor; it registers again
+        coord.join(timeout=120)
+        assert int(counter.pull()) == 200 and sum(coord.fetch(values)) == 200
+        assert ray.get(victim.pid.remote(), timeout=60) != old_pid
+        coord.wait_for_workers(2, timeout=60)
+        new = listening() - local_ray
+        assert new, "Ray and pscluster listen somewhere"
+        beyond = [(a, p) for a, p in new if not is_loopback(a)]
+        assert not beyond, f"listening beyond loopback: {beyond}"
+    finally:
+        coord.shutdown()
+        cluster.stop()
