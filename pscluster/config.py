@@ -193,6 +193,7 @@ _ENV_FIELDS = {
     "PSCLUSTER_BIND_HOST": "bind_host",
     "PSCLUSTER_ADVERTISE_HOST": "advertise_host",
     "PSCLUSTER_METRICS_PORT": "metrics_port",
+    "PSCLUSTER_TASK_INDEX": "task_index",
     "PSCLUSTER_CHECKPOINT_DIR": "checkpoint_dir",
     "PSCLUSTER_MAX_MESSAGE_BYTES": "max_message_bytes",
     "PSCLUSTER_NAN_POLICY": "nan_policy",
