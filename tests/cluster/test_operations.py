@@ -115,3 +115,14 @@ def test_up_runs_a_supervised_cluster_and_leaves_nothing_behind(tmp_path):
         proc.stdout.close()
     for pid in children + children_after:
         assert not os.path.exists(f"/proc/{pid}"), f"pid {pid} outlived pscluster up"
+
+
+def test_tensorflow_guide_examples_run():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, os.path.join(root, "examples", "from_tensorflow.py")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for section in ("ParameterServerStrategy:", "ClusterCoordinator:", "SyncReplicasOptimizer: 5 global steps",
+                    "replica_device_setter:", "TF_CONFIG: task coordinator"):
+        assert section in out.stdout, section
+    assert "w = [7.5 7.5]" in out.stdout  # five steps of mean(1, 2) with lr 1
