@@ -30,9 +30,11 @@ from pscluster import context, metrics, rpc
 from pscluster.client import PSClient
 from pscluster.config import Settings, load_settings
 from pscluster.coordinator import scheduler as sch
+from pscluster.coordinator.dispatch import FramedDispatcher
 from pscluster.coordinator.ps_monitor import PsMonitor
 from pscluster.coordinator.values import RemoteValue
 from pscluster.datasets import PerWorkerDataset
+from pscluster.framing import STATUS_BY_VALUE
 from pscluster.errors import AbortedError, DeadlineExceededError, PsclusterError, UnavailableError
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
@@ -61,6 +63,8 @@ class ClusterCoordinator:
         self._payloads: dict[int, bytes] = {}
         self._encoder = ClosureEncoder()
         self._rpcs: dict[tuple[int, str], grpc.Future] = {}
+        self._closure_addresses: dict[str, str] = {}
+        self._dispatcher = FramedDispatcher(self.settings.token_value(), self._framed_reply, self._framed_failure)
         self._stubs: dict[str, tuple[grpc.Channel, pb_grpc.WorkerStub]] = {}
         # Closure ids are unique across coordinator restarts: push ids derive from them.
         self._ids = itertools.count((int.from_bytes(os.urandom(3), "little") << 32) + 1)
@@ -160,8 +164,10 @@ class ClusterCoordinator:
         """
         self.join()
         r = replicas_to_aggregate or max(1, self.num_workers())
-        step = self.client.configure_sync(mode, r, total_num_replicas or r, staleness)
+        n = total_num_replicas or r
+        step = self.client.configure_sync(mode, r, n, staleness)
         self.sync_mode = mode
+        self._events.put((sch.SetConcurrency(n if mode == "sync" else None), None))
         return step
 
     def sync_stats(self) -> dict[str, float]:
@@ -236,6 +242,7 @@ class ClusterCoordinator:
             self._server.stop(grace=0.5).wait()
         for channel, _ in list(self._stubs.values()):
             channel.close()
+        self._dispatcher.close()
         self.client.close()
         context.set_default_client(None)
 
@@ -246,8 +253,10 @@ class ClusterCoordinator:
         self.shutdown()
 
     # -- entry points for the servicer -------------------------------------------------------------
-    def register(self, worker_id: str, address: str, timeout: float = 5.0) -> int:
+    def register(self, worker_id: str, address: str, closure_port: int = 0, timeout: float = 5.0) -> int:
         """Register a worker (or refresh it); returns its index."""
+        if closure_port and self.settings.bulk_transport:
+            self._closure_addresses[worker_id] = f"{address.rpartition(':')[0]}:{closure_port}"
         reply: Future[list[sch.Action]] = Future()
         self._events.put((sch.Register(worker_id, address), reply))
         for action in reply.result(timeout):
@@ -321,12 +330,15 @@ class ClusterCoordinator:
             fut = self._rpcs.pop((action.cid, action.wid), None)
             if fut is not None:
                 fut.cancel()
+            self._dispatcher.abandon(action.cid, action.wid)
         elif isinstance(action, sch.WorkerGone):
             self.known_workers.discard(action.wid)
             log.warning("%s; closures %s rescheduled", action.reason, list(action.rescheduled) or "none")
             entry = self._stubs.pop(action.address, None)
             if entry is not None:
                 entry[0].close()
+            self._dispatcher.forget(action.wid)
+            self._closure_addresses.pop(action.wid, None)
         elif isinstance(action, sch.Registered):
             if action.wid not in self.known_workers:
                 log.info("worker %d (%s) joined", action.index, action.wid)
@@ -351,13 +363,17 @@ class ClusterCoordinator:
             raise pending[1]
 
     def _dispatch(self, action: sch.Dispatch) -> None:
+        request = pb.RunClosureRequest(closure_id=action.cid, attempt=action.attempt,
+                                       payload=self._payloads[action.cid], sync_mode=self.sync_mode)
+        framed = self._closure_addresses.get(action.wid)
+        if framed is not None:
+            self._dispatcher.dispatch(action.wid, framed, request)
+            return
         entry = self._stubs.get(action.address)
         if entry is None:
             channel = rpc.open_channel(action.address, self.settings)
             entry = (channel, pb_grpc.WorkerStub(channel))
             self._stubs[action.address] = entry
-        request = pb.RunClosureRequest(closure_id=action.cid, attempt=action.attempt,
-                                       payload=self._payloads[action.cid], sync_mode=self.sync_mode)
         fut = entry[1].RunClosure.future(request, timeout=self.settings.rpc_timeout_s * 100)
         self._rpcs[(action.cid, action.wid)] = fut
         fut.add_done_callback(lambda f, cid=action.cid, wid=action.wid: self._completed(cid, wid, f))
@@ -373,6 +389,18 @@ class ClusterCoordinator:
             return
         finally:
             self._rpcs.pop((cid, wid), None)
+        self._closure_reply(cid, wid, reply)
+
+    def _framed_reply(self, cid: int, wid: str, reply: pb.BulkReply) -> None:
+        if reply.code:
+            self._framed_failure(cid, wid, f"refused a closure ({STATUS_BY_VALUE.get(reply.code)}: {reply.message})")
+        else:
+            self._closure_reply(cid, wid, reply.closure)
+
+    def _framed_failure(self, cid: int, wid: str, reason: str) -> None:
+        self._events.put((sch.TransportFailed(cid, wid, reason), None))
+
+    def _closure_reply(self, cid: int, wid: str, reply: pb.RunClosureReply) -> None:
         if reply.retryable:
             log.warning("closure %d hit an unavailable PS: %s", cid, reply.error.message)
             self._events.put((sch.Finished(cid, wid, "retry"), None))

@@ -55,6 +55,7 @@ class SchedulerState:
     workers: dict[str, WorkerRec] = field(default_factory=dict)
     next_index: int = 0
     paused: bool = False  # a PS is down: dispatch nothing until it is back
+    max_running: int | None = None  # sync mode: at most N (total_num_replicas) closures at once
     error_cid: int | None = None  # first closure that raised, until join reports it
     no_worker_since: float | None = None
     retried: int = 0
@@ -126,11 +127,24 @@ class PsUp:
 
 
 @dataclass(frozen=True)
+class SetConcurrency:
+    """Cap the closures running at once (None: no cap beyond max_inflight per worker).
+
+    In sync mode a closure beyond N could only hold a worker slot while it waits for the next step's
+    token; if a token holder dies, its rescheduled closure would then find no free slot and the step
+    could never complete. Capping at N leaves a slot for it.
+    """
+
+    limit: int | None
+
+
+@dataclass(frozen=True)
 class ErrorReported:
     """join() raised the pending user error; scheduling may go on."""
 
 
-Event = Submit | Register | Heartbeat | Leave | Finished | TransportFailed | Tick | PsDown | PsUp | ErrorReported
+Event = (Submit | Register | Heartbeat | Leave | Finished | TransportFailed | Tick | PsDown | PsUp
+         | SetConcurrency | ErrorReported)
 
 
 # -- actions -----------------------------------------------------------------------------------
@@ -233,6 +247,8 @@ def decide(state: SchedulerState, event: Event, now: float) -> list[Action]:
         state.paused = True
     elif isinstance(event, PsUp):
         state.paused = False
+    elif isinstance(event, SetConcurrency):
+        state.max_running = event.limit
     elif isinstance(event, ErrorReported):
         state.error_cid = None
     return actions + _dispatch(state)
@@ -339,11 +355,12 @@ def _dispatch(state: SchedulerState) -> list[Action]:
     # Least-loaded first, so a new worker picks up work at once and stragglers get less.
     workers = sorted((w for w in state.workers.values() if w.state == "alive"),
                      key=lambda w: (len(w.inflight), w.index))
+    budget = None if state.max_running is None else state.max_running - state.running()
     progress = True
-    while state.queue and progress:
+    while state.queue and progress and (budget is None or budget > 0):
         progress = False
         for worker in workers:
-            if not state.queue:
+            if not state.queue or (budget is not None and budget <= 0):
                 break
             if len(worker.inflight) >= state.max_inflight:
                 continue
@@ -355,4 +372,6 @@ def _dispatch(state: SchedulerState) -> list[Action]:
             worker.inflight.add(cid)
             actions.append(Dispatch(cid, worker.wid, worker.address, rec.attempts))
             progress = True
+            if budget is not None:
+                budget -= 1
     return actions

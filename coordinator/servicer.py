@@ -40,7 +40,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.coordinator = coordinator
 
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterReply:
-        index = self.coordinator.register(request.worker_id, request.address)
+        index = self.coordinator.register(request.worker_id, request.address, request.closure_port)
         return pb.RegisterReply(worker_index=index,
                                 heartbeat_interval_s=self.coordinator.settings.heartbeat_interval_s)
 

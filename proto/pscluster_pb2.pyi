@@ -219,26 +219,30 @@ class PsStatus(_message.Message):
     def __init__(self, ps_index: _Optional[int] = ..., num_ps: _Optional[int] = ..., global_step: _Optional[int] = ..., restored_step: _Optional[int] = ..., num_shards: _Optional[int] = ..., total_bytes: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., incarnation: _Optional[int] = ..., bulk_port: _Optional[int] = ...) -> None: ...
 
 class BulkRequest(_message.Message):
-    __slots__ = ("token", "pull", "push")
+    __slots__ = ("token", "pull", "push", "closure")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     PULL_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
+    CLOSURE_FIELD_NUMBER: _ClassVar[int]
     token: str
     pull: PullRequest
     push: PushRequest
-    def __init__(self, token: _Optional[str] = ..., pull: _Optional[_Union[PullRequest, _Mapping]] = ..., push: _Optional[_Union[PushRequest, _Mapping]] = ...) -> None: ...
+    closure: RunClosureRequest
+    def __init__(self, token: _Optional[str] = ..., pull: _Optional[_Union[PullRequest, _Mapping]] = ..., push: _Optional[_Union[PushRequest, _Mapping]] = ..., closure: _Optional[_Union[RunClosureRequest, _Mapping]] = ...) -> None: ...
 
 class BulkReply(_message.Message):
-    __slots__ = ("code", "message", "pull", "push")
+    __slots__ = ("code", "message", "pull", "push", "closure")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     PULL_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
+    CLOSURE_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
     pull: PullReply
     push: PushReply
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., pull: _Optional[_Union[PullReply, _Mapping]] = ..., push: _Optional[_Union[PushReply, _Mapping]] = ...) -> None: ...
+    closure: RunClosureReply
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., pull: _Optional[_Union[PullReply, _Mapping]] = ..., push: _Optional[_Union[PushReply, _Mapping]] = ..., closure: _Optional[_Union[RunClosureReply, _Mapping]] = ...) -> None: ...
 
 class SyncConfigRequest(_message.Message):
     __slots__ = ("mode", "replicas_to_aggregate", "total_num_replicas", "staleness")
@@ -384,12 +388,14 @@ class PingReply(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., closures_run: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_id", "address")
+    __slots__ = ("worker_id", "address", "closure_port")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CLOSURE_PORT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+    closure_port: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., closure_port: _Optional[int] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("worker_index", "heartbeat_interval_s")

@@ -18,7 +18,7 @@ import numpy as np
 
 from pscluster.errors import InternalError, UnavailableError, from_status
 from pscluster.proto import pscluster_pb2 as pb
-from pscluster.server.bulk import PREFIX, STATUS_BY_VALUE, recv_exact, recv_into, send_frame
+from pscluster.framing import PREFIX, STATUS_BY_VALUE, recv_exact, recv_into, send_frame
 
 THREADED_BYTES = 2 << 20
 

@@ -49,7 +49,8 @@ class _DaemonActor:
 
             self.server, self.port, servicer = start_worker(self.settings)
             address = f"{self.settings.advertise_host or self.settings.bind_host}:{self.port}"
-            self.heart = Heartbeater(self.settings, servicer.worker_id, address, servicer.runner.datasets)
+            self.heart = Heartbeater(self.settings, servicer.worker_id, address, servicer.runner.datasets,
+                                     servicer.closure_port)
             self.heart.start()
 
     def address(self) -> str:

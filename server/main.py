@@ -13,7 +13,7 @@ from pscluster.config import Settings
 from pscluster.metrics import PsMetrics
 from pscluster.metrics import serve as metrics_serve
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
-from pscluster.server.bulk import BulkServer
+from pscluster.server.bulk import BulkHandlers
 from pscluster.server.ps import ParameterServerCore
 from pscluster.server.servicer import ParameterServerServicer
 
@@ -35,7 +35,8 @@ def start(settings: Settings) -> tuple[grpc.Server, int, ParameterServerCore]:
         core.restore()
     bulk = None
     if settings.bulk_transport:
-        bulk = BulkServer(core, settings.bind_host, settings.token_value(), settings.max_message_bytes).start()
+        bulk = BulkHandlers(core).server(settings.bind_host, settings.token_value(),
+                                         settings.max_message_bytes).start()
         core.bulk_port = bulk.port
     servicer = ParameterServerServicer(core, settings.chunk_bytes)
     server, port = rpc.create_server(

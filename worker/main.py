@@ -19,6 +19,7 @@ from pscluster.metrics import serve as metrics_serve
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 from pscluster.worker.runner import ClosureRunner
+from pscluster.worker.frames import closure_server
 from pscluster.worker.servicer import InflightGate, WorkerServicer
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,8 @@ log = logging.getLogger(__name__)
 class Heartbeater:
     """Registers with the coordinator and heartbeats every interval; re-registers when forgotten."""
 
-    def __init__(self, settings: Settings, worker_id: str, address: str, on_index: WorkerDatasets) -> None:
+    def __init__(self, settings: Settings, worker_id: str, address: str, on_index: WorkerDatasets,
+                 closure_port: int = 0) -> None:
         assert settings.cluster.coordinator is not None
         self._channel = rpc.open_channel(settings.cluster.coordinator, settings)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
@@ -35,6 +37,7 @@ class Heartbeater:
         self._worker_id = worker_id
         self._address = address
         self._datasets = on_index
+        self._closure_port = closure_port
         self._stop = threading.Event()
         self._registered = False
         self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
@@ -44,7 +47,8 @@ class Heartbeater:
         self._thread.start()
 
     def _register(self) -> None:
-        reply = rpc.call(self._stub.Register, pb.RegisterRequest(worker_id=self._worker_id, address=self._address),
+        reply = rpc.call(self._stub.Register, pb.RegisterRequest(worker_id=self._worker_id, address=self._address,
+                                                                 closure_port=self._closure_port),
                          timeout=2.0, what="register with coordinator")
         self._datasets.info = WorkerInfo(self._worker_id, reply.worker_index)
         self._registered = True
@@ -78,7 +82,7 @@ class Heartbeater:
 
 
 def start(settings: Settings) -> tuple[grpc.Server, int, WorkerServicer]:
-    """Start the worker's gRPC server; returns (server, port, servicer)."""
+    """Start the worker's gRPC server (and its framed closure port); returns (server, port, servicer)."""
     worker_id = f"{socket.gethostname()}-{os.getpid()}-{os.urandom(2).hex()}"
     client = PSClient(settings, retry_for=1.0)
     context.set_default_client(client)
@@ -88,6 +92,17 @@ def start(settings: Settings) -> tuple[grpc.Server, int, WorkerServicer]:
         else f"{settings.bind_host}:{settings.port or 0}"
     server, port = rpc.create_server(settings, lambda s: pb_grpc.add_WorkerServicer_to_server(servicer, s),
                                      address=address, name="worker")
+    if settings.bulk_transport:
+        frames = closure_server(servicer, settings.bind_host, settings.token_value(),
+                                settings.max_message_bytes).start()
+        servicer.closure_port = frames.port
+        _stop = server.stop
+
+        def stop(grace: float | None) -> threading.Event:  # the closure port goes down with the server
+            frames.stop()
+            return _stop(grace)
+
+        server.stop = stop  # type: ignore[method-assign]
     return server, port, servicer
 
 
@@ -97,7 +112,8 @@ def serve(settings: Settings) -> None:
     advertised = f"{settings.advertise_host or settings.bind_host}:{port}"
     heart = None
     if settings.cluster.coordinator:
-        heart = Heartbeater(settings, servicer.worker_id, advertised, servicer.runner.datasets)
+        heart = Heartbeater(settings, servicer.worker_id, advertised, servicer.runner.datasets,
+                            servicer.closure_port)
         heart.start()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -58,6 +58,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.runner = runner
         self.worker_id = worker_id
         self.gate = gate
+        self.closure_port = 0  # set when the framed closure port is up
 
     def RunClosure(self, request: pb.RunClosureRequest, context: grpc.ServicerContext) -> pb.RunClosureReply:
         self.gate.enter()

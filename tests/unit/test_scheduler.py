@@ -151,3 +151,17 @@ def test_closure_that_keeps_losing_workers_fails_after_max_attempts():
         actions = sch.decide(state, sch.TransportFailed(1, wid, "killed"), float(n) + 0.5)
     assert [f.cid for f in kinds(actions, sch.FailUnscheduled)] == [1]
     assert state.closures[1].state == "failed"
+
+
+def test_sync_concurrency_cap_leaves_a_slot_for_a_rescheduled_token_holder():
+    state = with_workers(fresh(max_inflight=2), "a", "b", "c")
+    sch.decide(state, sch.SetConcurrency(3), 0.0)
+    dispatched = []
+    for cid in range(1, 10):
+        dispatched += kinds(sch.decide(state, sch.Submit(cid), 0.1), sch.Dispatch)
+    assert len(dispatched) == 3 and state.running() == 3  # N closures, not 3 workers x 2 slots
+    # the token holder on a dies: its closure is requeued first and dispatched at once
+    actions = sch.decide(state, sch.TransportFailed(dispatched[0].cid, dispatched[0].wid, "killed"), 0.2)
+    assert [d.cid for d in kinds(actions, sch.Dispatch)] == [dispatched[0].cid]
+    lifted = kinds(sch.decide(state, sch.SetConcurrency(None), 0.3), sch.Dispatch)
+    assert len(lifted) == 1 and state.running() == 4  # no cap: both live workers fill their 2 slots

@@ -1,0 +1,156 @@
+"""Framed TCP transport shared by the bulk tensor path (PS) and closure dispatch (workers).
+
+A frame is `<u32 header length><u64 payload length><header><payload>`; headers are BulkRequest /
+BulkReply messages. `FrameServer` owns the listener and one named thread per connection, enforces the
+size limits, and authenticates the first frame of each connection with the cluster token; a handler
+serves each request (reading its payload and writing the reply).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from pscluster.errors import InvalidArgumentError, PsclusterError, ResourceExhaustedError, UnauthenticatedError
+from pscluster.proto import pscluster_pb2 as pb
+
+log = logging.getLogger(__name__)
+PREFIX = struct.Struct("<IQ")
+STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
+
+# handler(conn, request, payload_len, per-connection state) serves one request
+Handler = Callable[[socket.socket, pb.BulkRequest, int, dict[str, Any]], None]
+
+
+def recv_exact(conn: socket.socket, n: int) -> bytes:
+    """n bytes from conn, or ConnectionError at EOF."""
+    buf = bytearray(n)
+    recv_into(conn, memoryview(buf))
+    return bytes(buf)
+
+
+def recv_into(conn: socket.socket, target: memoryview) -> None:
+    """Fill target from conn, or ConnectionError at EOF."""
+    got = 0
+    n = len(target)
+    while got < n:
+        k = conn.recv_into(target[got:], n - got)
+        if k == 0:
+            raise ConnectionError("connection closed")
+        got += k
+
+
+def send_frame(conn: socket.socket, header: bytes, payload_len: int = 0) -> None:
+    """Send the prefix and header of a frame; the caller sends payload_len bytes after it."""
+    conn.sendall(PREFIX.pack(len(header), payload_len) + header)
+
+
+def read_reply(conn: socket.socket) -> tuple[pb.BulkReply, int]:
+    """The next reply header on conn and the length of the payload that follows it."""
+    header_len, payload_len = PREFIX.unpack(recv_exact(conn, PREFIX.size))
+    reply = pb.BulkReply()
+    reply.ParseFromString(recv_exact(conn, header_len))
+    return reply, payload_len
+
+
+def reply_error(conn: socket.socket, err: PsclusterError) -> None:
+    """Answer a request with err's status code and message."""
+    try:
+        send_frame(conn, pb.BulkReply(code=err.code.value[0], message=str(err)).SerializeToString())
+    except OSError:
+        pass
+
+
+class FrameServer:
+    """Accepts framed connections and hands each request to `handlers[kind]` until stop()."""
+
+    def __init__(self, host: str, token: str | None, handlers: dict[str, Handler], max_header_bytes: int,
+                 max_payload_bytes: int = 1 << 36, max_connections: int = 128, name: str = "frames") -> None:
+        self._token = token.encode() if token else None
+        self._handlers = handlers
+        self._max_header = max_header_bytes
+        self._max_payload = max_payload_bytes
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._listener = socket.create_server((host, 0))
+        self.port = int(self._listener.getsockname()[1])
+        self._name = name
+        self._stop = threading.Event()
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._accept, name=f"{name}-accept", daemon=True)
+
+    def start(self) -> FrameServer:
+        """Start accepting connections."""
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Close the listener and every connection; join the accept thread."""
+        self._stop.set()
+        self._listener.close()
+        with self._lock:
+            for conn in list(self._conns):
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        self._thread.join(timeout=2)
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            if not self._slots.acquire(blocking=False):
+                reply_error(conn, ResourceExhaustedError(f"too many {self._name} connections"))
+                conn.close()
+                continue
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name=f"{self._name}-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        authed = self._token is None
+        state: dict[str, Any] = {}
+        try:
+            while not self._stop.is_set():
+                header_len, payload_len = PREFIX.unpack(recv_exact(conn, PREFIX.size))
+                if header_len > self._max_header or payload_len > self._max_payload:
+                    # The stream cannot be resynchronised without reading it: answer, then hang up.
+                    reply_error(conn, ResourceExhaustedError(
+                        f"request of {header_len} header + {payload_len} payload bytes exceeds the limits "
+                        f"({self._max_header} / {self._max_payload})"))
+                    return
+                request = pb.BulkRequest()
+                try:
+                    request.ParseFromString(recv_exact(conn, header_len))
+                except Exception:  # noqa: BLE001 - protobuf's DecodeError: a malformed header
+                    reply_error(conn, InvalidArgumentError("malformed request header"))
+                    return
+                if not authed:
+                    if not hmac.compare_digest(request.token.encode(), self._token or b""):
+                        reply_error(conn, UnauthenticatedError(f"{self._name} connection: missing or wrong token"))
+                        return
+                    authed = True
+                kind = next((k for k in self._handlers if request.HasField(k)), None)
+                if kind is None:
+                    reply_error(conn, InvalidArgumentError(
+                        f"request carries none of {sorted(self._handlers)} (this is a {self._name} port)"))
+                    return
+                self._handlers[kind](conn, request, payload_len, state)
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            self._slots.release()
+            conn.close()

@@ -1,0 +1,34 @@
+"""The worker's framed closure port: the same RunClosure as the gRPC servicer, over a FrameServer."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+from pscluster.errors import InvalidArgumentError, UnavailableError
+from pscluster.framing import FrameServer, recv_exact, reply_error, send_frame
+from pscluster.proto import pscluster_pb2 as pb
+from pscluster.worker.servicer import WorkerServicer, outcome_to_pb
+
+
+def closure_server(servicer: WorkerServicer, host: str, token: str | None, max_header_bytes: int) -> FrameServer:
+    """A FrameServer that runs closures with servicer's runner and gate (not started)."""
+
+    def run_closure(conn: socket.socket, request: pb.BulkRequest, payload_len: int, state: dict[str, Any]) -> None:
+        if payload_len:
+            recv_exact(conn, payload_len)
+            reply_error(conn, InvalidArgumentError("a closure request carries no payload"))
+            return
+        try:
+            servicer.gate.enter()
+        except UnavailableError as err:  # leaving: the coordinator reschedules the closure
+            reply_error(conn, err)
+            return
+        try:
+            req = request.closure
+            outcome = servicer.runner.run(req.closure_id, req.payload, req.sync_mode)
+        finally:
+            servicer.gate.exit()
+        send_frame(conn, pb.BulkReply(closure=outcome_to_pb(outcome)).SerializeToString())
+
+    return FrameServer(host, token, {"closure": run_closure}, max_header_bytes, name="closures")
