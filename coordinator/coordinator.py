@@ -364,7 +364,8 @@ class ClusterCoordinator:
 
     def _dispatch(self, action: sch.Dispatch) -> None:
         request = pb.RunClosureRequest(closure_id=action.cid, attempt=action.attempt,
-                                       payload=self._payloads[action.cid], sync_mode=self.sync_mode)
+                                       payload=self._payloads[action.cid], sync_mode=self.sync_mode,
+                                       worker_index=self.worker_index.get(action.wid, 0))
         framed = self._closure_addresses.get(action.wid)
         if framed is not None:
             self._dispatcher.dispatch(action.wid, framed, request)

@@ -219,30 +219,38 @@ class PsStatus(_message.Message):
     def __init__(self, ps_index: _Optional[int] = ..., num_ps: _Optional[int] = ..., global_step: _Optional[int] = ..., restored_step: _Optional[int] = ..., num_shards: _Optional[int] = ..., total_bytes: _Optional[int] = ..., dropped_stale: _Optional[int] = ..., incarnation: _Optional[int] = ..., bulk_port: _Optional[int] = ...) -> None: ...
 
 class BulkRequest(_message.Message):
-    __slots__ = ("token", "pull", "push", "closure")
+    __slots__ = ("token", "pull", "push", "closure", "take_token", "step_done")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     PULL_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
     CLOSURE_FIELD_NUMBER: _ClassVar[int]
+    TAKE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    STEP_DONE_FIELD_NUMBER: _ClassVar[int]
     token: str
     pull: PullRequest
     push: PushRequest
     closure: RunClosureRequest
-    def __init__(self, token: _Optional[str] = ..., pull: _Optional[_Union[PullRequest, _Mapping]] = ..., push: _Optional[_Union[PushRequest, _Mapping]] = ..., closure: _Optional[_Union[RunClosureRequest, _Mapping]] = ...) -> None: ...
+    take_token: TokenRequest
+    step_done: StepDoneRequest
+    def __init__(self, token: _Optional[str] = ..., pull: _Optional[_Union[PullRequest, _Mapping]] = ..., push: _Optional[_Union[PushRequest, _Mapping]] = ..., closure: _Optional[_Union[RunClosureRequest, _Mapping]] = ..., take_token: _Optional[_Union[TokenRequest, _Mapping]] = ..., step_done: _Optional[_Union[StepDoneRequest, _Mapping]] = ...) -> None: ...
 
 class BulkReply(_message.Message):
-    __slots__ = ("code", "message", "pull", "push", "closure")
+    __slots__ = ("code", "message", "pull", "push", "closure", "token", "step")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     PULL_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
     CLOSURE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
     pull: PullReply
     push: PushReply
     closure: RunClosureReply
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., pull: _Optional[_Union[PullReply, _Mapping]] = ..., push: _Optional[_Union[PushReply, _Mapping]] = ..., closure: _Optional[_Union[RunClosureReply, _Mapping]] = ...) -> None: ...
+    token: TokenReply
+    step: StepReply
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., pull: _Optional[_Union[PullReply, _Mapping]] = ..., push: _Optional[_Union[PushReply, _Mapping]] = ..., closure: _Optional[_Union[RunClosureReply, _Mapping]] = ..., token: _Optional[_Union[TokenReply, _Mapping]] = ..., step: _Optional[_Union[StepReply, _Mapping]] = ...) -> None: ...
 
 class SyncConfigRequest(_message.Message):
     __slots__ = ("mode", "replicas_to_aggregate", "total_num_replicas", "staleness")
@@ -326,16 +334,18 @@ class ClosurePayload(_message.Message):
     def __init__(self, digest: _Optional[str] = ..., function: _Optional[bytes] = ..., arguments: _Optional[bytes] = ...) -> None: ...
 
 class RunClosureRequest(_message.Message):
-    __slots__ = ("closure_id", "attempt", "payload", "sync_mode")
+    __slots__ = ("closure_id", "attempt", "payload", "sync_mode", "worker_index")
     CLOSURE_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     SYNC_MODE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_INDEX_FIELD_NUMBER: _ClassVar[int]
     closure_id: int
     attempt: int
     payload: bytes
     sync_mode: str
-    def __init__(self, closure_id: _Optional[int] = ..., attempt: _Optional[int] = ..., payload: _Optional[bytes] = ..., sync_mode: _Optional[str] = ...) -> None: ...
+    worker_index: int
+    def __init__(self, closure_id: _Optional[int] = ..., attempt: _Optional[int] = ..., payload: _Optional[bytes] = ..., sync_mode: _Optional[str] = ..., worker_index: _Optional[int] = ...) -> None: ...
 
 class UserError(_message.Message):
     __slots__ = ("type_name", "message", "traceback", "pickled")

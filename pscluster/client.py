@@ -396,6 +396,12 @@ class PSClient:
 
     def take_token(self, closure_id: int, worker: str, timeout: float = 30.0) -> tuple[int, int]:
         """A sync token from PS 0's queue (blocks while none is free)."""
+        if self._bulk is not None:
+            call = BulkCall(0, pb.BulkRequest(take_token=pb.TokenRequest(closure_id=closure_id, worker=worker,
+                                                                          timeout_s=timeout)))
+            self._retrying(lambda: self._bulk.run([call]))  # type: ignore[union-attr]
+            token = call.reply.token  # type: ignore[union-attr]
+            return int(token.step), int(token.replica)
         reply = rpc.call(self.stubs[0].TakeToken,
                          pb.TokenRequest(closure_id=closure_id, worker=worker, timeout_s=timeout),
                          timeout=timeout + self._timeout, what="ps 0 TakeToken", retry_for=self.retry_for)
@@ -403,7 +409,12 @@ class PSClient:
 
     def step_done(self, closure_id: int, step: int, worker: str) -> None:
         """Report that a closure finished its pushes for `step`."""
-        self._call(0, "StepDone", pb.StepDoneRequest(closure_id=closure_id, step=step, worker=worker))
+        request = pb.StepDoneRequest(closure_id=closure_id, step=step, worker=worker)
+        if self._bulk is not None:
+            call = BulkCall(0, pb.BulkRequest(step_done=request))
+            self._retrying(lambda: self._bulk.run([call]))  # type: ignore[union-attr]
+            return
+        self._call(0, "StepDone", request)
 
     def sync_step(self) -> pb.StepReply:
         """PS 0's global step, mode and clocks, with stale drops summed over every PS."""

@@ -34,7 +34,26 @@ class BulkHandlers:
 
     def server(self, host: str, token: str | None, max_header_bytes: int) -> FrameServer:
         """A FrameServer with this PS's handlers (not started)."""
-        return FrameServer(host, token, {"pull": self.pull, "push": self.push}, max_header_bytes, name="bulk")
+        return FrameServer(host, token, {"pull": self.pull, "push": self.push, "take_token": self.take_token,
+                                         "step_done": self.step_done}, max_header_bytes, name="bulk")
+
+    def take_token(self, conn: socket.socket, request: pb.BulkRequest, payload_len: int,
+                   state: dict[str, Any]) -> None:
+        """A sync/bounded token from this PS's queue (PS 0), as the TakeToken RPC."""
+        req = request.take_token
+        try:
+            step, replica = self.core.sync.take_token(req.closure_id, req.worker, req.timeout_s or 30.0)
+        except PsclusterError as err:
+            reply_error(conn, err)
+            return
+        send_frame(conn, pb.BulkReply(token=pb.TokenReply(step=step, replica=replica)).SerializeToString())
+
+    def step_done(self, conn: socket.socket, request: pb.BulkRequest, payload_len: int,
+                  state: dict[str, Any]) -> None:
+        """A closure's step report, as the StepDone RPC."""
+        req = request.step_done
+        self.core.sync.step_done(req.closure_id, req.step, req.worker)
+        send_frame(conn, pb.BulkReply(step=pb.StepReply(global_step=self.core.global_step)).SerializeToString())
 
     def _observe(self, op: str, nbytes: int, started: float) -> None:
         if self.core.metrics is not None:

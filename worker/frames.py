@@ -26,7 +26,7 @@ def closure_server(servicer: WorkerServicer, host: str, token: str | None, max_h
             return
         try:
             req = request.closure
-            outcome = servicer.runner.run(req.closure_id, req.payload, req.sync_mode)
+            outcome = servicer.runner.run(req.closure_id, req.payload, req.sync_mode, req.worker_index)
         finally:
             servicer.gate.exit()
         send_frame(conn, pb.BulkReply(closure=outcome_to_pb(outcome)).SerializeToString())

@@ -15,7 +15,7 @@ from pscluster.client import PSClient
 from pscluster.closures import FunctionCache
 from pscluster.metrics import WorkerMetrics
 from pscluster.context import ClosureScope
-from pscluster.datasets import WorkerDatasets
+from pscluster.datasets import WorkerDatasets, WorkerInfo
 from pscluster.errors import PsclusterError
 
 log = logging.getLogger(__name__)
@@ -45,8 +45,11 @@ class ClosureRunner:
         self.closures_run = 0
         self.metrics = WorkerMetrics()
 
-    def run(self, closure_id: int, payload: bytes, sync_mode: str = "async") -> Outcome:
+    def run(self, closure_id: int, payload: bytes, sync_mode: str = "async", worker_index: int | None = None) -> Outcome:
         """Run the closure in payload; never raises."""
+        if worker_index is not None and worker_index != self.datasets.info.worker_index:
+            # The coordinator's word wins: it may dispatch before our Register reply was processed.
+            self.datasets.info = WorkerInfo(self.datasets.info.worker_id, worker_index)
         outcome = self._run(closure_id, payload, sync_mode)
         kind = "retryable" if outcome.retryable else "error" if outcome.error_type else "ok"
         self.metrics.closures.labels(kind).inc()

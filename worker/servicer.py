@@ -63,7 +63,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     def RunClosure(self, request: pb.RunClosureRequest, context: grpc.ServicerContext) -> pb.RunClosureReply:
         self.gate.enter()
         try:
-            return outcome_to_pb(self.runner.run(request.closure_id, request.payload, request.sync_mode))
+            return outcome_to_pb(self.runner.run(request.closure_id, request.payload, request.sync_mode,
+                                                   request.worker_index))
         finally:
             self.gate.exit()
 
