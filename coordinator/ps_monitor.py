@@ -79,12 +79,16 @@ class PsMonitor:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self._wake.wait(self._interval)
+            woken = self._wake.wait(self._interval)
             self._wake.clear()
             statuses = self._statuses()
             restarted = statuses is not None and any(
                 s.incarnation != old for s, old in zip(statuses, self.incarnations))
             if statuses is not None and not restarted:
+                if woken:
+                    # A closure was handed back as a cluster failure but every PS answers and none
+                    # restarted (e.g. a token wait timed out): resume at once rather than stay paused.
+                    self._on_up()
                 continue
             self._on_down()
             started = time.monotonic()

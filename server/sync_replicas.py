@@ -30,7 +30,9 @@ from pscluster.server.ps import ParameterServerCore
 from pscluster.server.store import PushItem, PushResult
 
 MODES = ("async", "sync", "bounded")
-WORKER_LEASE_S = 10.0  # a bounded-mode worker silent this long no longer holds the others back
+# A bounded-mode worker that took no token for this long (it has no closure to run: the queue drained
+# towards the others) no longer holds the others back.
+WORKER_LEASE_S = 2.0
 
 
 @dataclass
@@ -180,7 +182,13 @@ class SyncReplicas:
         def admitted() -> bool:
             return self.clocks[worker] - self._min_clock(self._clock()) <= self.staleness
 
-        if not self._cond.wait_for(admitted, timeout):
+        deadline = self._clock() + timeout
+        while not admitted():
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                break
+            self._cond.wait(min(remaining, 0.05))  # leases expire without a notify: look again soon
+        if not admitted():
             raise DeadlineExceededError(
                 f"worker {worker} is {self.clocks[worker] - self._min_clock(self._clock())} steps ahead of the "
                 f"slowest (staleness {self.staleness}) after waiting {timeout:.1f} s")

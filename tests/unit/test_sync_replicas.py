@@ -124,3 +124,19 @@ def test_bad_sync_configuration_is_rejected():
     with pytest.raises(InvalidArgumentError, match="mode"):
         sync.configure("lockstep", 1, 1, 0)
     assert sync.mode == "async"
+
+
+def test_bounded_worker_with_nothing_to_run_stops_holding_the_others_back():
+    now = [0.0]
+    core = ParameterServerCore(0, 1)
+    sync = attach(core)
+    sync._clock = lambda: now[0]
+    sync.configure("bounded", 0, 0, 1)
+    sync.take_token(0, "idle", 1.0)  # took one step's token, then its queue ran dry
+    for _ in range(2):
+        sync.take_token(0, "busy", 1.0)
+        sync.step_done(0, 0, "busy")
+    with pytest.raises(DeadlineExceededError):
+        sync.take_token(0, "busy", 0.0)
+    now[0] += 2.5  # past the lease: "idle" no longer counts as the slowest
+    assert sync.take_token(0, "busy", 1.0) == (2, 0)

@@ -1,0 +1,50 @@
+"""PsMonitor with fake PS stubs: resumes dispatch after a false alarm; accounts a restart."""
+
+import threading
+import types
+
+from pscluster.coordinator.ps_monitor import PsMonitor
+from pscluster.proto import pscluster_pb2 as pb
+
+
+class FakeClient:
+    def __init__(self, incarnations):
+        self.incarnations = incarnations
+        self.restored = 3
+        self.stubs = [types.SimpleNamespace(Status=self._status(i), ListShards=self._list) for i in range(len(incarnations))]
+
+    def _status(self, i):
+        return lambda request, timeout: pb.PsStatus(ps_index=i, incarnation=self.incarnations[i], restored_step=7)
+
+    def _list(self, request, timeout):
+        spec = pb.ShardSpec(variable="w", shard_index=0)
+        return pb.ListShardsReply(shards=[pb.ShardInfo(spec=spec, version=9, restored_version=self.restored)])
+
+    def status(self):
+        return [s.Status(None, 1.0) for s in self.stubs]
+
+
+def run_until(monitor, event):
+    monitor.start()
+    assert event.wait(5)
+    monitor.stop()
+
+
+def test_a_wake_with_every_ps_healthy_resumes_dispatch():
+    ups = threading.Event()
+    monitor = PsMonitor(FakeClient([1, 2]), on_down=lambda: None, on_up=ups.set, interval=10)
+    monitor.wake()
+    run_until(monitor, ups)
+    assert monitor.lost_updates == 0
+
+
+def test_a_restart_is_accounted_from_reports_of_the_old_incarnation():
+    client = FakeClient([1, 2])
+    ups = threading.Event()
+    monitor = PsMonitor(client, on_down=lambda: None, on_up=ups.set, interval=0.01)
+    monitor.record([pb.ShardVersion(variable="w", shard_index=0, version=8, incarnation=1)])
+    client.incarnations[0] = 5  # PS 0 came back from a checkpoint at version 3
+    run_until(monitor, ups)
+    assert monitor.lost_updates == 5
+    monitor.record([pb.ShardVersion(variable="w", shard_index=0, version=10, incarnation=1)])  # a late report
+    assert monitor.lost_updates == 7
