@@ -14,8 +14,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
@@ -23,6 +23,7 @@ import numpy as np
 
 from pscluster import codec, context, rpc
 from pscluster.bulk import BulkCall, BulkClient
+from pscluster.grpc_tensors import GrpcTensors
 from pscluster.config import Settings
 from pscluster.errors import AlreadyExistsError, InvalidArgumentError, PsclusterError
 from pscluster.placement import Partitioner, ps_for_ordinal, split_rows
@@ -65,6 +66,7 @@ class PSClient:
         self._lock = threading.Lock()
         self._known: dict[str, Variable] | None = None
         self._timeout = settings.rpc_timeout_s
+        self._grpc = GrpcTensors(self)
         self._bulk = BulkClient([a.rpartition(":")[0] for a in settings.cluster.ps], self._bulk_port,
                                 settings.token_value(), settings.rpc_timeout_s, self._pool) \
             if settings.bulk_transport else None
@@ -194,10 +196,6 @@ class PSClient:
             return var
 
     # -- pull ------------------------------------------------------------------------------------
-    def _streamed(self, var: Variable, pl: ShardPlacement) -> bool:
-        return pl.rows * (var.nbytes // max(var.shape[0], 1) if var.shape else var.nbytes) \
-            > self.settings.stream_threshold_bytes
-
     def _retrying(self, fn: Callable[[], T]) -> T:
         """Run fn, retrying UnavailableError/DeadlineExceeded for retry_for seconds (ids make it safe)."""
         deadline = time.monotonic() + self.retry_for
@@ -221,45 +219,17 @@ class PSClient:
                 target = out[pl.row_offset:pl.row_offset + pl.rows] if var.shape else out
                 plan[pl.ps].append((pb.PullItem(ref=pb.ShardRef(variable=var.name, shard_index=pl.shard_index)),
                                     target))
-        self._pull_plan(plan, {(v.name, pl.shard_index): self._streamed(v, pl) for v in variables for pl in v.shards})
+        self._pull_plan(plan)
         return outs
 
-    def _pull_plan(self, plan: dict[int, list[tuple[pb.PullItem, np.ndarray]]],
-                   streamed: dict[tuple[str, int], bool] | None = None) -> None:
+    def _pull_plan(self, plan: dict[int, list[tuple[pb.PullItem, np.ndarray]]]) -> None:
         """Fill each target with its item's tensor, over the bulk path or gRPC."""
         if self._bulk is not None:
             calls = [BulkCall(ps, pb.BulkRequest(pull=pb.PullRequest(items=[i for i, _ in items])),
                               targets=[t for _, t in items]) for ps, items in plan.items()]
             self._retrying(lambda: self._bulk.run(calls))  # type: ignore[union-attr]
             return
-        unary: dict[int, list[tuple[pb.PullItem, np.ndarray]]] = defaultdict(list)
-        streams: list[Future[None]] = []
-        for ps, items in plan.items():
-            for item, target in items:
-                if (streamed or {}).get((item.ref.variable, item.ref.shard_index)):
-                    streams.append(self._pool.submit(self._pull_stream, ps, item, target))
-                else:
-                    unary[ps].append((item, target))
-        calls = [(ps, "Pull", pb.PullRequest(items=[i for i, _ in items])) for ps, items in unary.items()]
-        for (ps, _, _), reply in zip(calls, self._gather(calls)):
-            for (_, target), tensor in zip(unary[ps], reply.tensors):
-                target[...] = codec.decode(tensor).reshape(target.shape)
-        for fut in streams:
-            fut.result()
-
-    def _pull_stream(self, ps: int, item: pb.PullItem, target: np.ndarray) -> None:
-        flat = target.reshape(-1).view(np.uint8)
-        try:
-            pos = 0
-            for chunk in self.stubs[ps].PullStream(item, timeout=self._timeout):
-                if chunk.HasField("header"):
-                    continue
-                flat[pos:pos + len(chunk.data)] = np.frombuffer(chunk.data, np.uint8)
-                pos += len(chunk.data)
-        except grpc.RpcError as exc:
-            raise rpc.translate(exc, f"ps {ps} PullStream {item.ref.variable}") from exc
-        if pos != flat.size:
-            raise PsclusterError(f"ps {ps} PullStream {item.ref.variable}: got {pos} of {flat.size} bytes")
+        self._grpc.pull(plan)
 
     def pull_rows(self, var: Variable, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Rows `ids` of a table, gathered from the shards that hold them."""
@@ -317,26 +287,9 @@ class PSClient:
             self._retrying(lambda: self._bulk.run(calls))  # type: ignore[union-attr]
             replies = [c.reply.push for c in calls]  # type: ignore[union-attr]
         else:
-            replies = self._push_grpc(plan, pid, step)
+            replies = self._grpc.push(plan, pid, step)
         self._record(refs, replies)
         return [v for r in replies for v in r.versions]
-
-    def _push_grpc(self, plan: dict[int, list[tuple[pb.PushItem, np.ndarray]]], pid: str,
-                   step: int) -> list[pb.PushReply]:
-        unary: dict[int, list[pb.PushItem]] = defaultdict(list)
-        streams: list[Future[pb.PushReply]] = []
-        for ps, items in plan.items():
-            for item, part in items:
-                if part.nbytes > self.settings.stream_threshold_bytes and not item.HasField("ids"):
-                    streams.append(self._pool.submit(self._push_stream, ps, pid, step, item.ref, part))
-                else:
-                    full = pb.PushItem()
-                    full.CopyFrom(item)
-                    full.grad.CopyFrom(codec.encode(part))
-                    unary[ps].append(full)
-        calls = [(ps, "Push", pb.PushRequest(items=items, push_id=pid, step=step)) for ps, items in unary.items()]
-        # same order as the refs: unary items per PS, then streamed ones
-        return list(self._gather(calls)) + [fut.result() for fut in streams]
 
     @staticmethod
     def _record(refs: Sequence[pb.ShardRef], replies: Sequence[pb.PushReply]) -> None:
@@ -349,23 +302,6 @@ class PSClient:
             key = (ref.variable, ref.shard_index, incarnation)
             if version > scope.versions.get(key, -1):
                 scope.versions[key] = version
-
-    def _push_stream(self, ps: int, pid: str, step: int, ref: pb.ShardRef, grad: np.ndarray) -> pb.PushReply:
-        grad = np.ascontiguousarray(grad, dtype=grad.dtype.newbyteorder("<"))
-        flat = grad.reshape(-1).view(np.uint8)
-        chunk = self.settings.chunk_bytes
-
-        def messages() -> Iterator[pb.PushChunk]:
-            item = pb.PushItem(ref=ref, grad=codec.header(grad.dtype, grad.shape))
-            yield pb.PushChunk(header=pb.PushRequest(items=[item], push_id=pid, step=step))
-            for start in range(0, flat.size, chunk):
-                yield pb.PushChunk(data=flat[start:start + chunk].tobytes())
-
-        def once(_request: Any, timeout: float) -> pb.PushReply:
-            return self.stubs[ps].PushStream(messages(), timeout=timeout)
-
-        return rpc.call(once, None, timeout=self._timeout, what=f"ps {ps} PushStream {ref.variable}",
-                        retry_for=self.retry_for)
 
     @staticmethod
     def _check_ids(var: Variable, ids: Sequence[int] | np.ndarray) -> np.ndarray:

@@ -64,7 +64,8 @@ class SyncReplicas:
         self._issued: dict[int, int] = {}
         self._tokens: dict[int, tuple[int, int]] = {}
         self._done: dict[int, set[int]] = {}
-        self.clocks: dict[str, int] = {}
+        self.clocks: dict[str, int] = {}  # bounded: steps completed per worker
+        self.started: dict[str, int] = {}  # bounded: steps begun per worker
         self._last_seen: dict[str, float] = {}
 
     @property
@@ -150,7 +151,7 @@ class SyncReplicas:
             if self.mode == "sync":
                 return self._sync_token(closure_id, timeout)
             if self.mode == "bounded":
-                return self._bounded_token(worker, timeout)
+                return self._bounded_token(closure_id, worker, timeout)
             return self.core.global_step, 0
 
     def _sync_token(self, closure_id: int, timeout: float) -> tuple[int, int]:
@@ -173,27 +174,37 @@ class SyncReplicas:
         live = [c for w, c in self.clocks.items() if now - self._last_seen.get(w, now) <= WORKER_LEASE_S]
         return min(live) if live else 0
 
-    def _bounded_token(self, worker: str, timeout: float) -> tuple[int, int]:
+    def _bounded_token(self, closure_id: int, worker: str, timeout: float) -> tuple[int, int]:
+        # ps-lite's bounded delay: a worker may start its step t only once every live worker has
+        # completed step t - staleness; `started` counts steps begun (closures in flight included),
+        # `clocks` steps completed.
+        held = self._tokens.get(closure_id)
+        if held is not None:
+            return held
         now = self._clock()
         if worker not in self.clocks:
-            self.clocks[worker] = self._min_clock(now)  # a newcomer starts level with the slowest
+            self.clocks[worker] = self.started[worker] = self._min_clock(now)  # a newcomer starts level
         self._last_seen[worker] = now
 
         def admitted() -> bool:
-            return self.clocks[worker] - self._min_clock(self._clock()) <= self.staleness
+            return self.started[worker] - self._min_clock(self._clock()) <= self.staleness
 
-        deadline = self._clock() + timeout
+        deadline = time.monotonic() + timeout  # real time: the injected clock only ages leases
         while not admitted():
-            remaining = deadline - self._clock()
+            remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
             self._cond.wait(min(remaining, 0.05))  # leases expire without a notify: look again soon
         if not admitted():
             raise DeadlineExceededError(
-                f"worker {worker} is {self.clocks[worker] - self._min_clock(self._clock())} steps ahead of the "
+                f"worker {worker} is {self.started[worker] - self._min_clock(self._clock())} steps ahead of the "
                 f"slowest (staleness {self.staleness}) after waiting {timeout:.1f} s")
-        self.max_spread = max(self.max_spread, self.clocks[worker] - self._min_clock(self._clock()))
-        return self.clocks[worker], 0
+        step = self.started[worker]
+        self.started[worker] = step + 1
+        self._tokens[closure_id] = (step, 0)
+        self._last_seen[worker] = self._clock()
+        self.max_spread = max(self.max_spread, step - self._min_clock(self._clock()))
+        return step, 0
 
     def step_done(self, closure_id: int, step: int, worker: str) -> None:
         """A closure finished the pushes of its step; maybe advance G and release tokens."""
@@ -215,6 +226,7 @@ class SyncReplicas:
                 if self.mode == "bounded" and worker:
                     self.clocks[worker] = self.clocks.get(worker, 0) + 1
                     self._last_seen[worker] = self._clock()
+                    self._tokens.pop(closure_id, None)
                 self.core.global_step += 1
                 self._cond.notify_all()
 

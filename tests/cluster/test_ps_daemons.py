@@ -80,13 +80,15 @@ def test_create_is_idempotent_and_conflicts_are_clear(client):
         assert other.discover()["idem"] == a
 
 
-def test_large_variable_streams_in_chunks(client):
-    # 24 MiB shards exceed the 16 MiB unary threshold: pulled and pushed as streams
-    big = client.create_variable("big", shape=(2 * 6 * 1024 * 1024 // 4, 8), dtype="float32",
-                                 partitioner=ps.FixedShardsPartitioner(2), optimizer=ps.SGD(1.0), initializer="ones")
-    grad = np.random.default_rng(0).random(big.shape, dtype=np.float32)
-    client.push([(big, grad)])
-    np.testing.assert_array_equal(client.pull([big])[0], 1 - grad)
+@pytest.mark.parametrize("bulk", [True, False], ids=["bulk-tcp", "grpc-streams"])
+def test_large_variable_moves_whole(cluster, bulk):
+    # 24 MiB shards: over the gRPC path they exceed the 16 MiB unary threshold and travel as streams
+    with ps.PSClient(cluster.settings(bulk_transport=bulk)) as c:
+        big = c.create_variable(f"big_{bulk}", shape=(2 * 6 * 1024 * 1024 // 4, 8), dtype="float32",
+                                partitioner=ps.FixedShardsPartitioner(2), optimizer=ps.SGD(1.0), initializer="ones")
+        grad = np.random.default_rng(0).random(big.shape, dtype=np.float32)
+        c.push([(big, grad)])
+        np.testing.assert_array_equal(c.pull([big])[0], 1 - grad)
 
 
 def _state(client, name):

@@ -105,16 +105,26 @@ def test_a_rescheduled_closure_gets_its_token_back():
 def test_bounded_staleness_holds_a_fast_worker_back():
     core, sync = core_with()
     sync.configure("bounded", 0, 0, 1)
-    for worker in ("fast", "slow"):
-        sync.take_token(0, worker, 1.0)
-    for _ in range(2):
-        sync.take_token(0, "fast", 1.0)
-        sync.step_done(0, 0, "fast")
+    assert sync.take_token(1, "slow", 1.0) == (0, 0)  # the slow worker starts its step 0 and stays in it
+    for cid in (2, 3):
+        sync.take_token(cid, "fast", 1.0)
+        sync.step_done(cid, 0, "fast")
     with pytest.raises(DeadlineExceededError, match="2 steps ahead"):
-        sync.take_token(0, "fast", 0.05)
-    sync.step_done(0, 0, "slow")
-    assert sync.take_token(0, "fast", 1.0) == (2, 0)
+        sync.take_token(4, "fast", 0.05)  # step 2 needs the slow worker's step 0 done
+    sync.step_done(1, 0, "slow")
+    assert sync.take_token(4, "fast", 1.0) == (2, 0)
     assert sync.max_spread <= 1
+
+
+def test_bounded_counts_closures_in_flight_on_the_same_worker():
+    core, sync = core_with()
+    sync.configure("bounded", 0, 0, 1)
+    sync.take_token(1, "slow", 1.0)
+    assert sync.take_token(2, "fast", 1.0) == (0, 0)
+    assert sync.take_token(3, "fast", 1.0) == (1, 0)  # two in flight: steps 0 and 1
+    with pytest.raises(DeadlineExceededError):
+        sync.take_token(4, "fast", 0.05)  # a third would be step 2, two ahead of the slowest
+    assert sync.take_token(3, "fast", 0.05) == (1, 0)  # a rescheduled closure gets its token back
 
 
 def test_bad_sync_configuration_is_rejected():
@@ -132,11 +142,12 @@ def test_bounded_worker_with_nothing_to_run_stops_holding_the_others_back():
     sync = attach(core)
     sync._clock = lambda: now[0]
     sync.configure("bounded", 0, 0, 1)
-    sync.take_token(0, "idle", 1.0)  # took one step's token, then its queue ran dry
-    for _ in range(2):
-        sync.take_token(0, "busy", 1.0)
-        sync.step_done(0, 0, "busy")
+    sync.take_token(1, "idle", 1.0)  # took one step's token, finished it, then its queue ran dry
+    sync.step_done(1, 0, "idle")
+    for cid in (2, 3):  # a newcomer starts level with the slowest: steps 1 and 2
+        sync.take_token(cid, "busy", 1.0)
+        sync.step_done(cid, 0, "busy")
     with pytest.raises(DeadlineExceededError):
-        sync.take_token(0, "busy", 0.0)
+        sync.take_token(4, "busy", 0.0)  # step 3 would be 2 ahead of idle's completed step
     now[0] += 2.5  # past the lease: "idle" no longer counts as the slowest
-    assert sync.take_token(0, "busy", 1.0) == (2, 0)
+    assert sync.take_token(4, "busy", 1.0) == (3, 0)

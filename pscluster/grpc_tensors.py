@@ -1,0 +1,100 @@
+"""The gRPC path for tensors (`bulk_transport: false`): one unary request per PS task, streams in
+`chunk_bytes` chunks for shards above `stream_threshold_bytes`. Slower than the bulk TCP path (see
+BENCHMARKS.md), kept for networks where only the gRPC port is reachable.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import numpy as np
+
+from pscluster import codec, rpc
+from pscluster.errors import PsclusterError
+from pscluster.proto import pscluster_pb2 as pb
+
+if TYPE_CHECKING:
+    from pscluster.client import PSClient
+
+PullPlan = dict[int, list[tuple[pb.PullItem, np.ndarray]]]
+PushPlan = dict[int, list[tuple[pb.PushItem, np.ndarray]]]
+
+
+class GrpcTensors:
+    """Pull and push plans of a PSClient over its gRPC stubs."""
+
+    def __init__(self, client: PSClient) -> None:
+        self._client = client
+
+    def _streams(self, nbytes: int, item: Any) -> bool:
+        return nbytes > self._client.settings.stream_threshold_bytes and not item.HasField("ids")
+
+    def pull(self, plan: PullPlan) -> None:
+        """Fill each target with its item's tensor."""
+        c = self._client
+        unary: PullPlan = defaultdict(list)
+        streams: list[Future[None]] = []
+        for ps, items in plan.items():
+            for item, target in items:
+                if self._streams(target.nbytes, item):
+                    streams.append(c._pool.submit(self._pull_stream, ps, item, target))  # noqa: SLF001
+                else:
+                    unary[ps].append((item, target))
+        calls = [(ps, "Pull", pb.PullRequest(items=[i for i, _ in items])) for ps, items in unary.items()]
+        for (ps, _, _), reply in zip(calls, c._gather(calls)):  # noqa: SLF001
+            for (_, target), tensor in zip(unary[ps], reply.tensors):
+                target[...] = codec.decode(tensor).reshape(target.shape)
+        for fut in streams:
+            fut.result()
+
+    def _pull_stream(self, ps: int, item: pb.PullItem, target: np.ndarray) -> None:
+        flat = target.reshape(-1).view(np.uint8)
+        pos = 0
+        try:
+            for chunk in self._client.stubs[ps].PullStream(item, timeout=self._client.settings.rpc_timeout_s):
+                if chunk.HasField("header"):
+                    continue
+                flat[pos:pos + len(chunk.data)] = np.frombuffer(chunk.data, np.uint8)
+                pos += len(chunk.data)
+        except grpc.RpcError as exc:
+            raise rpc.translate(exc, f"ps {ps} PullStream {item.ref.variable}") from exc
+        if pos != flat.size:
+            raise PsclusterError(f"ps {ps} PullStream {item.ref.variable}: got {pos} of {flat.size} bytes")
+
+    def push(self, plan: PushPlan, pid: str, step: int) -> list[pb.PushReply]:
+        """Send a push plan; replies in plan order (unary items per PS first, then streamed ones)."""
+        c = self._client
+        unary: dict[int, list[pb.PushItem]] = defaultdict(list)
+        streams: list[Future[pb.PushReply]] = []
+        for ps, items in plan.items():
+            for item, part in items:
+                if self._streams(part.nbytes, item):
+                    streams.append(c._pool.submit(self._push_stream, ps, pid, step, item.ref, part))  # noqa: SLF001
+                else:
+                    full = pb.PushItem()
+                    full.CopyFrom(item)
+                    full.grad.CopyFrom(codec.encode(part))
+                    unary[ps].append(full)
+        calls = [(ps, "Push", pb.PushRequest(items=items, push_id=pid, step=step)) for ps, items in unary.items()]
+        return list(c._gather(calls)) + [fut.result() for fut in streams]  # noqa: SLF001
+
+    def _push_stream(self, ps: int, pid: str, step: int, ref: pb.ShardRef, grad: np.ndarray) -> pb.PushReply:
+        grad = np.ascontiguousarray(grad, dtype=grad.dtype.newbyteorder("<"))
+        flat = grad.reshape(-1).view(np.uint8)
+        chunk = self._client.settings.chunk_bytes
+
+        def messages() -> Iterator[pb.PushChunk]:
+            item = pb.PushItem(ref=ref, grad=codec.header(grad.dtype, grad.shape))
+            yield pb.PushChunk(header=pb.PushRequest(items=[item], push_id=pid, step=step))
+            for start in range(0, flat.size, chunk):
+                yield pb.PushChunk(data=flat[start:start + chunk].tobytes())
+
+        def once(_request: Any, timeout: float) -> pb.PushReply:
+            return self._client.stubs[ps].PushStream(messages(), timeout=timeout)
+
+        return rpc.call(once, None, timeout=self._client.settings.rpc_timeout_s,
+                        what=f"ps {ps} PushStream {ref.variable}", retry_for=self._client.retry_for)
