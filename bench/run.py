@@ -142,7 +142,10 @@ def main() -> int:
     rows: list[Row] = []
     raw: dict[str, Any] = {}
     for key in args.only.split(","):
-        result, new_rows = BENCHES[key.strip()](args)
+        try:
+            result, new_rows = BENCHES[key.strip()](args)
+        except Exception as exc:  # noqa: BLE001 - a failed benchmark is a row, not a lost table
+            result, new_rows = {"error": repr(exc)}, [(key, "FAILED to run", repr(exc)[:300], "")]
         raw[key] = result
         rows += new_rows
         for row in new_rows:

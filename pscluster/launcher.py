@@ -153,8 +153,8 @@ class LocalCluster:
         """Start d again (a PS restores from the newest checkpoint)."""
         with self._lock:
             d.argv = self._argv(d.role, d.index, restore=d.role == "ps")
-            d.restarts += 1
             self._spawn(d)
+            d.restarts += 1  # only once the new process exists: watchers of `restarts` see it
         if wait:
             self.wait_ready(d, wait)
 
