@@ -32,20 +32,19 @@ from pscluster.config import Settings, load_settings
 from pscluster.coordinator import scheduler as sch
 from pscluster.coordinator.dispatch import FramedDispatcher
 from pscluster.coordinator.ps_monitor import PsMonitor
+from pscluster.coordinator.api import CoordinatorAPI
 from pscluster.coordinator.values import RemoteValue
-from pscluster.datasets import PerWorkerDataset
 from pscluster.framing import STATUS_BY_VALUE
 from pscluster.errors import AbortedError, DeadlineExceededError, PsclusterError, UnavailableError
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
-from pscluster.variables import Variable
 from pscluster.closures import ClosureEncoder
 
 log = logging.getLogger(__name__)
 _STOP = object()
 
 
-class ClusterCoordinator:
+class ClusterCoordinator(CoordinatorAPI):
     """Schedules step closures onto the cluster's workers (TF's ClusterCoordinator, plus failure handling)."""
 
     def __init__(self, cluster: Settings | str | None = None, *, serve: bool = True,
@@ -103,14 +102,6 @@ class ClusterCoordinator:
                 address=address, name="coordinator")
 
     # -- public API (TF names) -------------------------------------------------------------------
-    def create_variable(self, name: str, shape: Any = None, dtype: Any = None, **kwargs: Any) -> Variable:
-        """Create (or find) a variable on the PS tasks; see PSClient.create_variable."""
-        return self.client.create_variable(name, shape, dtype, **kwargs)
-
-    def create_per_worker_dataset(self, dataset_fn: Callable[..., Any]) -> PerWorkerDataset:
-        """A dataset built on each worker by dataset_fn (optionally taking a WorkerInfo)."""
-        return PerWorkerDataset(dataset_fn)
-
     def schedule(self, fn: Callable[..., Any], args: tuple[Any, ...] = (),
                  kwargs: dict[str, Any] | None = None) -> RemoteValue:
         """Queue fn(*args, **kwargs) to run on some worker; returns a RemoteValue at once."""
@@ -144,16 +135,6 @@ class ClusterCoordinator:
             finished = self._outstanding == 0
         self._raise_pending_error()
         return finished
-
-    def fetch(self, values: Any) -> Any:
-        """Fetch a RemoteValue, or a (nested) list/tuple/dict of them, into plain values."""
-        if isinstance(values, RemoteValue):
-            return values.fetch()
-        if isinstance(values, dict):
-            return {k: self.fetch(v) for k, v in values.items()}
-        if isinstance(values, (list, tuple)):
-            return type(values)(self.fetch(v) for v in values)
-        return values
 
     def configure_sync(self, mode: str = "sync", replicas_to_aggregate: int | None = None,
                        total_num_replicas: int | None = None, staleness: int = 0) -> int:

@@ -14,12 +14,11 @@ from typing import Any
 from pscluster import context, rpc
 from pscluster.client import PSClient
 from pscluster.config import Settings
+from pscluster.coordinator.api import CoordinatorAPI
 from pscluster.coordinator.values import RemoteValue, reply_error
-from pscluster.datasets import PerWorkerDataset
 from pscluster.errors import DeadlineExceededError, FailedPreconditionError
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
-from pscluster.variables import Variable
 from pscluster.closures import ClosureEncoder
 
 
@@ -42,7 +41,7 @@ class _RemoteValue(RemoteValue):
         return super().fetch(0)
 
 
-class RemoteCoordinator:
+class RemoteCoordinator(CoordinatorAPI):
     """Client of a `pscluster coordinator` daemon with ClusterCoordinator's API."""
 
     def __init__(self, settings: Settings) -> None:
@@ -58,14 +57,6 @@ class RemoteCoordinator:
     def _call(self, method: str, request: Any) -> Any:
         return rpc.call(getattr(self._stub, method), request, timeout=60.0, what=f"coordinator {method}",
                         retry_for=30.0)
-
-    def create_variable(self, name: str, shape: Any = None, dtype: Any = None, **kwargs: Any) -> Variable:
-        """Create (or find) a variable on the PS tasks."""
-        return self.client.create_variable(name, shape, dtype, **kwargs)
-
-    def create_per_worker_dataset(self, dataset_fn: Callable[..., Any]) -> PerWorkerDataset:
-        """A dataset built on each worker by dataset_fn."""
-        return PerWorkerDataset(dataset_fn)
 
     def schedule(self, fn: Callable[..., Any], args: tuple[Any, ...] = (),
                  kwargs: dict[str, Any] | None = None) -> RemoteValue:
@@ -96,16 +87,6 @@ class RemoteCoordinator:
         if reply.done and reply.HasField("error"):
             raise reply_error(reply.closure_id_of_error, reply.error)
         return bool(reply.done)
-
-    def fetch(self, values: Any) -> Any:
-        """Fetch RemoteValues (nested lists/tuples/dicts) into plain values."""
-        if isinstance(values, RemoteValue):
-            return values.fetch()
-        if isinstance(values, dict):
-            return {k: self.fetch(v) for k, v in values.items()}
-        if isinstance(values, (list, tuple)):
-            return type(values)(self.fetch(v) for v in values)
-        return values
 
     def status(self) -> pb.CoordinatorStatus:
         """The daemon's queue, counters and workers."""

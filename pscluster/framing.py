@@ -154,3 +154,14 @@ class FrameServer:
                 self._conns.discard(conn)
             self._slots.release()
             conn.close()
+
+
+def stop_with(server: Any, frames: FrameServer) -> None:
+    """Make `server.stop(grace)` (a grpc.Server's) also stop `frames`, so one call ends both listeners."""
+    grpc_stop = server.stop
+
+    def stop(grace: float | None) -> threading.Event:
+        frames.stop()
+        return grpc_stop(grace)  # type: ignore[no-any-return]
+
+    server.stop = stop

@@ -10,6 +10,7 @@ import grpc
 
 from pscluster import rpc
 from pscluster.config import Settings
+from pscluster.framing import stop_with
 from pscluster.metrics import PsMetrics
 from pscluster.metrics import serve as metrics_serve
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
@@ -43,13 +44,7 @@ def start(settings: Settings) -> tuple[grpc.Server, int, ParameterServerCore]:
         settings, lambda s: pb_grpc.add_ParameterServerServicer_to_server(servicer, s),
         name=f"ps{settings.task_index}")
     if bulk is not None:
-        _stop = server.stop
-
-        def stop(grace: float | None) -> threading.Event:  # the bulk listener goes down with the server
-            bulk.stop()
-            return _stop(grace)
-
-        server.stop = stop  # type: ignore[method-assign]
+        stop_with(server, bulk)
     return server, port, core
 
 

@@ -15,6 +15,7 @@ from pscluster.client import PSClient
 from pscluster.config import Settings
 from pscluster.datasets import WorkerDatasets, WorkerInfo
 from pscluster.errors import PsclusterError
+from pscluster.framing import stop_with
 from pscluster.metrics import serve as metrics_serve
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
@@ -96,13 +97,7 @@ def start(settings: Settings) -> tuple[grpc.Server, int, WorkerServicer]:
         frames = closure_server(servicer, settings.bind_host, settings.token_value(),
                                 settings.max_message_bytes).start()
         servicer.closure_port = frames.port
-        _stop = server.stop
-
-        def stop(grace: float | None) -> threading.Event:  # the closure port goes down with the server
-            frames.stop()
-            return _stop(grace)
-
-        server.stop = stop  # type: ignore[method-assign]
+        stop_with(server, frames)
     return server, port, servicer
 
 
