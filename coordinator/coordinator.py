@@ -35,7 +35,7 @@ from pscluster.coordinator.ps_monitor import PsMonitor
 from pscluster.coordinator.api import CoordinatorAPI
 from pscluster.coordinator.values import RemoteValue
 from pscluster.framing import STATUS_BY_VALUE
-from pscluster.errors import AbortedError, DeadlineExceededError, PsclusterError, UnavailableError
+from pscluster.errors import AbortedError, DeadlineExceededError, NotFoundError, PsclusterError, UnavailableError
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 from pscluster.closures import ClosureEncoder
@@ -60,6 +60,7 @@ class ClusterCoordinator(CoordinatorAPI):
         self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._values: dict[int, RemoteValue] = {}
         self._payloads: dict[int, bytes] = {}
+        self._replies: dict[int, pb.RunClosureReply] = {}  # staged until the scheduler resolves them
         self._encoder = ClosureEncoder()
         self._rpcs: dict[tuple[int, str], grpc.Future] = {}
         self._closure_addresses: dict[str, str] = {}
@@ -116,6 +117,17 @@ class ClusterCoordinator(CoordinatorAPI):
             self._payloads[cid] = payload
             self._outstanding += 1
         self._events.put((sch.Submit(cid), None))
+        return value
+
+    def remote_value(self, closure_id: int) -> RemoteValue:
+        """The RemoteValue of a closure scheduled on this coordinator.
+
+        Raises:
+            NotFoundError: no such closure here.
+        """
+        value = self._values.get(closure_id)
+        if value is None:
+            raise NotFoundError(f"no closure {closure_id} on this coordinator")
         return value
 
     def join(self, timeout: float | None = None) -> None:
@@ -284,19 +296,18 @@ class ClusterCoordinator(CoordinatorAPI):
             self._monitor.record(list(reply.versions))
         value = self._values.get(cid)
         if value is not None and not value.done():
-            value._reply = reply  # published by the Resolve action
+            self._replies[cid] = reply  # published by the Resolve action
 
     def _perform(self, action: sch.Action) -> None:
         if isinstance(action, sch.Dispatch):
             self._dispatch(action)
         elif isinstance(action, sch.Resolve):
             value = self._values[action.cid]
-            reply = value._reply
-            assert reply is not None
+            reply = self._replies.pop(action.cid)
             value._set_reply(reply)
             if reply.HasField("error"):
                 log.warning("closure %d raised %s: %s", action.cid, reply.error.type_name, reply.error.message)
-                self._finish(action.cid, value._error)
+                self._finish(action.cid, value.outcome()[1])
             else:
                 self._finish(action.cid, None)
         elif isinstance(action, sch.Cancel):

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from pscluster.errors import DeadlineExceededError, NotFoundError, PsclusterError
+from pscluster.errors import DeadlineExceededError, PsclusterError
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 
@@ -51,15 +51,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.ScheduleReply(closure_id=self.coordinator.schedule_payload(request.payload).closure_id)
 
     def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> pb.FetchReply:
-        value = self.coordinator._values.get(request.closure_id)  # noqa: SLF001 - results live there
-        if value is None:
-            raise NotFoundError(f"no closure {request.closure_id} on this coordinator")
-        if not value._ready.wait(min(request.timeout_s, MAX_WAIT_S)):  # noqa: SLF001
+        value = self.coordinator.remote_value(request.closure_id)
+        if not value.wait(min(request.timeout_s, MAX_WAIT_S)):
             return pb.FetchReply(done=False)
-        if value._reply is not None:  # noqa: SLF001
-            return pb.FetchReply(done=True, reply=value._reply)  # noqa: SLF001
-        assert value._error is not None  # noqa: SLF001
-        return pb.FetchReply(done=True, reply=pb.RunClosureReply(error=error_to_pb(value._error)))  # noqa: SLF001
+        reply, error = value.outcome()
+        if reply is not None:
+            return pb.FetchReply(done=True, reply=reply)
+        assert error is not None
+        return pb.FetchReply(done=True, reply=pb.RunClosureReply(error=error_to_pb(error)))
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         try:

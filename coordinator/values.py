@@ -47,6 +47,15 @@ class RemoteValue:
         """True once the closure has finished, failed or been cancelled."""
         return self._ready.is_set()
 
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until done (at most timeout seconds); True if done."""
+        return self._ready.wait(timeout)
+
+    def outcome(self) -> tuple[pb.RunClosureReply | None, BaseException | None]:
+        """(worker reply, error) once done: a reply for finished closures (its error field set if the
+        closure raised), an error alone for cancelled or unschedulable ones."""
+        return self._reply, self._error
+
     def fetch(self, timeout: float | None = None) -> Any:
         """The closure's return value; raises its error (with the remote traceback) if it raised.
 

@@ -151,10 +151,8 @@ class BulkClient:
                 opened.pop(0)
                 self._release(call.ps, conn)
         except (OSError, ConnectionError) as exc:
-            failed = opened[0][0].ps if opened else -1
-            for call, conn in opened:
-                conn.close()
-            raise UnavailableError(f"ps {failed} bulk connection failed: {exc}") from exc
+            errors = [self._fail(call.ps, conn, exc) for call, conn in opened]  # a PS may have restarted
+            raise (errors[0] if errors else UnavailableError(f"bulk connection failed: {exc}")) from exc
         except BaseException:
             for _, conn in opened:
                 conn.close()

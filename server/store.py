@@ -163,6 +163,10 @@ class VariableStore:
         with self._create_lock:
             self._shards[shard.spec.key] = shard
 
+    def find(self, key: Key) -> Shard | None:
+        """The shard for key, or None."""
+        return self._shards.get(key)
+
     def get(self, key: Key) -> Shard:
         """The shard for key, or NotFoundError."""
         shard = self._shards.get(key)
@@ -288,7 +292,7 @@ def ensure_created(store: VariableStore, spec: ShardSpec, initial: np.ndarray | 
                    init_kind: str, init_value: float, seed: int) -> tuple[Shard, bool]:
     """Create a shard from an explicit value or an initializer spec (idempotently)."""
     if initial is None:
-        existing = store._shards.get(spec.key)  # noqa: SLF001 - skip building a large initial value twice
+        existing = store.find(spec.key)  # an idempotent re-create must not build a large initial value again
         value = initial_value(spec, init_kind, init_value, seed) if existing is None else existing.value
         return store.create(spec.validate(), value)
     return store.create(spec, initial)
