@@ -29,9 +29,17 @@ class _RemoteValue(RemoteValue):
         super().__init__(closure_id)
         self._owner = owner
 
+    def done(self) -> bool:
+        """True once the closure has finished on the daemon (asks it when not known here yet)."""
+        if not super().done():
+            reply = self._owner._call("Fetch", pb.FetchRequest(closure_id=self.closure_id, timeout_s=0))
+            if reply.done:
+                self._set_reply(reply.reply)
+        return super().done()
+
     def fetch(self, timeout: float | None = None) -> Any:
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.done():
+        while not super().done():
             wait = 10.0 if deadline is None else max(0.0, deadline - time.monotonic())
             reply = self._owner._call("Fetch", pb.FetchRequest(closure_id=self.closure_id, timeout_s=wait))
             if reply.done:

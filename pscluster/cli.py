@@ -9,21 +9,35 @@ from collections.abc import Sequence
 from typing import Any
 
 from pscluster.config import Settings, load_settings
-from pscluster.errors import ConfigError
+from pscluster.errors import ConfigError, StartupError
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pscluster")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _client(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster", help="cluster spec file (YAML, TOML or JSON); else TF_CONFIG")
+    p.add_argument("--token-file", help="file holding the shared token (else PSCLUSTER_TOKEN)")
+    p.add_argument("--log-level", default="INFO")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cluster", help="cluster spec file (YAML, TOML or JSON); else TF_CONFIG")
-    p.add_argument("--token-file", help="file holding the shared token (else PSCLUSTER_TOKEN)")
+    _client(p)
     p.add_argument("--bind-host", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port to listen on instead of the cluster spec's")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free port)")
-    p.add_argument("--log-level", default="INFO")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's argument parser (also used by tests that check deploy manifests)."""
     parser = argparse.ArgumentParser(prog="pscluster", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"pscluster {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     ps = sub.add_parser("ps", help="run a parameter-server daemon")
     _common(ps)
@@ -32,32 +46,40 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("--keep-checkpoints", type=int)
     ps.add_argument("--restore", action="store_true", help="load the newest complete checkpoint at start")
     ps.add_argument("--nan-policy", choices=["reject", "allow"])
+    ps.add_argument("--framed-port", type=int, help="port of the raw tensor (bulk) listener (default: any free port)")
     wk = sub.add_parser("worker", help="run a worker daemon")
     _common(wk)
     wk.add_argument("--index", type=int, default=None, help="task index in the cluster's worker list, if any")
+    wk.add_argument("--framed-port", type=int, help="port of the framed closure listener (default: any free port)")
     co = sub.add_parser("coordinator", help="run a coordinator daemon")
     _common(co)
     up = sub.add_parser("up", help="run a whole cluster on this machine, supervised")
     up.add_argument("--ps", type=int, default=2, help="number of PS tasks")
     up.add_argument("--workers", type=int, default=2, help="number of workers")
-    up.add_argument("--base-port", type=int, default=0, help="first port (0: pick free ports)")
-    up.add_argument("--checkpoint-dir", help="checkpoint directory (default: a temporary one)")
+    up.add_argument("--base-port", type=int, default=0,
+                    help="coordinator on this port, then PS, workers, framed listeners on the next ones "
+                         "(2 * (ps + workers) + 1 ports in all; 0: pick free ports)")
+    up.add_argument("--checkpoint-dir", help="checkpoint directory, restored from when it holds a checkpoint "
+                                             "(default: a temporary one)")
     up.add_argument("--write-cluster", help="write the cluster spec here for clients")
-    up.add_argument("--token-file")
+    up.add_argument("--token-file", help="file holding the shared token (else PSCLUSTER_TOKEN)")
     up.add_argument("--log-level", default="INFO")
     st = sub.add_parser("status", help="show the live cluster")
-    _common(st)
+    _client(st)
+    st.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
+                    help="wait up to SECONDS for every PS and the coordinator to answer")
     return parser
 
 
 def settings_from_args(args: argparse.Namespace, task_type: str | None) -> Settings:
     """Settings from parsed flags, merged over file and environment."""
     overrides: dict[str, Any] = {
-        "task_type": task_type, "task_index": getattr(args, "index", None), "bind_host": args.bind_host,
-        "port": args.port, "checkpoint_dir": getattr(args, "checkpoint_dir", None),
+        "task_type": task_type, "task_index": getattr(args, "index", None),
+        "bind_host": getattr(args, "bind_host", None), "port": getattr(args, "port", None), "checkpoint_dir": getattr(args, "checkpoint_dir", None),
         "keep_checkpoints": getattr(args, "keep_checkpoints", None),
         "restore": getattr(args, "restore", None) or None, "nan_policy": getattr(args, "nan_policy", None),
         "token_file": args.token_file, "metrics_port": getattr(args, "metrics_port", None),
+        "framed_port": getattr(args, "framed_port", None),
     }
     return load_settings(args.cluster, overrides=overrides)
 
@@ -87,10 +109,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "status":
             from pscluster.status import show
 
-            return show(settings_from_args(args, None))
+            return show(settings_from_args(args, None), wait=args.wait)
     except ConfigError as exc:
         print(f"pscluster {args.command}: {exc}", file=sys.stderr)
         return 2
+    except StartupError as exc:
+        print(f"pscluster {exc}", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -5,12 +5,25 @@ milliseconds; a training loop schedules the same step function thousands of time
 `tf.function` once, `ClosureEncoder` pickles a function the first time it is scheduled and reuses the
 bytes (its captured objects are snapshotted then: pass values that change as arguments).
 `FunctionCache` on the worker unpickles each digest once.
+
+User code travels: cloudpickle pickles a function of an importable module by reference (its name), so
+a closure calling `helpers.loss(...)` from the user's project would fail on a worker that cannot import
+`helpers`. Before pickling, `ship_user_modules()` registers every imported module of the user's project
+(not the standard library, not an installed distribution, not pscluster) to be pickled by value;
+`ship_module(mod)` does it for one module explicitly (e.g. a project installed in site-packages).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib.metadata
+import os
+import site
+import sys
+import sysconfig
 import threading
+import types
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +32,52 @@ import cloudpickle
 
 from pscluster.errors import InvalidArgumentError
 from pscluster.proto import pscluster_pb2 as pb
+
+
+def ship_module(module: types.ModuleType) -> None:
+    """Pickle module's functions and classes by value from now on, so workers need not import it."""
+    cloudpickle.register_pickle_by_value(module)
+    _shipped.add(module.__name__)
+
+
+_shipped: set[str] = set()
+_seen = {"count": 0}
+_ship_lock = threading.Lock()
+
+
+@functools.cache
+def _installed_roots() -> tuple[tuple[str, ...], frozenset[str]]:
+    """Directories of the standard library and site-packages, and top-level names of installed distributions."""
+    paths = sysconfig.get_paths()
+    roots = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+    roots |= {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, *site.getsitepackages()}
+    roots.add(site.getusersitepackages())
+    dirs = tuple(os.path.join(os.path.realpath(r), "") for r in roots if r)
+    return dirs, frozenset(importlib.metadata.packages_distributions()) | {"pscluster"}
+
+
+def _is_user_module(name: str, module: object) -> bool:
+    if name == "__main__" or not isinstance(module, types.ModuleType):
+        return False
+    path = getattr(module, "__file__", None)
+    if not path or not path.endswith(".py"):
+        return False
+    dirs, installed = _installed_roots()
+    if name.partition(".")[0] in installed:
+        return False
+    return not os.path.realpath(path).startswith(dirs)
+
+
+def ship_user_modules() -> None:
+    """Register the user's project modules imported so far to be pickled by value (cheap when none are new)."""
+    modules = sys.modules
+    if len(modules) == _seen["count"]:
+        return
+    with _ship_lock:
+        _seen["count"] = len(modules)
+        for name, module in list(modules.items()):
+            if name not in _shipped and _is_user_module(name, module):
+                ship_module(module)  # type: ignore[arg-type]
 
 
 class ClosureEncoder:
@@ -33,6 +92,7 @@ class ClosureEncoder:
         """The payload for fn(*args, **kwargs)."""
         if not callable(fn):
             raise InvalidArgumentError(f"schedule needs a callable, got {type(fn).__name__}")
+        ship_user_modules()
         with self._lock:
             hit = self._cache.get(id(fn))
             if hit is not None and hit[0] is fn:

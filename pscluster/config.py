@@ -87,6 +87,9 @@ class Settings(_Frozen):
     max_inflight_per_worker: int = Field(default=2, ge=1, le=64)
     no_worker_timeout_s: float | None = Field(default=300.0, gt=0)
     drain_timeout_s: float = Field(default=10.0, ge=0)
+    # -- daemon start-up and fixed ports (issue 11) ------------------------------------------------
+    startup_timeout_s: float = Field(default=300.0, gt=0)  # how long a daemon waits for what it needs
+    framed_port: int | None = Field(default=None, ge=0, lt=65536)  # PS bulk / worker closure port (None: any)
 
     @field_validator("bind_host")
     @classmethod
@@ -164,6 +167,20 @@ def _read_file(path: pathlib.Path) -> dict[str, Any]:
     return data if "cluster" in data else {"cluster": data}
 
 
+TF_JOBS = frozenset({"chief", "coordinator", "ps", "worker", "evaluator"})
+
+
+def _check_tf_jobs(cluster: Mapping[str, Any]) -> None:
+    """Refuse what TF refuses: a job name TF does not know, more than one chief."""
+    unknown = sorted(set(cluster) - TF_JOBS)
+    if unknown:
+        raise ConfigError(f"TF_CONFIG.cluster has unknown job(s) {unknown}; known jobs: {sorted(TF_JOBS)}")
+    for job in ("chief", "coordinator", "evaluator"):
+        tasks = cluster.get(job)
+        if isinstance(tasks, list) and len(tasks) > 1:
+            raise ConfigError(f"TF_CONFIG.cluster.{job} lists {len(tasks)} tasks {tasks}; at most one is allowed")
+
+
 def _from_tf_config(raw: str) -> dict[str, Any]:
     try:
         data = json.loads(raw)
@@ -176,6 +193,7 @@ def _from_tf_config(raw: str) -> dict[str, Any]:
     if cluster is not None:
         if not isinstance(cluster, dict):
             raise ConfigError("TF_CONFIG.cluster must be an object")
+        _check_tf_jobs(cluster)
         spec: dict[str, Any] = {k: v for k, v in cluster.items() if k in ("ps", "worker")}
         chief = cluster.get("chief") or cluster.get("coordinator")
         if chief:
@@ -184,6 +202,8 @@ def _from_tf_config(raw: str) -> dict[str, Any]:
     task = data.get("task")
     if isinstance(task, dict):
         kind = task.get("type")
+        if kind not in TF_JOBS:
+            raise ConfigError(f"TF_CONFIG.task.type {kind!r} is not one of {sorted(TF_JOBS)}")
         out["task_type"] = "coordinator" if kind == "chief" else kind
         out["task_index"] = task.get("index", 0)
     return out
@@ -199,7 +219,24 @@ _ENV_FIELDS = {
     "PSCLUSTER_NAN_POLICY": "nan_policy",
     "PSCLUSTER_HEARTBEAT_INTERVAL_S": "heartbeat_interval_s",
     "PSCLUSTER_HEARTBEAT_TIMEOUT_S": "heartbeat_timeout_s",
+    "PSCLUSTER_STARTUP_TIMEOUT_S": "startup_timeout_s",
 }
+
+
+def load_token(token_file: str | pathlib.Path | None = None, env: Mapping[str, str] | None = None) -> str | None:
+    """The shared token: token_file, else PSCLUSTER_TOKEN_FILE, else PSCLUSTER_TOKEN; None if none is set.
+
+    Raises:
+        ConfigError: the token file cannot be read.
+    """
+    env = os.environ if env is None else env
+    token_file = token_file or env.get("PSCLUSTER_TOKEN_FILE")
+    if token_file:
+        try:
+            return pathlib.Path(token_file).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"token_file {token_file}: {exc.strerror}") from exc
+    return env.get("PSCLUSTER_TOKEN") or None
 
 
 def load_settings(cluster_file: str | pathlib.Path | None = None,
@@ -222,14 +259,9 @@ def load_settings(cluster_file: str | pathlib.Path | None = None,
     for var, field in _ENV_FIELDS.items():
         if var in env:
             merged[field] = env[var]
-    token_file = (overrides or {}).get("token_file") or env.get("PSCLUSTER_TOKEN_FILE")
-    if env.get("PSCLUSTER_TOKEN"):
-        merged["token"] = env["PSCLUSTER_TOKEN"]
-    if token_file:
-        try:
-            merged["token"] = pathlib.Path(token_file).read_text().strip()
-        except OSError as exc:
-            raise ConfigError(f"token_file {token_file}: {exc.strerror}") from exc
+    token = load_token((overrides or {}).get("token_file"), env)
+    if token is not None:
+        merged["token"] = token
     merged.update({k: v for k, v in (overrides or {}).items() if v is not None and k != "token_file"})
     if "cluster" not in merged:
         raise ConfigError("no cluster spec: pass --cluster FILE or set TF_CONFIG")

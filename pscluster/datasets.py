@@ -19,6 +19,7 @@ from typing import Any
 import cloudpickle
 
 from pscluster import context
+from pscluster.closures import ship_user_modules
 from pscluster.errors import FailedPreconditionError
 
 
@@ -36,6 +37,7 @@ class PerWorkerDataset:
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
         self.dataset_id = uuid.uuid4().hex
+        ship_user_modules()
         self.fn_bytes = cloudpickle.dumps(fn)  # once: the handle travels with every closure
 
     def __iter__(self) -> PerWorkerIterator:

@@ -14,7 +14,8 @@
 
 `ClosureError` is separate: it is the user's exception raised inside a closure, re-raised by
 `join`/`fetch` with the remote traceback; it never maps to a status code. `ConfigError` is bad
-configuration, raised at start before any daemon exists.
+configuration, raised at start before any daemon exists; `StartupError` is a daemon giving up on a
+dependency (a PS, the coordinator) that did not come up in time or refused it.
 
 The mapping happens at exactly two places: `rpc.ErrorInterceptor` (server, error -> status) and
 `rpc.translate` (client, status -> error). Nothing classifies a failure by its message text.
@@ -96,6 +97,10 @@ class InternalError(PsclusterError):
 
 class ConfigError(ValueError):
     """Invalid configuration, reported at start with the offending field."""
+
+
+class StartupError(RuntimeError):
+    """A daemon gave up waiting for what it needs; the message names it and why (exit code 3)."""
 
 
 class ClosureError(Exception):

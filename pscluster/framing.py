@@ -18,7 +18,8 @@ from typing import Any
 
 import grpc
 
-from pscluster.errors import InvalidArgumentError, PsclusterError, ResourceExhaustedError, UnauthenticatedError
+from pscluster.errors import (ConfigError, InvalidArgumentError, PsclusterError, ResourceExhaustedError,
+                              UnauthenticatedError)
 from pscluster.proto import pscluster_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -72,13 +73,17 @@ class FrameServer:
     """Accepts framed connections and hands each request to `handlers[kind]` until stop()."""
 
     def __init__(self, host: str, token: str | None, handlers: dict[str, Handler], max_header_bytes: int,
-                 max_payload_bytes: int = 1 << 36, max_connections: int = 128, name: str = "frames") -> None:
+                 max_payload_bytes: int = 1 << 36, max_connections: int = 128, name: str = "frames",
+                 port: int = 0) -> None:
         self._token = token.encode() if token else None
         self._handlers = handlers
         self._max_header = max_header_bytes
         self._max_payload = max_payload_bytes
         self._slots = threading.BoundedSemaphore(max_connections)
-        self._listener = socket.create_server((host, 0))
+        try:
+            self._listener = socket.create_server((host, port))
+        except OSError as exc:
+            raise ConfigError(f"cannot listen for {name} on {host}:{port}: {exc.strerror}") from exc
         self.port = int(self._listener.getsockname()[1])
         self._name = name
         self._stop = threading.Event()
@@ -94,6 +99,10 @@ class FrameServer:
     def stop(self) -> None:
         """Close the listener and every connection; join the accept thread."""
         self._stop.set()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept(); close() alone does not
+        except OSError:
+            pass
         self._listener.close()
         with self._lock:
             for conn in list(self._conns):

@@ -26,8 +26,9 @@ from typing import Any
 
 import yaml
 
-from pscluster.config import Settings, load_settings
-from pscluster.errors import DeadlineExceededError, FailedPreconditionError
+from pscluster import daemon
+from pscluster.config import Settings, load_settings, load_token
+from pscluster.errors import ConfigError, DeadlineExceededError, FailedPreconditionError
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,44 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class PortPlan:
+    """Fixed ports from a base: coordinator, PS tasks, workers, then the PS and worker framed listeners.
+
+    With base 0 every method returns 0 (pick a free port). Workers beyond the planned count get free ports.
+    """
+
+    base: int
+    num_ps: int
+    num_workers: int
+
+    def _at(self, offset: int) -> int:
+        return self.base + offset if self.base else 0
+
+    def coordinator(self) -> int:
+        """The coordinator's port."""
+        return self._at(0)
+
+    def ps(self, i: int) -> int:
+        """PS i's gRPC port."""
+        return self._at(1 + i)
+
+    def worker(self, i: int) -> int:
+        """Worker i's gRPC port."""
+        return self._at(1 + self.num_ps + i) if i < self.num_workers else 0
+
+    def framed(self, role: str, i: int) -> int:
+        """The framed listener's port of PS i (bulk tensors) or worker i (closures)."""
+        first = 1 + self.num_ps + self.num_workers
+        if role == "ps":
+            return self._at(first + i)
+        return self._at(first + self.num_ps + i) if role == "worker" and i < self.num_workers else 0
+
+    def last(self) -> int:
+        """The highest port of the plan."""
+        return self._at(2 * (self.num_ps + self.num_workers))
 
 
 @dataclass
@@ -65,16 +104,20 @@ class LocalCluster:
 
     def __init__(self, num_ps: int = 2, num_workers: int = 2, *, workdir: str | os.PathLike[str] | None = None,
                  token: str | None = None, supervise: bool = True, coordinator_port: int | None = None,
-                 extra: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> None:
+                 extra: dict[str, Any] | None = None, env: dict[str, str] | None = None,
+                 checkpoint_dir: str | os.PathLike[str] | None = None, restore: bool = False,
+                 base_port: int = 0) -> None:
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="pscluster-")
-        self.workdir = pathlib.Path(workdir or self._tmp.name)  # type: ignore[union-attr]
+        self.workdir = pathlib.Path(workdir or self._tmp.name).resolve()  # type: ignore[union-attr]
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.checkpoint_dir = self.workdir / "checkpoints"
+        self.checkpoint_dir = pathlib.Path(checkpoint_dir).resolve() if checkpoint_dir else self.workdir / "checkpoints"
+        self.restore_at_start = restore
         self.token = token
         self.supervise = supervise
+        self.ports = PortPlan(base_port, num_ps, num_workers)
         self.spec: dict[str, Any] = {
-            "ps": [f"127.0.0.1:{free_port()}" for _ in range(num_ps)],
-            "coordinator": f"127.0.0.1:{coordinator_port or free_port()}",
+            "ps": [f"127.0.0.1:{self.ports.ps(i) or free_port()}" for i in range(num_ps)],
+            "coordinator": f"127.0.0.1:{self.ports.coordinator() or coordinator_port or free_port()}",
         }
         self.cluster_file = self.workdir / "cluster.yaml"
         self.cluster_file.write_text(yaml.safe_dump({"cluster": self.spec, **(extra or {})}))
@@ -97,11 +140,18 @@ class LocalCluster:
         return load_settings(self.cluster_file, env=env, overrides=overrides)
 
     def _argv(self, role: str, index: int, restore: bool = False) -> list[str]:
-        argv = [sys.executable, "-m", "pscluster.cli", role, "--cluster", str(self.cluster_file)]
+        # -P: the working directory is not put on sys.path, so a `pscluster/` folder there (a checkout
+        # next to a non-editable install) cannot shadow the installed package in the daemons.
+        argv = [sys.executable, "-P", "-m", "pscluster.cli", role, "--cluster", str(self.cluster_file)]
         if role == "ps":
             argv += ["--index", str(index), "--checkpoint-dir", str(self.checkpoint_dir)]
-            if restore:
+            if restore or self.restore_at_start:
                 argv.append("--restore")
+        framed = self.ports.framed(role, index)
+        if role == "worker" and self.ports.worker(index):
+            argv += ["--port", str(self.ports.worker(index))]
+        if framed:
+            argv += ["--framed-port", str(framed)]
         return argv
 
     def start(self, wait: float = 60.0) -> LocalCluster:
@@ -175,18 +225,24 @@ class LocalCluster:
                     except OSError:
                         log.exception("restart of %s %d failed", d.role, d.index)
 
-    def stop(self, grace: float = 5.0) -> None:
-        """Stop every process this cluster started: SIGTERM, then SIGKILL after grace."""
+    def _terminate(self) -> list[subprocess.Popen[bytes]]:
+        """Stop supervising and send SIGTERM to every live process this cluster started; returns them."""
         self._stopping.set()
         if self._supervisor is not None:
             self._supervisor.join(timeout=2)
-        procs = [d.proc for d in self.ps + self.workers if d.proc is not None and d.proc.poll() is None]
+        with self._lock:
+            procs = [d.proc for d in self.ps + self.workers if d.proc is not None and d.proc.poll() is None]
         for p in procs:
             try:
                 os.kill(p.pid, signal.SIGCONT)  # a stopped process cannot act on SIGTERM
                 os.kill(p.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
+        return procs
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Stop every process this cluster started: SIGTERM, then SIGKILL after grace."""
+        procs = self._terminate()
         deadline = time.monotonic() + grace
         for p in procs:
             try:
@@ -212,26 +268,27 @@ def _count_ready(path: pathlib.Path) -> int:
 
 
 def up_main(args: argparse.Namespace) -> int:
-    """`pscluster up`: a supervised local cluster with a coordinator daemon, until Ctrl-C/SIGTERM."""
+    """`pscluster up`: a supervised local cluster with a coordinator, until Ctrl-C/SIGTERM (exit 0)."""
     from pscluster.coordinator.coordinator import ClusterCoordinator
 
-    token = pathlib.Path(args.token_file).read_text().strip() if args.token_file else None
-    cluster = LocalCluster(args.ps, args.workers, workdir=args.checkpoint_dir, token=token,
-                           coordinator_port=args.base_port or None)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = daemon.stop_on_signals()
+    if args.base_port and args.base_port + 2 * (args.ps + args.workers) > 65535:
+        raise ConfigError(f"--base-port {args.base_port}: needs {2 * (args.ps + args.workers) + 1} ports below 65536")
+    cluster = LocalCluster(args.ps, args.workers, workdir=args.checkpoint_dir, token=load_token(args.token_file),
+                           checkpoint_dir=args.checkpoint_dir, restore=True, base_port=args.base_port)
     coord = None
     try:
         cluster.start()
         coord = ClusterCoordinator(cluster.settings(task_type="coordinator"))
         if args.write_cluster:
             pathlib.Path(args.write_cluster).write_text(cluster.cluster_file.read_text())
+        step = coord.global_step
         print(f"READY up: {len(cluster.ps)} PS, {len(cluster.workers)} workers, coordinator at "
-              f"{cluster.spec['coordinator']}; cluster spec: {args.write_cluster or cluster.cluster_file}", flush=True)
+              f"{cluster.spec['coordinator']}, global_step={step}; cluster spec: "
+              f"{args.write_cluster or cluster.cluster_file}", flush=True)
         stop.wait()
     finally:
         if coord is not None:
-            coord.shutdown()
+            coord.shutdown()  # first: its PS monitor would warn about PS tasks going down
         cluster.stop()
     return 0

@@ -2,25 +2,40 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
 from pscluster import rpc
 from pscluster.config import Settings
-from pscluster.errors import PsclusterError
+from pscluster.errors import PsclusterError, UnauthenticatedError
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 
 
 @dataclass
 class ClusterStatus:
-    """What `status` found; None entries did not answer."""
+    """What `status` found; a None status did not answer, and its problem says why."""
 
     ps: list[tuple[str, pb.PsStatus | None, list[pb.ShardInfo]]] = field(default_factory=list)
+    ps_problems: list[str] = field(default_factory=list)
     coordinator: pb.CoordinatorStatus | None = None
     coordinator_error: str = ""
+
+    def complete(self, settings: Settings) -> bool:
+        """True when every PS and the coordinator (if the spec names one) answered."""
+        return all(st is not None for _, st, _ in self.ps) and \
+            (self.coordinator is not None or not settings.cluster.coordinator)
+
+
+def _problem(err: PsclusterError) -> str:
+    if isinstance(err, UnauthenticatedError):
+        return "unauthenticated: wrong or missing token (PSCLUSTER_TOKEN, --token-file)"
+    return "unreachable"
 
 
 def gather(settings: Settings, timeout: float = 3.0) -> ClusterStatus:
@@ -33,8 +48,10 @@ def gather(settings: Settings, timeout: float = 3.0) -> ClusterStatus:
             status = rpc.call(stub.Status, pb.PsStatusRequest(), timeout=timeout)
             shards = list(rpc.call(stub.ListShards, pb.ListShardsRequest(), timeout=timeout).shards)
             out.ps.append((address, status, shards))
-        except PsclusterError:
+            out.ps_problems.append("")
+        except PsclusterError as exc:
             out.ps.append((address, None, []))
+            out.ps_problems.append(_problem(exc))
         finally:
             channel.close()
     if settings.cluster.coordinator:
@@ -43,7 +60,8 @@ def gather(settings: Settings, timeout: float = 3.0) -> ClusterStatus:
             out.coordinator = rpc.call(pb_grpc.CoordinatorStub(channel).Status, pb.CoordinatorStatusRequest(),
                                        timeout=timeout)
         except PsclusterError as exc:
-            out.coordinator_error = str(exc)
+            problem = _problem(exc)
+            out.coordinator_error = problem if problem != "unreachable" else f"unreachable: {exc}"
         finally:
             channel.close()
     return out
@@ -51,6 +69,13 @@ def gather(settings: Settings, timeout: float = 3.0) -> ClusterStatus:
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
+
+
+def _print(console: Console, table: Table) -> None:
+    """Print table as wide as its content needs, whatever the terminal: never cut an address or an id."""
+    need = Measurement.get(console, console.options.update(max_width=1 << 16), table).maximum
+    console.width = max(console.width, need)
+    console.print(table)
 
 
 def render(status: ClusterStatus, console: Console) -> None:
@@ -63,7 +88,8 @@ def render(status: ClusterStatus, console: Console) -> None:
         var_table.add_column(col)
     for i, (address, st, shards) in enumerate(status.ps):
         if st is None:
-            ps_table.add_row(str(i), address, "[red]unreachable", "", "", "", "", "")
+            problem = status.ps_problems[i] if i < len(status.ps_problems) else "unreachable"
+            ps_table.add_row(str(i), address, f"[red]{problem}", "", "", "", "", "")
             continue
         ps_table.add_row(str(i), address, "[green]up", str(st.global_step),
                          str(st.restored_step) if st.restored_step >= 0 else "-", str(st.num_shards),
@@ -72,24 +98,29 @@ def render(status: ClusterStatus, console: Console) -> None:
             s = info.spec
             var_table.add_row(s.variable, f"{s.shard_index + 1}/{s.num_shards}", str(i), str(tuple(s.shape)),
                               s.dtype, s.optimizer.kind + (" sparse" if s.sparse else ""), str(info.version))
-    console.print(ps_table)
-    console.print(var_table)
+    _print(console, ps_table)
+    _print(console, var_table)
     if status.coordinator is not None:
         c = status.coordinator
         console.print(f"coordinator: {c.queued} queued, {c.running} running, {c.done} done, {c.retried} retried, "
-                      f"{c.failed} failed, {c.lost_updates} updates lost to PS restarts")
+                      f"{c.failed} failed, {c.lost_updates} updates lost to PS restarts", soft_wrap=True)
         workers = Table(title="workers")
         for col in ("worker", "address", "state", "closures done", "steps/s (10 s)"):
             workers.add_column(col)
         for w in sorted(c.workers, key=lambda w: w.address):
             workers.add_row(w.worker_id, w.address, w.state, str(w.closures_done), f"{w.steps_per_s:.1f}")
-        console.print(workers)
+        _print(console, workers)
     elif status.coordinator_error:
-        console.print(f"[yellow]coordinator unreachable: {status.coordinator_error}")
+        console.print(f"[yellow]coordinator {status.coordinator_error}", soft_wrap=True)
 
 
-def show(settings: Settings, console: Console | None = None) -> int:
-    """Gather and print; exit code 1 when a PS task is unreachable."""
+def show(settings: Settings, console: Console | None = None, wait: float = 0.0,
+         clock: Callable[[], float] = time.monotonic) -> int:
+    """Gather (for up to `wait` s until every task answers) and print; exit code 1 when a PS did not answer."""
+    deadline = clock() + wait
     status = gather(settings)
+    while not status.complete(settings) and clock() < deadline:
+        time.sleep(min(0.2, max(0.0, deadline - clock())))
+        status = gather(settings)
     render(status, console or Console())
     return 0 if all(st is not None for _, st, _ in status.ps) else 1

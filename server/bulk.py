@@ -32,10 +32,10 @@ class BulkHandlers:
     def __init__(self, core: ParameterServerCore) -> None:
         self.core = core
 
-    def server(self, host: str, token: str | None, max_header_bytes: int) -> FrameServer:
-        """A FrameServer with this PS's handlers (not started)."""
+    def server(self, host: str, token: str | None, max_header_bytes: int, port: int = 0) -> FrameServer:
+        """A FrameServer with this PS's handlers on port (0: any free port), not started."""
         return FrameServer(host, token, {"pull": self.pull, "push": self.push, "take_token": self.take_token,
-                                         "step_done": self.step_done}, max_header_bytes, name="bulk")
+                                         "step_done": self.step_done}, max_header_bytes, name="bulk", port=port)
 
     def take_token(self, conn: socket.socket, request: pb.BulkRequest, payload_len: int,
                    state: dict[str, Any]) -> None:

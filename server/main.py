@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import logging
-import signal
-import threading
 
 import grpc
 
-from pscluster import rpc
+from pscluster import daemon, rpc
 from pscluster.config import Settings
 from pscluster.framing import stop_with
 from pscluster.metrics import PsMetrics
@@ -37,7 +35,7 @@ def start(settings: Settings) -> tuple[grpc.Server, int, ParameterServerCore]:
     bulk = None
     if settings.bulk_transport:
         bulk = BulkHandlers(core).server(settings.bind_host, settings.token_value(),
-                                         settings.max_message_bytes).start()
+                                         settings.max_message_bytes, port=settings.framed_port or 0).start()
         core.bulk_port = bulk.port
     servicer = ParameterServerServicer(core, settings.chunk_bytes)
     server, port = rpc.create_server(
@@ -48,23 +46,16 @@ def start(settings: Settings) -> tuple[grpc.Server, int, ParameterServerCore]:
     return server, port, core
 
 
-def wait_for_signal() -> None:
-    """Block until SIGTERM or SIGINT."""
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-
-
 def serve(settings: Settings) -> None:
     """Run a PS daemon until SIGTERM/SIGINT."""
+    stop = daemon.stop_on_signals()
     server, port, core = start(settings)
     try:
         metrics = "" if settings.metrics_port is None else \
             f" metrics={metrics_serve(core.metrics.registry, settings.bind_host, settings.metrics_port)}"
         print(f"READY ps {settings.task_index} {settings.bind_host}:{port} restored_step={core.restored_step}"
               f"{metrics}", flush=True)
-        wait_for_signal()
+        stop.wait()
         log.info("ps %d: stopping", settings.task_index)
     finally:
         server.stop(grace=1.0).wait()

@@ -11,8 +11,9 @@ from pscluster.proto import pscluster_pb2 as pb
 from pscluster.worker.servicer import WorkerServicer, outcome_to_pb
 
 
-def closure_server(servicer: WorkerServicer, host: str, token: str | None, max_header_bytes: int) -> FrameServer:
-    """A FrameServer that runs closures with servicer's runner and gate (not started)."""
+def closure_server(servicer: WorkerServicer, host: str, token: str | None, max_header_bytes: int,
+                   port: int = 0) -> FrameServer:
+    """A FrameServer on port (0: any free port) that runs closures with servicer's runner and gate (not started)."""
 
     def run_closure(conn: socket.socket, request: pb.BulkRequest, payload_len: int, state: dict[str, Any]) -> None:
         if payload_len:
@@ -31,4 +32,4 @@ def closure_server(servicer: WorkerServicer, host: str, token: str | None, max_h
             servicer.gate.exit()
         send_frame(conn, pb.BulkReply(closure=outcome_to_pb(outcome)).SerializeToString())
 
-    return FrameServer(host, token, {"closure": run_closure}, max_header_bytes, name="closures")
+    return FrameServer(host, token, {"closure": run_closure}, max_header_bytes, name="closures", port=port)

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import threading
+from collections.abc import Callable
 
 import grpc
 
-from pscluster import context, rpc
+from pscluster import context, daemon, rpc
 from pscluster.client import PSClient
 from pscluster.config import Settings
 from pscluster.datasets import WorkerDatasets, WorkerInfo
-from pscluster.errors import PsclusterError
+from pscluster.daemon import Waiter
+from pscluster.errors import PsclusterError, StartupError
 from pscluster.framing import stop_with
 from pscluster.metrics import serve as metrics_serve
 from pscluster.proto import pscluster_pb2 as pb
@@ -30,7 +31,7 @@ class Heartbeater:
     """Registers with the coordinator and heartbeats every interval; re-registers when forgotten."""
 
     def __init__(self, settings: Settings, worker_id: str, address: str, on_index: WorkerDatasets,
-                 closure_port: int = 0) -> None:
+                 closure_port: int = 0, on_give_up: Callable[[], None] = lambda: None) -> None:
         assert settings.cluster.coordinator is not None
         self._channel = rpc.open_channel(settings.cluster.coordinator, settings)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
@@ -41,6 +42,8 @@ class Heartbeater:
         self._closure_port = closure_port
         self._stop = threading.Event()
         self._registered = False
+        self._on_give_up = on_give_up
+        self.failure: StartupError | None = None  # set when start-up gave up on the coordinator
         self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
 
     def start(self) -> None:
@@ -57,28 +60,45 @@ class Heartbeater:
 
     def _loop(self) -> None:
         interval = self._settings.heartbeat_interval_s
+        subject = f"the coordinator at {self._settings.cluster.coordinator}"
+        waiter: Waiter | None = Waiter(f"worker {self._worker_id}", subject, self._settings.startup_timeout_s)
         while not self._stop.is_set():
+            delay = interval
             try:
                 if not self._registered:
                     self._register()
+                    if waiter is not None:
+                        waiter.succeeded()
+                        waiter = None  # start-up is over: later losses are coordinator restarts
                 else:
                     reply = rpc.call(self._stub.Heartbeat, pb.HeartbeatRequest(worker_id=self._worker_id),
                                      timeout=max(interval, 1.0), what="heartbeat")
                     self._registered = reply.known
             except PsclusterError as exc:
-                log.debug("worker %s: coordinator unreachable (%s)", self._worker_id, exc)
+                if waiter is not None:
+                    try:
+                        delay = waiter.failed(exc)
+                    except StartupError as give_up:
+                        self.failure = give_up
+                        self._on_give_up()
+                        return
+                elif self._registered:
+                    log.warning("worker %s: lost %s (%s); re-registering when it is back",
+                                self._worker_id, subject, type(exc).__name__)
                 self._registered = False
-            self._stop.wait(interval)
+            self._stop.wait(delay)
 
-    def leave(self) -> None:
-        """Tell the coordinator this worker is leaving (best effort) and stop heartbeating."""
+    def leave(self, notify: bool = True) -> None:
+        """Stop heartbeating; with notify, tell the coordinator this worker is leaving (best effort)."""
         self._stop.set()
-        self._thread.join(timeout=2.0)
-        try:
-            rpc.call(self._stub.Heartbeat, pb.HeartbeatRequest(worker_id=self._worker_id, leaving=True),
-                     timeout=1.0, what="leave")
-        except PsclusterError:
-            pass
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2.0)
+        if notify and self._registered:
+            try:
+                rpc.call(self._stub.Heartbeat, pb.HeartbeatRequest(worker_id=self._worker_id, leaving=True),
+                         timeout=1.0, what="leave")
+            except PsclusterError:
+                pass
         self._channel.close()
 
 
@@ -95,29 +115,34 @@ def start(settings: Settings) -> tuple[grpc.Server, int, WorkerServicer]:
                                      address=address, name="worker")
     if settings.bulk_transport:
         frames = closure_server(servicer, settings.bind_host, settings.token_value(),
-                                settings.max_message_bytes).start()
+                                settings.max_message_bytes, port=settings.framed_port or 0).start()
         servicer.closure_port = frames.port
         stop_with(server, frames)
     return server, port, servicer
 
 
 def serve(settings: Settings) -> None:
-    """Run a worker daemon until SIGTERM (drain, then leave) or SIGINT."""
+    """Run a worker daemon until SIGTERM (drain, then leave) or SIGINT.
+
+    Raises:
+        StartupError: the coordinator did not answer within startup_timeout_s, or refused our token.
+    """
+    stop = daemon.stop_on_signals()
     server, port, servicer = start(settings)
     advertised = f"{settings.advertise_host or settings.bind_host}:{port}"
     heart = None
     if settings.cluster.coordinator:
         heart = Heartbeater(settings, servicer.worker_id, advertised, servicer.runner.datasets,
-                            servicer.closure_port)
+                            servicer.closure_port, on_give_up=stop.set)
         heart.start()
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     metrics = "" if settings.metrics_port is None else \
         f" metrics={metrics_serve(servicer.runner.metrics.registry, settings.bind_host, settings.metrics_port)}"
     print(f"READY worker {servicer.worker_id} {advertised}{metrics}", flush=True)
     try:
         stop.wait()
+        if heart is not None and heart.failure is not None:
+            heart.leave(notify=False)
+            raise heart.failure
         log.info("worker %s: stopping; draining closures for up to %.1f s", servicer.worker_id,
                  settings.drain_timeout_s)
         if heart is not None:

@@ -72,3 +72,36 @@ def test_malformed_files_and_tf_config_are_clear_errors(tmp_path):
         load_settings(env={})
     with pytest.raises(ConfigError, match="cannot read"):
         load_settings(tmp_path / "missing.yaml", env={})
+
+
+def test_tf_config_with_an_unknown_job_is_refused_naming_it():
+    tf = {"cluster": {"ps": PS, "wrker": ["127.0.0.1:7101"]}, "task": {"type": "ps", "index": 0}}
+    with pytest.raises(ConfigError, match=r"unknown job\(s\) \['wrker'\]"):
+        load_settings(env={"TF_CONFIG": json.dumps(tf)})
+
+
+def test_tf_config_with_two_chiefs_is_refused():
+    tf = {"cluster": {"ps": PS, "chief": ["127.0.0.1:7000", "127.0.0.1:7009"]}, "task": {"type": "ps"}}
+    with pytest.raises(ConfigError, match="chief lists 2 tasks"):
+        load_settings(env={"TF_CONFIG": json.dumps(tf)})
+
+
+def test_tf_config_with_an_unknown_task_type_is_refused():
+    tf = {"cluster": {"ps": PS}, "task": {"type": "master", "index": 0}}
+    with pytest.raises(ConfigError, match="task.type 'master'"):
+        load_settings(env={"TF_CONFIG": json.dumps(tf)})
+
+
+def test_tf_config_with_an_evaluator_job_is_accepted():
+    tf = {"cluster": {"ps": PS, "chief": ["127.0.0.1:7000"], "evaluator": ["127.0.0.1:7200"]},
+          "task": {"type": "ps", "index": 0}}
+    assert load_settings(env={"TF_CONFIG": json.dumps(tf)}).cluster.coordinator == "127.0.0.1:7000"
+
+
+def test_token_from_the_environment_when_no_file_is_given(tmp_path):
+    from pscluster.config import load_token
+
+    assert load_token(None, {"PSCLUSTER_TOKEN": "t0k"}) == "t0k"
+    (tmp_path / "tok").write_text("filed\n")
+    assert load_token(tmp_path / "tok", {"PSCLUSTER_TOKEN": "t0k"}) == "filed"
+    assert load_token(None, {}) is None

@@ -1,0 +1,49 @@
+"""Real `pscluster` daemons started as processes by tests, always ended by pid."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+BIN = [sys.executable, "-P", "-m", "pscluster.cli"]
+
+
+class Procs:
+    """Processes one test started; `close()` kills whichever still run."""
+
+    def __init__(self) -> None:
+        self.started: list[subprocess.Popen[str]] = []
+
+    def start(self, *args: str, env: dict[str, str] | None = None, cwd: str | None = None) -> subprocess.Popen[str]:
+        """Start `pscluster *args` with stdout and stderr merged into one pipe."""
+        proc = subprocess.Popen([*BIN, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, **(env or {})}, cwd=cwd, start_new_session=True)
+        self.started.append(proc)
+        return proc
+
+    def close(self) -> None:
+        """SIGKILL every process still running, by pid."""
+        for proc in self.started:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
+def read_until(proc: subprocess.Popen[str], needle: str, timeout: float = 60.0) -> list[str]:
+    """Lines of proc's output up to the first one containing needle (fails on exit or timeout)."""
+    deadline = time.monotonic() + timeout
+    lines: list[str] = []
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"process exited ({proc.wait(timeout=10)}) before {needle!r}:\n" + "".join(lines))
+        lines.append(line)
+        if needle in line:
+            return lines
+    raise AssertionError(f"no {needle!r} after {timeout} s:\n" + "".join(lines))
