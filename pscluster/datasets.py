@@ -5,13 +5,19 @@
     coordinator.schedule(step, args=(it,))
     # in the closure, next(it) draws from *this worker's* iterator, built on first use and rebuilt
     # on a replacement worker.
+
+As in TF, every `iter(ds)` is a fresh iterator (an epoch): each worker builds a new one from the
+dataset function on first use. A worker keeps its `MAX_ITERATORS` most recently used iterators; an
+older one that is used again starts over.
 """
 
 from __future__ import annotations
 
 import inspect
+import itertools
 import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +27,9 @@ import cloudpickle
 from pscluster import context
 from pscluster.closures import ship_user_modules
 from pscluster.errors import FailedPreconditionError
+
+
+MAX_ITERATORS = 64  # per worker process: an epoch's iterator each, so a long run's epochs do not pile up
 
 
 @dataclass(frozen=True)
@@ -37,26 +46,27 @@ class PerWorkerDataset:
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
         self.dataset_id = uuid.uuid4().hex
+        self._epochs = itertools.count()
         ship_user_modules()
         self.fn_bytes = cloudpickle.dumps(fn)  # once: the handle travels with every closure
 
     def __iter__(self) -> PerWorkerIterator:
-        return PerWorkerIterator(self.dataset_id, self.fn_bytes)
+        return PerWorkerIterator(f"{self.dataset_id}/{next(self._epochs)}", self.fn_bytes)
 
 
-def _iterator(dataset_id: str, fn_bytes: bytes) -> PerWorkerIterator:
-    return PerWorkerIterator(dataset_id, fn_bytes)
+def _iterator(iterator_id: str, fn_bytes: bytes) -> PerWorkerIterator:
+    return PerWorkerIterator(iterator_id, fn_bytes)
 
 
 class PerWorkerIterator:
     """Handle on the running worker's iterator of a PerWorkerDataset (pickles as id + function bytes)."""
 
-    def __init__(self, dataset_id: str, fn_bytes: bytes) -> None:
-        self.dataset_id = dataset_id
+    def __init__(self, iterator_id: str, fn_bytes: bytes) -> None:
+        self.iterator_id = iterator_id
         self.fn_bytes = fn_bytes
 
     def __reduce__(self) -> tuple[Any, tuple[str, bytes]]:
-        return _iterator, (self.dataset_id, self.fn_bytes)
+        return _iterator, (self.iterator_id, self.fn_bytes)
 
     def __iter__(self) -> PerWorkerIterator:
         return self
@@ -65,7 +75,7 @@ class PerWorkerIterator:
         scope = context.current_scope()
         if scope is None or scope.worker is None:
             raise FailedPreconditionError("a per-worker iterator can only be used inside a scheduled closure")
-        return next(scope.worker.iterator(self.dataset_id, self.fn_bytes))
+        return next(scope.worker.iterator(self.iterator_id, self.fn_bytes))
 
 
 class _LockedIterator:
@@ -88,16 +98,20 @@ class WorkerDatasets:
 
     def __init__(self, info: WorkerInfo) -> None:
         self.info = info
-        self._iterators: dict[str, _LockedIterator] = {}
+        self._iterators: OrderedDict[str, _LockedIterator] = OrderedDict()
         self._lock = threading.Lock()
 
-    def iterator(self, dataset_id: str, fn_bytes: bytes) -> Iterator[Any]:
-        """This worker's iterator for dataset_id, built once on first use."""
+    def iterator(self, iterator_id: str, fn_bytes: bytes) -> Iterator[Any]:
+        """This worker's iterator for iterator_id, built once on first use (the oldest beyond MAX_ITERATORS go)."""
         with self._lock:
-            it = self._iterators.get(dataset_id)
+            it = self._iterators.get(iterator_id)
             if it is None:
                 fn = cloudpickle.loads(fn_bytes)
                 takes_ctx = bool(inspect.signature(fn).parameters)
                 it = _LockedIterator(iter(fn(self.info) if takes_ctx else fn()))
-                self._iterators[dataset_id] = it
+                self._iterators[iterator_id] = it
+                while len(self._iterators) > MAX_ITERATORS:
+                    self._iterators.popitem(last=False)
+            else:
+                self._iterators.move_to_end(iterator_id)
         return it
