@@ -1,0 +1,37 @@
+"""The `pscluster` command line: --version, flags each command accepts, status tables that never cut."""
+
+import io
+
+import pytest
+from rich.console import Console
+
+from pscluster.cli import build_parser
+from pscluster.proto import pscluster_pb2 as pb
+from pscluster.status import ClusterStatus, render
+
+
+def test_version_prints_the_installed_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip().startswith("pscluster 0.")
+
+
+@pytest.mark.parametrize("flag", [["--port", "7000"], ["--bind-host", "0.0.0.0"], ["--metrics-port", "0"],
+                                  ["--index", "1"]])
+def test_status_rejects_flags_that_mean_nothing_to_it(flag, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["status", "--cluster", "c.yaml", *flag])
+    assert exit_.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_status_tables_never_cut_an_address_or_a_worker_id():
+    worker_id = "a-rather-long-hostname.example.internal-123456-beef"
+    address = "10.123.234.245:65001"
+    status = ClusterStatus(
+        ps=[(address, pb.PsStatus(global_step=3), [])], ps_problems=[""],
+        coordinator=pb.CoordinatorStatus(workers=[pb.WorkerState(worker_id=worker_id, address=address,
+                                                                 state="alive")]))
+    out = io.StringIO()
+    render(status, Console(file=out, width=40))
+    assert worker_id in out.getvalue() and out.getvalue().count(address) == 2
