@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from pscluster.client import PSClient
+from pscluster.closures import ship_module
 from pscluster.context import Token, sync_token, worker_info
 from pscluster.config import ClusterSpec, Settings, load_settings
 from pscluster.errors import ClosureError, ConfigError, PsclusterError
@@ -23,7 +24,7 @@ __all__ = [
     "Adagrad", "Adam", "ClosureError", "ClusterCoordinator", "ClusterSpec", "ConfigError",
     "FixedShardsPartitioner", "MaxSizePartitioner", "MinSizePartitioner", "Momentum", "PSClient",
     "PsclusterError", "RemoteCoordinator", "RemoteValue", "SGD", "Settings", "Token", "Variable", "load_settings", "pull", "push",
-    "sync_token", "worker_info",
+    "ship_module", "sync_token", "worker_info",
 ]
 
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+
+from pscluster.launcher import free_port
 
 BIN = [sys.executable, "-P", "-m", "pscluster.cli"]
 
@@ -47,3 +50,24 @@ def read_until(proc: subprocess.Popen[str], needle: str, timeout: float = 60.0) 
         if needle in line:
             return lines
     raise AssertionError(f"no {needle!r} after {timeout} s:\n" + "".join(lines))
+
+
+def free_range(count):
+    """A base port whose next `count` ports are all free right now."""
+    for _ in range(50):
+        base = free_port()
+        if base + count >= 65536:
+            continue
+        socks = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise AssertionError("no free port range")

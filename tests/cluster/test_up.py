@@ -2,7 +2,6 @@
 
 import os
 import signal
-import socket
 import subprocess
 
 import numpy as np
@@ -10,32 +9,11 @@ import pytest
 import yaml
 
 import pscluster as ps
-from pscluster.launcher import PortPlan, free_port
-from tests.cluster.procs import Procs, read_until
+from pscluster.launcher import PortPlan
+from tests.cluster.procs import Procs, free_range, read_until
 
 pytestmark = pytest.mark.cluster
 TOKEN = "up-token-93ab"
-
-
-def free_range(count):
-    """A base port whose next `count` ports are all free right now."""
-    for _ in range(50):
-        base = free_port()
-        if base + count >= 65536:
-            continue
-        socks = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise AssertionError("no free port range")
 
 
 @pytest.fixture

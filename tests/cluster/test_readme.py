@@ -1,0 +1,69 @@
+"""The README runs as printed: every python snippet as a program, and the Daemons walkthrough's commands."""
+
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.cluster.procs import free_range
+
+pytestmark = pytest.mark.cluster
+README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+FENCE = re.compile(r"^```(\w+)\n(.*?)^```", re.M | re.S)
+
+
+def blocks(lang, text=None):
+    return [code for kind, code in FENCE.findall(README.read_text() if text is None else text) if kind == lang]
+
+
+def daemons_section():
+    text = README.read_text()
+    start = text.index("### Daemons")
+    return text[start:text.index("\n## ", start)]
+
+
+def clean_env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PSCLUSTER_")}
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")  # `pscluster`, `python`
+    return {**env, **extra}
+
+
+@pytest.mark.parametrize("index", range(len(blocks("python"))))
+def test_readme_python_snippet_runs_as_printed(index, tmp_path):
+    code = blocks("python")[index]
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env=clean_env())
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stderr == "", out.stderr  # no warnings at exit: every snippet shuts its coordinator down
+
+
+def test_readme_python_snippets_print_what_they_say(tmp_path):
+    fit, modes, checkpoints = blocks("python")
+    out = subprocess.run([sys.executable, "-c", fit], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env=clean_env()).stdout
+    assert re.search(r"-> 0\.0\d+; w = \[0 1 2 3 4 5 6 7 8 9\]", out), out
+    out = subprocess.run([sys.executable, "-c", checkpoints], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300, env=clean_env()).stdout
+    assert "[-1.  0.  1.  2.  3.  4.]" in out, out
+
+
+def test_readme_daemons_walkthrough_runs_as_printed(tmp_path):
+    script = "\n".join(blocks("bash", daemons_section()))
+    env = clean_env(PORT_BASE=str(free_range(3)), DEMO_DIR=str(tmp_path / "demo"))
+    proc = subprocess.Popen(["bash", "-e", "-c", script], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None or subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).stdout:
+            os.killpg(proc.pid, signal.SIGKILL)  # the script's own process group: its daemons
+            proc.wait(timeout=10)
+    assert proc.returncode == 0, out
+    assert "steps = 300; checkpoint at step 300" in out, out
+    assert "steps = 400; checkpoint at step 400" in out, out
+    ps1 = next(line for line in out.splitlines()[::-1] if f"127.0.0.1:{int(env['PORT_BASE']) + 2}" in line)
+    assert re.search(r"│ up\s+│ \d+\s+│ 300 ", ps1), ps1  # the restarted PS 1 restored step 300
