@@ -77,7 +77,7 @@ def ship_user_modules() -> None:
         _seen["count"] = len(modules)
         for name, module in list(modules.items()):
             if name not in _shipped and _is_user_module(name, module):
-                ship_module(module)  # type: ignore[arg-type]
+                ship_module(module)
 
 
 class ClosureEncoder:

@@ -1,7 +1,7 @@
 """What every daemon shares: stop on a signal, and wait for its dependencies at start-up.
 
 Daemons may start in any order (the README's `&` sequence races): a coordinator waits for every PS,
-a worker for the coordinator. Each waits with backoff, logs one line per kind of failure (not one per
+a worker for the coordinator; a PS needs nothing but its own port. Each waits with backoff, logs one line per kind of failure (not one per
 attempt), and gives up after `startup_timeout_s` with a StartupError that the CLI prints as one line.
 
     stop = daemon.stop_on_signals()

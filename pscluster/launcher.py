@@ -28,7 +28,7 @@ import yaml
 
 from pscluster import daemon
 from pscluster.config import Settings, load_settings, load_token
-from pscluster.errors import ConfigError, DeadlineExceededError, FailedPreconditionError
+from pscluster.errors import ConfigError, DeadlineExceededError, FailedPreconditionError, StartupError
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +278,10 @@ def up_main(args: argparse.Namespace) -> int:
                            checkpoint_dir=args.checkpoint_dir, restore=True, base_port=args.base_port)
     coord = None
     try:
-        cluster.start()
+        try:
+            cluster.start()
+        except (FailedPreconditionError, DeadlineExceededError) as exc:
+            raise StartupError(f"up: {exc}") from exc
         coord = ClusterCoordinator(cluster.settings(task_type="coordinator"))
         if args.write_cluster:
             pathlib.Path(args.write_cluster).write_text(cluster.cluster_file.read_text())
@@ -290,5 +293,5 @@ def up_main(args: argparse.Namespace) -> int:
     finally:
         if coord is not None:
             coord.shutdown()  # first: its PS monitor would warn about PS tasks going down
-        cluster.stop()
+        cluster.stop(grace=1.0)  # Ctrl-C means now: a closure still running after 1 s is killed with its worker
     return 0
