@@ -3,12 +3,31 @@
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
-from pscluster import daemon
+from pscluster import daemon, rpc
 from pscluster.config import Settings
 from pscluster.coordinator.coordinator import ClusterCoordinator
+from pscluster.proto import pscluster_pb2 as pb
+from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+
+
+def wait_for_ps(settings: Settings, role: str, stop: threading.Event) -> bool:
+    """Wait until every PS task answers Status; False if `stop` was set first."""
+    started = time.monotonic()
+    for i, address in enumerate(settings.cluster.ps):
+        channel = rpc.open_channel(address, settings)
+        stub = pb_grpc.ParameterServerStub(channel)
+        try:
+            probe = lambda: rpc.call(stub.Status, pb.PsStatusRequest(), timeout=1.0, what=f"ps {i}")  # noqa: E731
+            if not daemon.wait_for(role, f"ps {i} at {address}", probe, settings.startup_timeout_s, stop, started):
+                return False
+        finally:
+            channel.close()
+    return True
 
 
 def serve(settings: Settings) -> None:
@@ -18,7 +37,7 @@ def serve(settings: Settings) -> None:
         StartupError: a PS did not answer within startup_timeout_s, or refused our token.
     """
     stop = daemon.stop_on_signals()
-    if not daemon.wait_for_ps(settings, "coordinator", stop):
+    if not wait_for_ps(settings, "coordinator", stop):
         return
     coord = ClusterCoordinator(settings, serve=True)
     try:

@@ -1,11 +1,12 @@
 """What every daemon shares: stop on a signal, and wait for its dependencies at start-up.
 
 Daemons may start in any order (the README's `&` sequence races): a coordinator waits for every PS,
-a worker for the coordinator; a PS needs nothing but its own port. Each waits with backoff, logs one line per kind of failure (not one per
-attempt), and gives up after `startup_timeout_s` with a StartupError that the CLI prints as one line.
+a worker for the coordinator; a PS needs nothing but its own port. Each waits with backoff, logs one
+line per kind of failure (not one per attempt), and gives up after `startup_timeout_s` with a
+StartupError that the CLI prints as one line.
 
     stop = daemon.stop_on_signals()
-    daemon.wait_for("ps 1 at 127.0.0.1:7002", probe, timeout=settings.startup_timeout_s, stop=stop)
+    daemon.wait_for("coordinator", "ps 1 at 127.0.0.1:7002", probe, settings.startup_timeout_s, stop)
 """
 
 from __future__ import annotations
@@ -16,11 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from pscluster import rpc
-from pscluster.config import Settings
 from pscluster.errors import PsclusterError, StartupError
-from pscluster.proto import pscluster_pb2 as pb
-from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -87,19 +84,3 @@ def wait_for(role: str, subject: str, probe: Callable[[], object], timeout: floa
         waiter.succeeded()
         return True
     return False
-
-
-def wait_for_ps(settings: Settings, role: str, stop: threading.Event) -> bool:
-    """Wait until every PS task answers Status; False if `stop` was set first."""
-    started = time.monotonic()
-    for i, address in enumerate(settings.cluster.ps):
-        channel = rpc.open_channel(address, settings)
-        stub = pb_grpc.ParameterServerStub(channel)
-        try:
-            if not wait_for(role, f"ps {i} at {address}",
-                            lambda: rpc.call(stub.Status, pb.PsStatusRequest(), timeout=1.0, what=f"ps {i}"),
-                            settings.startup_timeout_s, stop, started):
-                return False
-        finally:
-            channel.close()
-    return True

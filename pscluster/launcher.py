@@ -272,8 +272,10 @@ def up_main(args: argparse.Namespace) -> int:
     from pscluster.coordinator.coordinator import ClusterCoordinator
 
     stop = daemon.stop_on_signals()
-    if args.base_port and args.base_port + 2 * (args.ps + args.workers) > 65535:
-        raise ConfigError(f"--base-port {args.base_port}: needs {2 * (args.ps + args.workers) + 1} ports below 65536")
+    plan = PortPlan(args.base_port, args.ps, args.workers)
+    if plan.last() > 65535:
+        raise ConfigError(f"--base-port {args.base_port}: the cluster needs ports {plan.base}..{plan.last()}, "
+                          "beyond 65535")
     cluster = LocalCluster(args.ps, args.workers, workdir=args.checkpoint_dir, token=load_token(args.token_file),
                            checkpoint_dir=args.checkpoint_dir, restore=True, base_port=args.base_port)
     coord = None
