@@ -34,15 +34,22 @@ from pscluster.errors import InvalidArgumentError
 from pscluster.proto import pscluster_pb2 as pb
 
 
+class _ShippedModules:
+    """Names of the modules registered with cloudpickle to be pickled by value (this process)."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+        self.modules_seen = 0  # len(sys.modules) at the last scan: rescan only when it changed
+        self.lock = threading.Lock()
+
+
+_SHIPPED = _ShippedModules()
+
+
 def ship_module(module: types.ModuleType) -> None:
     """Pickle module's functions and classes by value from now on, so workers need not import it."""
     cloudpickle.register_pickle_by_value(module)
-    _shipped.add(module.__name__)
-
-
-_shipped: set[str] = set()
-_seen = {"count": 0}
-_ship_lock = threading.Lock()
+    _SHIPPED.names.add(module.__name__)
 
 
 @functools.cache
@@ -70,13 +77,12 @@ def _is_user_module(name: str, module: object) -> bool:
 
 def ship_user_modules() -> None:
     """Register the user's project modules imported so far to be pickled by value (cheap when none are new)."""
-    modules = sys.modules
-    if len(modules) == _seen["count"]:
+    if len(sys.modules) == _SHIPPED.modules_seen:
         return
-    with _ship_lock:
-        _seen["count"] = len(modules)
-        for name, module in list(modules.items()):
-            if name not in _shipped and _is_user_module(name, module):
+    with _SHIPPED.lock:
+        _SHIPPED.modules_seen = len(sys.modules)
+        for name, module in list(sys.modules.items()):
+            if name not in _SHIPPED.names and _is_user_module(name, module):
                 ship_module(module)
 
 
