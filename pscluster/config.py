@@ -202,7 +202,7 @@ def _from_tf_config(raw: str) -> dict[str, Any]:
     task = data.get("task")
     if isinstance(task, dict):
         kind = task.get("type")
-        if kind not in TF_JOBS:
+        if kind is not None and kind not in TF_JOBS:
             raise ConfigError(f"TF_CONFIG.task.type {kind!r} is not one of {sorted(TF_JOBS)}")
         out["task_type"] = "coordinator" if kind == "chief" else kind
         out["task_index"] = task.get("index", 0)
