@@ -287,6 +287,10 @@ def up_main(args: argparse.Namespace) -> int:
         coord = ClusterCoordinator(cluster.settings(task_type="coordinator"))
         if args.write_cluster:
             pathlib.Path(args.write_cluster).write_text(cluster.cluster_file.read_text())
+        try:  # READY means usable: every worker started here has registered
+            coord.wait_for_workers(len(cluster.workers), timeout=coord.settings.startup_timeout_s)
+        except DeadlineExceededError as exc:
+            raise StartupError(f"up: {exc}") from exc
         step = coord.global_step
         print(f"READY up: {len(cluster.ps)} PS, {len(cluster.workers)} workers, coordinator at "
               f"{cluster.spec['coordinator']}, global_step={step}; cluster spec: "
