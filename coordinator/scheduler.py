@@ -6,7 +6,9 @@ rejoin, user error, cancellation, PS outage) is unit-tested by feeding events. T
 `coordinator.py` performs the actions (RPCs, resolving RemoteValues) and feeds results back as events.
 
 Closure lifecycle: queued -> running -> done | failed | cancelled; running -> queued when its worker
-dies, hangs (missed heartbeats), leaves, or the closure hit an unavailable PS.
+dies, hangs (missed heartbeats), leaves, or the closure hit an unavailable PS. A record is dropped the
+moment its closure reaches a final state (the Resolve/Cancel/FailUnscheduled action carries all the
+executor needs), so the state holds only queued and running closures; counters replace scans.
 Worker lifecycle: alive -> leaving (SIGTERM: no new work) -> gone; alive -> gone (death, hang).
 """
 
@@ -61,10 +63,11 @@ class SchedulerState:
     retried: int = 0
     failed: int = 0
     completed: int = 0
+    num_running: int = 0  # closures in state "running", kept by _move
 
     def running(self) -> int:
         """Closures running now."""
-        return sum(1 for c in self.closures.values() if c.state == "running")
+        return self.num_running
 
     def unfinished(self) -> int:
         """Closures queued or running."""
@@ -254,6 +257,14 @@ def decide(state: SchedulerState, event: Event, now: float) -> list[Action]:
     return actions + _dispatch(state)
 
 
+def _move(state: SchedulerState, rec: ClosureRec, to: ClosureState) -> None:
+    """The one place a closure changes state: keeps the running count and drops final records."""
+    state.num_running += (to == "running") - (rec.state == "running")
+    rec.state = to
+    if to in ("done", "failed", "cancelled"):
+        del state.closures[rec.cid]
+
+
 def _finished(state: SchedulerState, event: Finished) -> list[Action]:
     actions: list[Action] = []
     worker = state.workers.get(event.wid)
@@ -267,14 +278,14 @@ def _finished(state: SchedulerState, event: Finished) -> list[Action]:
     rec.workers.discard(event.wid)
     if event.outcome == "retry":
         if not rec.workers:
-            rec.state = "queued"
+            _move(state, rec, "queued")
             state.queue.appendleft(rec.cid)
             state.retried += 1
             if not state.paused:
                 state.paused = True
                 actions.append(WatchPs())
     else:
-        rec.state = "done" if event.outcome == "ok" else "failed"
+        _move(state, rec, "done" if event.outcome == "ok" else "failed")
         actions.append(Resolve(rec.cid))
         for other in rec.workers:  # first answer wins; stop waiting for duplicates
             if other in state.workers:
@@ -297,7 +308,7 @@ def _cancel_queued(state: SchedulerState, reason: str) -> list[Action]:
     actions: list[Action] = []
     while state.queue:
         cid = state.queue.popleft()
-        state.closures[cid].state = "cancelled"
+        _move(state, state.closures[cid], "cancelled")
         actions.append(Cancel(cid, f"cancelled: {reason}"))
     return actions
 
@@ -312,12 +323,12 @@ def _lose_worker(state: SchedulerState, worker: WorkerRec, reason: str) -> list[
         actions.append(Abandon(cid, worker.wid))
         if rec.state == "running" and not rec.workers:
             if rec.attempts >= state.max_attempts:
-                rec.state = "failed"
+                _move(state, rec, "failed")
                 state.failed += 1
                 actions.append(FailUnscheduled(cid, f"closure {cid} lost its worker {rec.attempts} times; "
                                                     f"last: worker {worker.index} ({worker.address}) {reason}"))
                 continue
-            rec.state = "queued"
+            _move(state, rec, "queued")
             requeued.append(cid)
     for cid in reversed(requeued):
         state.queue.appendleft(cid)
@@ -341,7 +352,7 @@ def _check_starvation(state: SchedulerState, now: float) -> list[Action]:
               f"(no_worker_timeout_s={state.no_worker_timeout:g}); start a worker or raise the timeout")
     while state.queue:
         cid = state.queue.popleft()
-        state.closures[cid].state = "failed"
+        _move(state, state.closures[cid], "failed")
         state.failed += 1
         actions.append(FailUnscheduled(cid, reason))
     state.no_worker_since = None  # closures submitted later wait a full timeout of their own
@@ -366,7 +377,7 @@ def _dispatch(state: SchedulerState) -> list[Action]:
                 continue
             cid = state.queue.popleft()
             rec = state.closures[cid]
-            rec.state = "running"
+            _move(state, rec, "running")
             rec.attempts += 1
             rec.workers.add(worker.wid)
             worker.inflight.add(cid)

@@ -43,7 +43,7 @@ def test_completion_resolves_once_and_counts():
     actions = sch.decide(state, sch.Finished(1, "a", "ok"), 0.1)
     assert kinds(actions, sch.Resolve) == [sch.Resolve(1)]
     assert sch.decide(state, sch.Finished(1, "a", "ok"), 0.2) == []  # a duplicate answer changes nothing
-    assert state.completed == 1 and state.closures[1].state == "done"
+    assert state.completed == 1 and 1 not in state.closures  # a resolved record is dropped
 
 
 def test_worker_loss_requeues_its_closures_first_on_another_worker():
@@ -102,7 +102,7 @@ def test_user_error_fails_the_closure_cancels_the_queue_and_is_not_retried():
     assert kinds(actions, sch.Resolve) == [sch.Resolve(1)]
     assert [c.cid for c in kinds(actions, sch.Cancel)] == [2, 3]
     assert not kinds(actions, sch.Dispatch)
-    assert state.error_cid == 1 and state.closures[1].attempts == 1
+    assert state.error_cid == 1 and state.failed == 1 and not state.closures
     sch.decide(state, sch.ErrorReported(), 0.2)
     assert state.error_cid is None
     assert kinds(sch.decide(state, sch.Submit(4), 0.3), sch.Dispatch)  # scheduling goes on
@@ -150,7 +150,7 @@ def test_closure_that_keeps_losing_workers_fails_after_max_attempts():
         with_workers(state, wid, now=float(n))
         actions = sch.decide(state, sch.TransportFailed(1, wid, "killed"), float(n) + 0.5)
     assert [f.cid for f in kinds(actions, sch.FailUnscheduled)] == [1]
-    assert state.closures[1].state == "failed"
+    assert state.failed == 1 and 1 not in state.closures
 
 
 def test_sync_concurrency_cap_leaves_a_slot_for_a_rescheduled_token_holder():
@@ -165,3 +165,73 @@ def test_sync_concurrency_cap_leaves_a_slot_for_a_rescheduled_token_holder():
     assert [d.cid for d in kinds(actions, sch.Dispatch)] == [dispatched[0].cid]
     lifted = kinds(sch.decide(state, sch.SetConcurrency(None), 0.3), sch.Dispatch)
     assert len(lifted) == 1 and state.running() == 4  # no cap: both live workers fill their 2 slots
+
+
+def check_counts(state):
+    """Only queued and running closures have records; the running counter matches them."""
+    states = [rec.state for rec in state.closures.values()]
+    assert set(states) <= {"queued", "running"}
+    assert state.running() == states.count("running")
+    assert states.count("queued") == len(state.queue)
+    assert sum(len(w.inflight) for w in state.workers.values()) >= state.running()
+
+
+def test_records_are_dropped_and_the_running_count_holds_through_every_path():
+    state = with_workers(fresh(max_inflight=2, max_attempts=2), "a", "b")
+    for cid in range(1, 9):
+        sch.decide(state, sch.Submit(cid), 0.0)  # 1,3 -> a; 2,4 -> b; 5..8 queued
+        check_counts(state)
+    assert state.running() == 4
+    steps = [
+        sch.Finished(1, "a", "ok"),                 # done -> 5 dispatched to a
+        sch.Finished(2, "b", "retry"),              # back to the queue, dispatch paused
+        sch.PsUp(),                                 # 2 dispatched again
+        sch.TransportFailed(3, "a", "killed"),      # a lost: 3 and 5 requeued
+        sch.Register("c", "addr-c"),
+        sch.Finished(4, "b", "ok"),
+        sch.Leave("b"),                             # b finishes what it runs, then goes
+        sch.Tick(),
+    ]
+    for n, event in enumerate(steps):
+        sch.decide(state, event, 0.1 + n * 0.01)
+        check_counts(state)
+    # finish everything that is running, then the queue drains onto c
+    while state.closures:
+        rec = next(r for r in state.closures.values() if r.state == "running")
+        sch.decide(state, sch.Finished(rec.cid, next(iter(rec.workers)), "ok"), 0.5)
+        check_counts(state)
+    assert state.running() == 0 and not state.queue
+    assert state.completed == 8 and state.failed == 0
+
+
+def test_cancel_fail_and_lost_attempts_drop_records_and_running_count():
+    state = with_workers(fresh(max_attempts=1), "a", "b")
+    for cid in (1, 2, 3, 4):
+        sch.decide(state, sch.Submit(cid), 0.0)
+    sch.decide(state, sch.TransportFailed(1, "a", "killed"), 0.1)  # 1 used its only attempt: failed
+    check_counts(state)
+    assert 1 not in state.closures and state.failed == 1
+    actions = sch.decide(state, sch.Finished(2, "b", "user_error"), 0.2)  # 3, 4 cancelled
+    check_counts(state)
+    assert [c.cid for c in kinds(actions, sch.Cancel)] == [3, 4]
+    assert not state.closures and state.running() == 0
+    assert sch.decide(state, sch.Finished(2, "b", "ok"), 0.3) == []  # late answer for a dropped record
+
+
+def test_starved_queue_fails_and_drops_its_records():
+    state = fresh(no_worker_timeout=1.0)
+    for cid in (1, 2):
+        sch.decide(state, sch.Submit(cid), 0.0)
+    sch.decide(state, sch.Tick(), 0.5)
+    sch.decide(state, sch.Tick(), 2.0)
+    assert not state.closures and state.failed == 2 and state.running() == 0
+
+
+def test_state_stays_bounded_over_many_closures():
+    state = with_workers(fresh(max_inflight=2), "a", "b")
+    for cid in range(1, 20_001):
+        for action in sch.decide(state, sch.Submit(cid), 0.0):
+            if isinstance(action, sch.Dispatch):
+                sch.decide(state, sch.Finished(action.cid, action.wid, "ok"), 0.0)
+    assert state.completed + len(state.closures) == 20_000
+    assert len(state.closures) <= 4 and state.running() <= 4
