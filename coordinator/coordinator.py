@@ -8,20 +8,27 @@
     losses = coord.fetch(results)
 
 One thread (`coordinator-loop`) owns the scheduler state and applies `scheduler.decide`'s actions; RPC
-completions, registrations, heartbeats and ticks reach it as events on a queue.
+completions, registrations, heartbeats and ticks reach it as events on a queue. After each batch of
+events it publishes an immutable `Snapshot` that every other thread reads. Nothing here grows with
+the closures a job has run: a finished closure's record is dropped, and its RemoteValue is held only
+weakly (the caller owns it) unless a remote client still has to fetch it (`RetainedValues`).
+
+No background thread dies unnoticed: the loop survives a failing event; a thread that ends on an
+exception (loop, ticker, PS monitor giving up) fails `join()`/`done()` with that exception as cause.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from collections import defaultdict, deque
 import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from typing import Any
 
 import grpc
@@ -30,18 +37,21 @@ from pscluster import context, metrics, rpc
 from pscluster.client import PSClient
 from pscluster.config import Settings, load_settings
 from pscluster.coordinator import scheduler as sch
-from pscluster.coordinator.dispatch import FramedDispatcher
+from pscluster.coordinator.dispatch import ClosureSender
 from pscluster.coordinator.ps_monitor import PsMonitor
 from pscluster.coordinator.api import CoordinatorAPI
-from pscluster.coordinator.values import RemoteValue
-from pscluster.framing import STATUS_BY_VALUE
-from pscluster.errors import AbortedError, DeadlineExceededError, NotFoundError, PsclusterError, UnavailableError
+from pscluster.coordinator.clients import LongPolls, RetainedValues
+from pscluster.coordinator.snapshot import RateMeter, Snapshot, take
+from pscluster.coordinator.values import RemoteValue, reply_error
+from pscluster.errors import AbortedError, DeadlineExceededError, InternalError, NotFoundError, UnavailableError
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 from pscluster.closures import ClosureEncoder
 
 log = logging.getLogger(__name__)
 _STOP = object()
+_BATCH = 256  # events applied between two snapshots
+LONG_POLL_SLICE_S = 2.0  # a remote Join/Fetch waits at most this long in a server thread, then re-polls
 
 
 class ClusterCoordinator(CoordinatorAPI):
@@ -58,31 +68,31 @@ class ClusterCoordinator(CoordinatorAPI):
             heartbeat_timeout=self.settings.heartbeat_timeout_s,
             no_worker_timeout=self.settings.no_worker_timeout_s)
         self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._values: dict[int, RemoteValue] = {}
+        # Held weakly: the caller's reference keeps a RemoteValue alive; remote clients' are retained.
+        self._values: weakref.WeakValueDictionary[int, RemoteValue] = weakref.WeakValueDictionary()
+        self._retained = RetainedValues(self.settings.result_retention_s, clock)
+        self.long_polls = LongPolls(max(1, self.settings.server_threads // 2), LONG_POLL_SLICE_S)
         self._payloads: dict[int, bytes] = {}
-        self._replies: dict[int, pb.RunClosureReply] = {}  # staged until the scheduler resolves them
         self._encoder = ClosureEncoder()
-        self._rpcs: dict[tuple[int, str], grpc.Future] = {}
-        self._closure_addresses: dict[str, str] = {}
-        self._dispatcher = FramedDispatcher(self.settings.token_value(), self._framed_reply, self._framed_failure)
-        self._stubs: dict[str, tuple[grpc.Channel, pb_grpc.WorkerStub]] = {}
+        self._sender = ClosureSender(self.settings, self._events.put)
         # Closure ids are unique across coordinator restarts: push ids derive from them.
         self._ids = itertools.count((int.from_bytes(os.urandom(3), "little") << 32) + 1)
         self._cond = threading.Condition()
         self._outstanding = 0
         self._join_error: tuple[int, BaseException] | None = None
+        self._fatal: BaseException | None = None  # a background thread died: join() raises this
+        self._batch_done = 0  # closures finished in the loop's current batch (loop only)
+        self._batch_error: tuple[int, BaseException] | None = None
+        self._rates = RateMeter()
+        self._snapshot = Snapshot()
         self.sync_mode = "async"
-        self.known_workers: set[str] = set()
-        self.worker_index: dict[str, int] = {}
         self._stop = threading.Event()
         self.initial_step = max(s.global_step for s in self.client.status())
         self._monitor = PsMonitor(self.client, on_down=lambda: self._events.put((sch.PsDown(), None)),
-                                  on_up=lambda: self._events.put((sch.PsUp(), None))).start()
-        self._loop = threading.Thread(target=self._run, name="coordinator-loop", daemon=True)
-        self._ticker = threading.Thread(target=self._tick, name="coordinator-tick", daemon=True)
-        self._loop.start()
-        self._ticker.start()
-        self._completions: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=512))
+                                  on_up=lambda: self._events.put((sch.PsUp(), None)),
+                                  on_fatal=lambda exc: self._fail("ps-monitor", exc)).start()
+        self._loop = self._thread(self._run, "coordinator-loop")
+        self._ticker = self._thread(self._tick, "coordinator-tick")
         self.metrics_port = 0
         if self.settings.metrics_port is not None:
             self.metrics_port = metrics.serve(metrics.coordinator_registry(self._metrics_snapshot),
@@ -108,42 +118,67 @@ class ClusterCoordinator(CoordinatorAPI):
         """Queue fn(*args, **kwargs) to run on some worker; returns a RemoteValue at once."""
         return self.schedule_payload(self._encoder.encode(fn, tuple(args), dict(kwargs or {})))
 
-    def schedule_payload(self, payload: bytes) -> RemoteValue:
-        """Queue an already-serialized closure (used by the coordinator daemon's clients)."""
+    def schedule_payload(self, payload: bytes, *, retain: bool = False) -> RemoteValue:
+        """Queue an already-serialized closure; retain=True holds its result for a remote client."""
         cid = next(self._ids)
         value = RemoteValue(cid)
         with self._cond:
+            if self._fatal is not None:
+                raise self._fatal
             self._values[cid] = value
             self._payloads[cid] = payload
             self._outstanding += 1
+        if retain:
+            self._retained.add(value)
         self._events.put((sch.Submit(cid), None))
         return value
 
     def remote_value(self, closure_id: int) -> RemoteValue:
         """The RemoteValue of a closure scheduled on this coordinator.
 
+        Found while somebody holds it: the embedded caller's own reference (values are held weakly
+        here), or, for closures a remote client scheduled through the daemon, until the client has
+        fetched the result or `result_retention_s` after the closure finished (see clients.py).
+
         Raises:
-            NotFoundError: no such closure here.
+            NotFoundError: no such closure here, or its result was fetched or expired.
         """
         value = self._values.get(closure_id)
         if value is None:
-            raise NotFoundError(f"no closure {closure_id} on this coordinator")
+            raise NotFoundError(f"no closure {closure_id} on this coordinator (never scheduled here, or its "
+                                f"result was already fetched or kept longer than result_retention_s="
+                                f"{self.settings.result_retention_s:g})")
         return value
+
+    def release(self, closure_id: int) -> None:
+        """A remote client fetched closure_id's result: stop retaining it."""
+        self._retained.release(closure_id)
+
+    @contextmanager
+    def long_poll(self, requested: float) -> Iterator[float]:
+        """A slot for a remote client's wait (see LongPolls); yields the seconds it may wait."""
+        with self.long_polls.slot(requested) as wait:
+            yield wait
 
     def join(self, timeout: float | None = None) -> None:
         """Wait for every scheduled closure; raise the first error raised inside one (then clear it).
 
         Raises:
             DeadlineExceededError: closures still outstanding after timeout.
+            InternalError: a coordinator thread died (its exception is the cause).
         """
         with self._cond:
-            if not self._cond.wait_for(lambda: self._outstanding == 0, timeout):
+            if not self._cond.wait_for(lambda: self._outstanding == 0 or self._fatal is not None, timeout):
                 raise DeadlineExceededError(f"join: {self._outstanding} closures still outstanding after {timeout} s")
+            if self._fatal is not None:
+                raise self._fatal
         self._raise_pending_error()
 
     def done(self) -> bool:
         """True when nothing is outstanding; raises a pending closure error like join()."""
         with self._cond:
+            if self._fatal is not None:
+                raise self._fatal
             finished = self._outstanding == 0
         self._raise_pending_error()
         return finished
@@ -184,37 +219,34 @@ class ClusterCoordinator(CoordinatorAPI):
         """Async: the PS's step at start plus closures completed since; sync/bounded: PS 0's step."""
         if self.sync_mode != "async":
             return int(self.client.sync_step().global_step)
-        return self.initial_step + self._state.completed
+        return self.initial_step + self._snapshot.completed
+
+    def snapshot(self) -> Snapshot:
+        """Counters and workers as of the loop's last batch of events (immutable; any thread)."""
+        return self._snapshot
 
     def status(self) -> pb.CoordinatorStatus:
         """Queue, counters and workers, as reported by `pscluster status`."""
-        st = self._state
-        rates = self.worker_rates()
+        snap = self._snapshot
         workers = [pb.WorkerState(worker_id=w.wid, address=w.address, state=w.state, closures_done=w.done,
-                                  steps_per_s=rates.get(w.wid, 0.0))
-                   for w in list(st.workers.values())]
-        return pb.CoordinatorStatus(queued=len(st.queue), running=st.running(), done=st.completed,
-                                    retried=st.retried, failed=st.failed, workers=workers,
+                                  steps_per_s=w.steps_per_s) for w in snap.workers]
+        return pb.CoordinatorStatus(queued=snap.queued, running=snap.running, done=snap.completed,
+                                    retried=snap.retried, failed=snap.failed, workers=workers,
                                     lost_updates=self.lost_updates)
 
-    def worker_rates(self, window: float = 10.0) -> dict[str, float]:
-        """Closures completed per second by each live worker over the last `window` seconds."""
-        now = time.monotonic()
-        out = {}
-        for w in list(self._state.workers.values()):
-            times = list(self._completions.get(w.wid, ()))
-            out[w.wid] = sum(1 for t in times if now - t <= window) / window
-        return out
+    def worker_rates(self) -> dict[str, float]:
+        """Closures completed per second by each registered worker over the last 10 s (as of the last tick)."""
+        return {w.wid: w.steps_per_s for w in self._snapshot.workers}
 
     def _metrics_snapshot(self) -> dict[str, Any]:
-        st = self._state
-        return {"queued": len(st.queue), "running": st.running(), "done": st.completed, "retried": st.retried,
-                "failed": st.failed, "workers_alive": self.num_workers(), "lost_updates": self.lost_updates,
-                "rates": self.worker_rates()}
+        snap = self._snapshot
+        return {"queued": snap.queued, "running": snap.running, "done": snap.completed, "retried": snap.retried,
+                "failed": snap.failed, "workers_alive": snap.alive, "lost_updates": self.lost_updates,
+                "rates": {w.wid: w.steps_per_s for w in snap.workers}}
 
     def num_workers(self) -> int:
         """Workers currently registered and alive."""
-        return sum(1 for w in list(self._state.workers.values()) if w.state == "alive")
+        return self._snapshot.alive
 
     def wait_for_workers(self, n: int, timeout: float = 60.0) -> None:
         """Block until at least n workers have registered."""
@@ -233,9 +265,7 @@ class ClusterCoordinator(CoordinatorAPI):
         self._ticker.join(timeout=5)
         if self._server is not None:
             self._server.stop(grace=0.5).wait()
-        for channel, _ in list(self._stubs.values()):
-            channel.close()
-        self._dispatcher.close()
+        self._sender.close()
         self.client.close()
         context.set_default_client(None)
 
@@ -248,10 +278,11 @@ class ClusterCoordinator(CoordinatorAPI):
     # -- entry points for the servicer -------------------------------------------------------------
     def register(self, worker_id: str, address: str, closure_port: int = 0, timeout: float = 5.0) -> int:
         """Register a worker (or refresh it); returns its index."""
+        framed = ""
         if closure_port and self.settings.bulk_transport:
-            self._closure_addresses[worker_id] = f"{address.rpartition(':')[0]}:{closure_port}"
+            framed = f"{address.rpartition(':')[0]}:{closure_port}"
         reply: Future[list[sch.Action]] = Future()
-        self._events.put((sch.Register(worker_id, address), reply))
+        self._events.put((sch.Register(worker_id, address, framed), reply))
         for action in reply.result(timeout):
             if isinstance(action, sch.Registered) and action.wid == worker_id:
                 return action.index
@@ -259,93 +290,135 @@ class ClusterCoordinator(CoordinatorAPI):
 
     def heartbeat(self, worker_id: str, leaving: bool) -> bool:
         """Record a heartbeat (or a leaving notice); False if the worker must re-register."""
-        known = worker_id in self.known_workers
+        known = self._snapshot.knows(worker_id)
         if known:
             self._events.put((sch.Leave(worker_id) if leaving else sch.Heartbeat(worker_id), None))
         return known
 
-    # -- the loop that owns the state ------------------------------------------------------------
+    # -- background threads ----------------------------------------------------------------------
+    def _thread(self, target: Callable[[], None], name: str) -> threading.Thread:
+        def run() -> None:
+            try:
+                target()
+            except BaseException as exc:  # noqa: BLE001 - reported through join(), never lost
+                self._fail(name, exc)
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        thread.start()
+        return thread
+
+    def _fail(self, name: str, exc: BaseException) -> None:
+        """A background thread ended on exc: log it and make join()/done()/schedule() raise it."""
+        if self._stop.is_set():
+            return
+        log.error("coordinator: thread %s died; join() will raise the cause", name, exc_info=exc)
+        error = InternalError(f"coordinator thread {name} died: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        with self._cond:
+            if self._fatal is None:
+                self._fatal = error
+            self._cond.notify_all()
+
     def _tick(self) -> None:
         period = min(0.25, self.settings.heartbeat_interval_s / 2)
         while not self._stop.wait(period):
             self._events.put((sch.Tick(), None))
 
+    # -- the loop that owns the state ------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            event, reply = self._events.get()
-            if event is _STOP:
-                return
-            if isinstance(event, tuple):  # (Finished, RunClosureReply) from an RPC callback
-                event, closure_reply = event
-                self._store_reply(event.cid, closure_reply)
-            try:
-                actions = sch.decide(self._state, event, self._clock())
-                for action in actions:
-                    self._perform(action)
-            except Exception as exc:  # noqa: BLE001 - the loop must survive; a bug is logged loudly
-                log.exception("coordinator loop: failed on %s", event)
-                actions = []
-                if reply is not None:
-                    reply.set_exception(exc)
+            batch = [self._events.get()]
+            while len(batch) < _BATCH:
+                try:
+                    batch.append(self._events.get_nowait())
+                except queue.Empty:
+                    break
+            replies = []
+            for event, reply in batch:
+                if event is _STOP:
+                    return
+                replies.append((reply, self._apply(event)))
+            self._publish()
+            for reply, outcome in replies:  # after the snapshot, so a registered worker is known
+                if reply is None:
                     continue
-            if reply is not None:
-                reply.set_result(actions)
+                if isinstance(outcome, BaseException):
+                    reply.set_exception(outcome)
+                else:
+                    reply.set_result(outcome)
 
-    def _store_reply(self, cid: int, reply: pb.RunClosureReply) -> None:
-        if reply.versions:
-            self._monitor.record(list(reply.versions))
-        value = self._values.get(cid)
-        if value is not None and not value.done():
-            self._replies[cid] = reply  # published by the Resolve action
+    def _apply(self, event: Any) -> list[sch.Action] | BaseException:
+        closure_reply = None
+        if isinstance(event, tuple):  # (Finished, RunClosureReply) from an RPC callback
+            event, closure_reply = event
+        try:
+            if closure_reply is not None and closure_reply.versions:
+                self._monitor.record(list(closure_reply.versions))
+            now = self._clock()
+            actions = sch.decide(self._state, event, now)
+            for action in actions:
+                self._perform(action, closure_reply)
+            if isinstance(event, sch.Tick):
+                self._rates.sample(self._state, now)
+            return actions
+        except Exception as exc:  # noqa: BLE001 - the loop must survive; a bug is logged loudly
+            log.exception("coordinator loop: failed on %s", event)
+            return exc
 
-    def _perform(self, action: sch.Action) -> None:
+    def _publish(self) -> None:
+        """Swap in a new snapshot, then account the batch's finished closures (so join sees both)."""
+        snapshot = take(self._state, self._rates.rates)
+        with self._cond:
+            self._snapshot = snapshot
+            if self._batch_error is not None and self._join_error is None:
+                self._join_error = self._batch_error
+            self._outstanding -= self._batch_done
+            if self._batch_done or self._batch_error is not None:
+                self._cond.notify_all()
+        self._batch_done, self._batch_error = 0, None
+
+    def _perform(self, action: sch.Action, reply: pb.RunClosureReply | None) -> None:
         if isinstance(action, sch.Dispatch):
             self._dispatch(action)
         elif isinstance(action, sch.Resolve):
-            value = self._values[action.cid]
-            reply = self._replies.pop(action.cid)
-            value._set_reply(reply)
+            assert reply is not None, f"closure {action.cid} resolved without a reply"
+            value = self._values.get(action.cid)
+            if value is not None:
+                value._set_reply(reply)
+            error = None
             if reply.HasField("error"):
                 log.warning("closure %d raised %s: %s", action.cid, reply.error.type_name, reply.error.message)
-                self._finish(action.cid, value.outcome()[1])
-            else:
-                self._finish(action.cid, None)
+                error = value.outcome()[1] if value is not None else reply_error(action.cid, reply.error)
+            self._finish(action.cid, error)
         elif isinstance(action, sch.Cancel):
-            self._values[action.cid]._set_error(AbortedError(f"closure {action.cid} {action.reason}"))
+            self._resolve_with(action.cid, AbortedError(f"closure {action.cid} {action.reason}"))
             self._finish(action.cid, None)
         elif isinstance(action, sch.FailUnscheduled):
             err = UnavailableError(action.reason)
-            self._values[action.cid]._set_error(err)
+            self._resolve_with(action.cid, err)
             log.error("closure %d failed: %s", action.cid, action.reason)
             self._finish(action.cid, err)
         elif isinstance(action, sch.Abandon):
-            fut = self._rpcs.pop((action.cid, action.wid), None)
-            if fut is not None:
-                fut.cancel()
-            self._dispatcher.abandon(action.cid, action.wid)
+            self._sender.abandon(action.cid, action.wid)
         elif isinstance(action, sch.WorkerGone):
-            self.known_workers.discard(action.wid)
             log.warning("%s; closures %s rescheduled", action.reason, list(action.rescheduled) or "none")
-            entry = self._stubs.pop(action.address, None)
-            if entry is not None:
-                entry[0].close()
-            self._dispatcher.forget(action.wid)
-            self._closure_addresses.pop(action.wid, None)
+            self._sender.forget(action.wid, action.address)
         elif isinstance(action, sch.Registered):
-            if action.wid not in self.known_workers:
+            if action.new:
                 log.info("worker %d (%s) joined", action.index, action.wid)
-            self.known_workers.add(action.wid)
-            self.worker_index[action.wid] = action.index
         elif isinstance(action, sch.WatchPs):
             self._monitor.wake()
 
+    def _resolve_with(self, cid: int, error: BaseException) -> None:
+        value = self._values.get(cid)
+        if value is not None:
+            value._set_error(error)
+
     def _finish(self, cid: int, error: BaseException | None) -> None:
         self._payloads.pop(cid, None)
-        with self._cond:
-            if error is not None and self._join_error is None:
-                self._join_error = (cid, error)
-            self._outstanding -= 1
-            self._cond.notify_all()
+        self._retained.touch(cid)
+        self._batch_done += 1
+        if error is not None and self._batch_error is None:
+            self._batch_error = (cid, error)
 
     def _raise_pending_error(self) -> None:
         with self._cond:
@@ -357,48 +430,5 @@ class ClusterCoordinator(CoordinatorAPI):
     def _dispatch(self, action: sch.Dispatch) -> None:
         request = pb.RunClosureRequest(closure_id=action.cid, attempt=action.attempt,
                                        payload=self._payloads[action.cid], sync_mode=self.sync_mode,
-                                       worker_index=self.worker_index.get(action.wid, 0))
-        framed = self._closure_addresses.get(action.wid)
-        if framed is not None:
-            self._dispatcher.dispatch(action.wid, framed, request)
-            return
-        entry = self._stubs.get(action.address)
-        if entry is None:
-            channel = rpc.open_channel(action.address, self.settings)
-            entry = (channel, pb_grpc.WorkerStub(channel))
-            self._stubs[action.address] = entry
-        fut = entry[1].RunClosure.future(request, timeout=self.settings.rpc_timeout_s * 100)
-        self._rpcs[(action.cid, action.wid)] = fut
-        fut.add_done_callback(lambda f, cid=action.cid, wid=action.wid: self._completed(cid, wid, f))
-
-    def _completed(self, cid: int, wid: str, fut: grpc.Future) -> None:
-        if fut.cancelled():
-            return  # abandoned by the scheduler
-        try:
-            reply = fut.result()
-        except grpc.RpcError as exc:
-            err = rpc.translate(exc, "RunClosure")
-            self._events.put((sch.TransportFailed(cid, wid, f"failed a closure RPC ({err})"), None))
-            return
-        finally:
-            self._rpcs.pop((cid, wid), None)
-        self._closure_reply(cid, wid, reply)
-
-    def _framed_reply(self, cid: int, wid: str, reply: pb.BulkReply) -> None:
-        if reply.code:
-            self._framed_failure(cid, wid, f"refused a closure ({STATUS_BY_VALUE.get(reply.code)}: {reply.message})")
-        else:
-            self._closure_reply(cid, wid, reply.closure)
-
-    def _framed_failure(self, cid: int, wid: str, reason: str) -> None:
-        self._events.put((sch.TransportFailed(cid, wid, reason), None))
-
-    def _closure_reply(self, cid: int, wid: str, reply: pb.RunClosureReply) -> None:
-        if reply.retryable:
-            log.warning("closure %d hit an unavailable PS: %s", cid, reply.error.message)
-            self._events.put((sch.Finished(cid, wid, "retry"), None))
-        else:
-            if not reply.HasField("error"):
-                self._completions[wid].append(time.monotonic())
-            outcome = "user_error" if reply.HasField("error") else "ok"
-            self._events.put(((sch.Finished(cid, wid, outcome), reply), None))
+                                       worker_index=self._state.workers[action.wid].index)
+        self._sender.send(action, request)

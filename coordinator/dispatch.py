@@ -1,8 +1,12 @@
-"""Closure dispatch over framed TCP connections to workers (gRPC RunClosure is the fallback).
+"""Closure dispatch to workers: framed TCP connections, gRPC RunClosure as the fallback.
 
-One connection per closure in flight, kept open and reused; each has a reader thread blocked on its
-socket that hands the reply (or the failure) to the coordinator's callbacks. Abandoning an attempt
-shuts its connection down, so a hung worker costs nothing but the socket.
+`ClosureSender` is what the coordinator loop calls: it sends a RunClosureRequest over the worker's
+framed closure port when it has one, else over gRPC, and turns every answer or failure into a
+scheduler event. `FramedDispatcher` keeps one connection per closure in flight, open and reused;
+each has a reader thread blocked on its socket that hands the reply (or the failure) to callbacks.
+Abandoning an attempt shuts its connection down, so a hung worker costs nothing but the socket. A
+reader that meets anything unexpected reports the attempt failed (the closure is rescheduled) rather
+than dying with the attempt unanswered.
 """
 
 from __future__ import annotations
@@ -12,9 +16,16 @@ import socket
 import threading
 from collections import defaultdict
 from collections.abc import Callable
+from typing import Any
 
-from pscluster.framing import read_reply, send_frame
+import grpc
+
+from pscluster import rpc
+from pscluster.config import Settings
+from pscluster.coordinator import scheduler as sch
+from pscluster.framing import STATUS_BY_VALUE, read_reply, send_frame
 from pscluster.proto import pscluster_pb2 as pb
+from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +82,7 @@ class FramedDispatcher:
         while True:
             try:
                 reply, _ = read_reply(conn.sock)
-            except (OSError, ConnectionError, ValueError) as exc:
+            except Exception as exc:  # noqa: BLE001 - any failure (socket, garbage frame) fails the attempt
                 with self._lock:
                     pending, conn.pending = conn.pending, None
                     if pending is not None:
@@ -123,3 +134,80 @@ def _shutdown(sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
+
+
+class ClosureSender:
+    """Sends closures to workers for the coordinator loop; answers come back through `post(event)`.
+
+    `post` receives `Finished`/`TransportFailed` events, or `(Finished, RunClosureReply)` for an
+    answer whose reply the loop must publish. Only the loop calls send/abandon/forget.
+    """
+
+    def __init__(self, settings: Settings, post: Callable[[Any], None]) -> None:
+        self._settings = settings
+        self._post = post
+        self._framed = FramedDispatcher(settings.token_value(), self._framed_reply, self._failure)
+        self._stubs: dict[str, tuple[grpc.Channel, pb_grpc.WorkerStub]] = {}
+        self._rpcs: dict[tuple[int, str], grpc.Future] = {}
+
+    def send(self, action: sch.Dispatch, request: pb.RunClosureRequest) -> None:
+        """Start one attempt."""
+        if action.closure_address:
+            self._framed.dispatch(action.wid, action.closure_address, request)
+            return
+        entry = self._stubs.get(action.address)
+        if entry is None:
+            channel = rpc.open_channel(action.address, self._settings)
+            entry = (channel, pb_grpc.WorkerStub(channel))
+            self._stubs[action.address] = entry
+        fut = entry[1].RunClosure.future(request, timeout=self._settings.rpc_timeout_s * 100)
+        self._rpcs[(action.cid, action.wid)] = fut
+        fut.add_done_callback(lambda f, cid=action.cid, wid=action.wid: self._completed(cid, wid, f))
+
+    def abandon(self, cid: int, wid: str) -> None:
+        """Stop waiting for an attempt."""
+        fut = self._rpcs.pop((cid, wid), None)
+        if fut is not None:
+            fut.cancel()
+        self._framed.abandon(cid, wid)
+
+    def forget(self, wid: str, address: str) -> None:
+        """The worker is gone: close its connections."""
+        entry = self._stubs.pop(address, None)
+        if entry is not None:
+            entry[0].close()
+        self._framed.forget(wid)
+
+    def close(self) -> None:
+        """Close every connection."""
+        for channel, _ in list(self._stubs.values()):
+            channel.close()
+        self._framed.close()
+
+    def _completed(self, cid: int, wid: str, fut: grpc.Future) -> None:
+        self._rpcs.pop((cid, wid), None)
+        if fut.cancelled():
+            return  # abandoned by the scheduler
+        try:
+            reply = fut.result()
+        except grpc.RpcError as exc:
+            self._failure(cid, wid, f"failed a closure RPC ({rpc.translate(exc, 'RunClosure')})")
+            return
+        self._reply(cid, wid, reply)
+
+    def _framed_reply(self, cid: int, wid: str, reply: pb.BulkReply) -> None:
+        if reply.code:
+            self._failure(cid, wid, f"refused a closure ({STATUS_BY_VALUE.get(reply.code)}: {reply.message})")
+        else:
+            self._reply(cid, wid, reply.closure)
+
+    def _failure(self, cid: int, wid: str, reason: str) -> None:
+        self._post((sch.TransportFailed(cid, wid, reason), None))
+
+    def _reply(self, cid: int, wid: str, reply: pb.RunClosureReply) -> None:
+        if reply.retryable:
+            log.warning("closure %d hit an unavailable PS: %s", cid, reply.error.message)
+            self._post((sch.Finished(cid, wid, "retry"), None))
+        else:
+            outcome = "user_error" if reply.HasField("error") else "ok"
+            self._post(((sch.Finished(cid, wid, outcome), reply), None))

@@ -3,6 +3,11 @@
 A restarted PS has a new incarnation and serves its newest checkpoint. Workers report the shard
 versions their pushes produced, tagged with the PS incarnation; the updates lost are the versions
 seen under the old incarnation beyond the version the PS restored.
+
+A check that fails (a PS answering garbage, a restart met again mid-accounting) is logged and retried
+with backoff; dispatch stays paused meanwhile. After `max_failures` failed checks in a row the monitor
+gives up and reports the last error through `on_fatal`, so the coordinator fails `join()` with it
+instead of staying paused forever.
 """
 
 from __future__ import annotations
@@ -24,10 +29,13 @@ class PsMonitor:
     """Owns the `ps-monitor` thread; `wake()` asks for an immediate check, `stop()` ends it."""
 
     def __init__(self, client: PSClient, on_down: Callable[[], None], on_up: Callable[[], None],
-                 interval: float = 0.5) -> None:
+                 interval: float = 0.5, on_fatal: Callable[[BaseException], None] | None = None,
+                 max_failures: int = 5) -> None:
         self._client = client
         self._on_down = on_down
         self._on_up = on_up
+        self._on_fatal = on_fatal
+        self._max_failures = max_failures
         self._interval = interval
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -78,30 +86,47 @@ class PsMonitor:
             return None
 
     def _loop(self) -> None:
+        failures = 0
         while not self._stop.is_set():
-            woken = self._wake.wait(self._interval)
-            self._wake.clear()
+            try:
+                self._check()
+                failures = 0
+            except Exception as exc:  # noqa: BLE001 - never end the thread silently: retry, then report
+                failures += 1
+                log.warning("ps-monitor: check failed (%d of %d in a row): %s", failures, self._max_failures, exc,
+                            exc_info=failures == self._max_failures)
+                if failures >= self._max_failures:
+                    if self._on_fatal is None:
+                        raise
+                    self._on_fatal(exc)
+                    return
+                self._stop.wait(min(0.1 * 2 ** failures, 2.0))
+
+    def _check(self) -> None:
+        """One round: wait for the interval or a wake, then look at every PS (the loop body)."""
+        woken = self._wake.wait(self._interval)
+        self._wake.clear()
+        statuses = self._statuses()
+        restarted = statuses is not None and any(
+            s.incarnation != old for s, old in zip(statuses, self.incarnations))
+        if statuses is not None and not restarted:
+            if woken:
+                # A closure was handed back as a cluster failure but every PS answers and none
+                # restarted (e.g. a token wait timed out): resume at once rather than stay paused.
+                self._on_up()
+            return
+        self._on_down()
+        started = time.monotonic()
+        log.warning("a PS is unavailable or restarted: dispatch paused until every PS answers")
+        while statuses is None and not self._stop.wait(0.1):
             statuses = self._statuses()
-            restarted = statuses is not None and any(
-                s.incarnation != old for s, old in zip(statuses, self.incarnations))
-            if statuses is not None and not restarted:
-                if woken:
-                    # A closure was handed back as a cluster failure but every PS answers and none
-                    # restarted (e.g. a token wait timed out): resume at once rather than stay paused.
-                    self._on_up()
-                continue
-            self._on_down()
-            started = time.monotonic()
-            log.warning("a PS is unavailable or restarted: dispatch paused until every PS answers")
-            while statuses is None and not self._stop.wait(0.1):
-                statuses = self._statuses()
-            if statuses is None:
-                return
-            for ps, status in enumerate(statuses):
-                if status.incarnation != self.incarnations[ps]:
-                    self._account(ps, status)
-            log.warning("every PS answers again after %.1f s; resuming dispatch", time.monotonic() - started)
-            self._on_up()
+        if statuses is None:
+            return
+        for ps, status in enumerate(statuses):
+            if status.incarnation != self.incarnations[ps]:
+                self._account(ps, status)
+        log.warning("every PS answers again after %.1f s; resuming dispatch", time.monotonic() - started)
+        self._on_up()
 
     def _account(self, ps: int, status: pb.PsStatus) -> None:
         old = self.incarnations[ps]

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +17,7 @@ from pscluster.client import PSClient
 from pscluster.config import Settings
 from pscluster.coordinator.api import CoordinatorAPI
 from pscluster.coordinator.values import RemoteValue, reply_error
-from pscluster.errors import DeadlineExceededError, FailedPreconditionError
+from pscluster.errors import DeadlineExceededError, FailedPreconditionError, ResourceExhaustedError
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 from pscluster.closures import ClosureEncoder
@@ -41,8 +42,8 @@ class _RemoteValue(RemoteValue):
         deadline = None if timeout is None else time.monotonic() + timeout
         while not super().done():
             wait = 10.0 if deadline is None else max(0.0, deadline - time.monotonic())
-            reply = self._owner._call("Fetch", pb.FetchRequest(closure_id=self.closure_id, timeout_s=wait))
-            if reply.done:
+            reply = self._owner._poll("Fetch", pb.FetchRequest(closure_id=self.closure_id, timeout_s=wait))
+            if reply is not None and reply.done:
                 self._set_reply(reply.reply)
             elif deadline is not None and time.monotonic() >= deadline:
                 raise DeadlineExceededError(f"closure {self.closure_id} not finished after {timeout} s")
@@ -59,12 +60,28 @@ class RemoteCoordinator(CoordinatorAPI):
         self._channel = rpc.open_channel(settings.cluster.coordinator, settings)
         self._stub = pb_grpc.CoordinatorStub(self._channel)
         self._encoder = ClosureEncoder()
+        self._busy = 0.0  # backoff after RESOURCE_EXHAUSTED long polls
         self.client = PSClient(settings)
         context.set_default_client(self.client)
 
     def _call(self, method: str, request: Any) -> Any:
         return rpc.call(getattr(self._stub, method), request, timeout=60.0, what=f"coordinator {method}",
                         retry_for=30.0)
+
+    def _poll(self, method: str, request: Any) -> Any | None:
+        """One long poll (Join/Fetch); None when the daemon has no free poll slot (after a short backoff).
+
+        The daemon caps concurrent long polls to keep threads for heartbeats (see clients.py) and
+        answers RESOURCE_EXHAUSTED beyond the cap: that means "not done yet", so callers poll again.
+        """
+        try:
+            reply = self._call(method, request)
+        except ResourceExhaustedError:
+            self._busy = min(max(2 * self._busy, 0.02), 0.5)
+            time.sleep(self._busy * (0.5 + random.random()))
+            return None
+        self._busy = 0.0
+        return reply
 
     def schedule(self, fn: Callable[..., Any], args: tuple[Any, ...] = (),
                  kwargs: dict[str, Any] | None = None) -> RemoteValue:
@@ -81,8 +98,8 @@ class RemoteCoordinator(CoordinatorAPI):
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             wait = 10.0 if deadline is None else max(0.0, deadline - time.monotonic())
-            reply = self._call("Join", pb.JoinRequest(timeout_s=wait))
-            if reply.done:
+            reply = self._poll("Join", pb.JoinRequest(timeout_s=wait))
+            if reply is not None and reply.done:
                 if reply.HasField("error"):
                     raise reply_error(reply.closure_id_of_error, reply.error)
                 return

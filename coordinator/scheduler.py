@@ -40,6 +40,7 @@ class WorkerRec:
     index: int
     last_seen: float
     state: Literal["alive", "leaving"] = "alive"
+    closure_address: str = ""  # framed closure port, if the worker has one
     inflight: set[int] = field(default_factory=set)
     done: int = 0
 
@@ -84,6 +85,7 @@ class Submit:
 class Register:
     wid: str
     address: str
+    closure_address: str = ""  # host:port of the worker's framed closure port ("": gRPC RunClosure)
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,7 @@ class Dispatch:
     wid: str
     address: str
     attempt: int
+    closure_address: str = ""
 
 
 @dataclass(frozen=True)
@@ -192,6 +195,7 @@ class WorkerGone:
 class Registered:
     wid: str
     index: int
+    new: bool = True
 
 
 @dataclass(frozen=True)
@@ -217,12 +221,13 @@ def decide(state: SchedulerState, event: Event, now: float) -> list[Action]:
     elif isinstance(event, Register):
         old = state.workers.get(event.wid)
         if old is None:
-            state.workers[event.wid] = WorkerRec(event.wid, event.address, state.next_index, now)
+            state.workers[event.wid] = WorkerRec(event.wid, event.address, state.next_index, now,
+                                                 closure_address=event.closure_address)
             state.next_index += 1
             actions.append(Registered(event.wid, state.next_index - 1))
         else:
             old.last_seen = now
-            actions.append(Registered(event.wid, old.index))
+            actions.append(Registered(event.wid, old.index, new=False))
     elif isinstance(event, Heartbeat):
         if event.wid in state.workers:
             state.workers[event.wid].last_seen = now
@@ -381,7 +386,7 @@ def _dispatch(state: SchedulerState) -> list[Action]:
             rec.attempts += 1
             rec.workers.add(worker.wid)
             worker.inflight.add(cid)
-            actions.append(Dispatch(cid, worker.wid, worker.address, rec.attempts))
+            actions.append(Dispatch(cid, worker.wid, worker.address, rec.attempts, worker.closure_address))
             progress = True
             if budget is not None:
                 budget -= 1

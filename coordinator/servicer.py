@@ -1,4 +1,9 @@
-"""The Coordinator gRPC servicer: translate messages, call the ClusterCoordinator."""
+"""The Coordinator gRPC servicer: translate messages, call the ClusterCoordinator.
+
+Join and Fetch are long polls: each waits in a server thread only inside a slot of the coordinator's
+`long_polls` (a cap on concurrent waits and a short slice, see clients.py), so Register, Heartbeat
+and Status always find a free thread.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +17,6 @@ from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     from pscluster.coordinator.coordinator import ClusterCoordinator
-
-MAX_WAIT_S = 30.0  # long-poll bound; clients poll again
 
 
 def error_to_pb(exc: BaseException) -> pb.UserError:
@@ -48,12 +51,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.HeartbeatReply(known=self.coordinator.heartbeat(request.worker_id, request.leaving))
 
     def Schedule(self, request: pb.ScheduleRequest, context: grpc.ServicerContext) -> pb.ScheduleReply:
-        return pb.ScheduleReply(closure_id=self.coordinator.schedule_payload(request.payload).closure_id)
+        value = self.coordinator.schedule_payload(request.payload, retain=True)
+        return pb.ScheduleReply(closure_id=value.closure_id)
 
     def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> pb.FetchReply:
         value = self.coordinator.remote_value(request.closure_id)
-        if not value.wait(min(request.timeout_s, MAX_WAIT_S)):
-            return pb.FetchReply(done=False)
+        with self.coordinator.long_poll(request.timeout_s) as wait:
+            if not value.wait(wait):
+                return pb.FetchReply(done=False)
+        self.coordinator.release(request.closure_id)
         reply, error = value.outcome()
         if reply is not None:
             return pb.FetchReply(done=True, reply=reply)
@@ -61,13 +67,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.FetchReply(done=True, reply=pb.RunClosureReply(error=error_to_pb(error)))
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
-        try:
-            self.coordinator.join(min(request.timeout_s, MAX_WAIT_S))
-        except DeadlineExceededError:
-            return pb.JoinReply(done=False, closure_id_of_error=-1)
-        except (PsclusterError, Exception) as exc:  # noqa: BLE001 - the closure's error, sent to the client
-            return pb.JoinReply(done=True, closure_id_of_error=getattr(exc, "closure_id", 0),
-                                error=error_to_pb(exc))
+        with self.coordinator.long_poll(request.timeout_s) as wait:  # ResourceExhausted: the client re-polls
+            try:
+                self.coordinator.join(wait)
+            except DeadlineExceededError:
+                return pb.JoinReply(done=False, closure_id_of_error=-1)
+            except (PsclusterError, Exception) as exc:  # noqa: BLE001 - the closure's error, sent to the client
+                return pb.JoinReply(done=True, closure_id_of_error=getattr(exc, "closure_id", 0),
+                                    error=error_to_pb(exc))
         return pb.JoinReply(done=True, closure_id_of_error=-1)
 
     def Status(self, request: pb.CoordinatorStatusRequest, context: grpc.ServicerContext) -> pb.CoordinatorStatus:

@@ -87,6 +87,7 @@ class Settings(_Frozen):
     max_inflight_per_worker: int = Field(default=2, ge=1, le=64)
     no_worker_timeout_s: float | None = Field(default=300.0, gt=0)
     drain_timeout_s: float = Field(default=10.0, ge=0)
+    result_retention_s: float = Field(default=600.0, gt=0)  # daemon: keep an unfetched remote result this long
     # -- daemon start-up and fixed ports (issue 11) ------------------------------------------------
     startup_timeout_s: float = Field(default=300.0, gt=0)  # how long a daemon waits for what it needs
     framed_port: int | None = Field(default=None, ge=0, lt=65536)  # PS bulk / worker closure port (None: any)
