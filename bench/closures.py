@@ -1,7 +1,9 @@
-"""B4 (closure dispatch), B5 (worker SIGKILL), B6 (worker SIGSTOP), B7 (PS SIGKILL)."""
+"""B4 (closure dispatch), B5 (worker SIGKILL), B6 (worker SIGSTOP), B7 (PS SIGKILL), B10 (long run)."""
 
 from __future__ import annotations
 
+import os
+import resource
 import signal
 import statistics
 import time
@@ -48,7 +50,7 @@ def _busy_step(counter: ps.Variable, seconds: float) -> int:
 
 
 def _victim_closures(coord: ps.ClusterCoordinator, address: str) -> list[int]:
-    for w in list(coord._state.workers.values()):  # noqa: SLF001 - the benchmark reads scheduler state
+    for w in coord.snapshot().workers:
         if w.address == address:
             return sorted(w.inflight)
     return []
@@ -129,3 +131,36 @@ def b7(runs: int = 3) -> dict[str, float]:
                 coord.shutdown()
     return {"pause_s_median": statistics.median(pauses), "restart_and_restore_s_median": statistics.median(restore_s),
             "lost_updates_median": statistics.median(lost), "runs_with_exact_lost_report": exact, "runs": runs}
+
+
+def _rss() -> int:
+    """This process's resident set size in bytes (the embedded coordinator lives here)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def b10(total: int = 1_000_000, batch: int = 10_000, window: int = 100_000) -> dict[str, float]:
+    """Empty closures through one coordinator, 2 workers: RSS growth and rate, first vs last window."""
+    with LocalCluster(1, 2) as cluster:
+        coord = ps.ClusterCoordinator(cluster.settings())
+        try:
+            coord.wait_for_workers(2)
+            marks: list[tuple[int, float, int]] = [(0, time.perf_counter(), _rss())]  # (closures, time, rss)
+            done = 0
+            while done < total:
+                for _ in range(batch):
+                    coord.schedule(_noop)
+                coord.join()
+                done += batch
+                if done % window == 0:
+                    marks.append((done, time.perf_counter(), _rss()))
+                    print(f"B10: {done} closures, {window / (marks[-1][1] - marks[-2][1]):.0f}/s, "
+                          f"RSS {marks[-1][2] / 2**20:.1f} MiB", flush=True)
+            coord_done = coord.status().done
+        finally:
+            coord.shutdown()
+    rates = [window / (b[1] - a[1]) for a, b in zip(marks, marks[1:])]
+    return {"closures": total, "completed": coord_done, "rss_at_first_window_mib": marks[1][2] / 2**20,
+            "rss_at_end_mib": marks[-1][2] / 2**20, "rss_growth_mib": (marks[-1][2] - marks[1][2]) / 2**20,
+            "first_window_per_s": rates[0], "last_window_per_s": rates[-1], "last_vs_first": rates[-1] / rates[0],
+            "pid": os.getpid()}

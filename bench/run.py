@@ -126,8 +126,19 @@ def bench_b8(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
     return out, [("B8", "W2 async steps/s by (PS, workers), 1000 steps", "; ".join(cells), "table (2 cores total)")]
 
 
+def bench_b10(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
+    r = closures.b10()
+    ok = r["rss_growth_mib"] <= 50 and r["last_vs_first"] >= 0.9
+    return r, [("B10", f"{r['closures']:,} empty closures, one coordinator, 2 workers (join every 10k)",
+                f"coordinator RSS {r['rss_at_first_window_mib']:.0f} MiB at 100k -> {r['rss_at_end_mib']:.0f} MiB "
+                f"at 1M (+{r['rss_growth_mib']:.1f} MiB); {r['first_window_per_s']:.0f} closures/s over the first "
+                f"100k, {r['last_window_per_s']:.0f} over the last (x{r['last_vs_first']:.2f})",
+                f"<= 50 MiB growth, >= 0.9 x rate: {'met' if ok else 'NOT met'}")]
+
+
 BENCHES = {"B1": bench_b1, "B9": bench_b9, "B2": bench_b2, "B3": bench_b3, "B4": bench_b4, "B5": bench_b5,
-           "B6": bench_b6, "B7": bench_b7, "B8": bench_b8}
+           "B6": bench_b6, "B7": bench_b7, "B8": bench_b8,
+           "B10": bench_b10}
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 

@@ -77,7 +77,8 @@ class LongPolls:
     def __init__(self, limit: int, slice_s: float) -> None:
         self.limit = limit
         self.slice_s = slice_s
-        self._slots = threading.BoundedSemaphore(limit)
+        self._lock = threading.Lock()
+        self.waiting = 0  # polls holding a slot now
 
     @contextmanager
     def slot(self, requested: float) -> Iterator[float]:
@@ -90,11 +91,14 @@ class LongPolls:
         if wait == 0.0:
             yield 0.0
             return
-        if not self._slots.acquire(blocking=False):
-            raise ResourceExhaustedError(
-                f"{self.limit} client calls already wait on this coordinator (the cap keeps server threads "
-                f"free for worker heartbeats); poll again")
+        with self._lock:
+            if self.waiting >= self.limit:
+                raise ResourceExhaustedError(
+                    f"{self.limit} client calls already wait on this coordinator (the cap keeps server threads "
+                    f"free for worker heartbeats); poll again")
+            self.waiting += 1
         try:
             yield wait
         finally:
-            self._slots.release()
+            with self._lock:
+                self.waiting -= 1

@@ -87,8 +87,9 @@ class FramedDispatcher:
                     pending, conn.pending = conn.pending, None
                     if pending is not None:
                         self._busy.pop(pending, None)
-                    if conn in self._idle[conn.wid]:
-                        self._idle[conn.wid].remove(conn)
+                    idle = self._idle.get(conn.wid, [])  # .get: a worker forgotten stays forgotten
+                    if conn in idle:
+                        idle.remove(conn)
                 conn.sock.close()
                 if pending is not None and not conn.abandoned:
                     self._on_failure(pending[0], pending[1], f"closure connection failed ({exc or 'closed'})")
@@ -97,7 +98,7 @@ class FramedDispatcher:
                 pending, conn.pending = conn.pending, None
                 if pending is not None:
                     self._busy.pop(pending, None)
-                if not conn.abandoned:
+                if not conn.abandoned and conn.wid in self._idle:
                     self._idle[conn.wid].append(conn)
             if pending is not None and not conn.abandoned:
                 self._on_reply(pending[0], pending[1], reply)

@@ -4,6 +4,7 @@ import threading
 import types
 
 from pscluster.coordinator.ps_monitor import PsMonitor
+from pscluster.errors import InternalError
 from pscluster.proto import pscluster_pb2 as pb
 
 
@@ -48,3 +49,40 @@ def test_a_restart_is_accounted_from_reports_of_the_old_incarnation():
     assert monitor.lost_updates == 5
     monitor.record([pb.ShardVersion(variable="w", shard_index=0, version=10, incarnation=1)])  # a late report
     assert monitor.lost_updates == 7
+
+
+class GarbageClient(FakeClient):
+    """A restarted PS whose ListShards fails `failures` times (a PS answering garbage), then answers."""
+
+    def __init__(self, incarnations, failures):
+        super().__init__(incarnations)
+        self.failures = failures
+        for stub in self.stubs:
+            stub.ListShards = self._garbage
+
+    def _garbage(self, request, timeout):
+        if self.failures > 0:
+            self.failures -= 1
+            raise InternalError("ListShards: cannot parse the reply")
+        return self._list(request, timeout)
+
+
+def test_a_failed_check_is_retried_and_dispatch_resumes():
+    client = GarbageClient([1], failures=2)
+    ups, fatal = threading.Event(), []
+    monitor = PsMonitor(client, on_down=lambda: None, on_up=ups.set, interval=0.01, on_fatal=fatal.append)
+    client.incarnations[0] = 2
+    run_until(monitor, ups)
+    assert client.failures == 0 and fatal == [] and monitor.incarnations == [2]
+
+
+def test_a_check_that_keeps_failing_is_reported_not_lost_with_the_thread():
+    client = GarbageClient([1], failures=10**6)
+    reported = threading.Event()
+    fatal, ups = [], []
+    monitor = PsMonitor(client, on_down=lambda: None, on_up=lambda: ups.append(1), interval=0.01,
+                        on_fatal=lambda exc: (fatal.append(exc), reported.set()), max_failures=3)
+    client.incarnations[0] = 2
+    run_until(monitor, reported)
+    assert len(fatal) == 1 and isinstance(fatal[0], InternalError) and "cannot parse" in str(fatal[0])
+    assert ups == []  # dispatch was never resumed on a half-done accounting
