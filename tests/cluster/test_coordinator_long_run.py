@@ -3,6 +3,7 @@ threads reading a snapshot, long polls that leave threads for heartbeats, no bac
 unnoticed. Real PS and worker daemons on 127.0.0.1."""
 
 import signal
+import sys
 from concurrent import futures
 import threading
 import time
@@ -85,12 +86,13 @@ def test_status_from_other_threads_while_submitting_never_sees_the_loop_mid_chan
                 coord.worker_rates()
                 coord._metrics_snapshot()
                 reads[0] += 1
-                stop.wait(0.0005)  # leave the GIL to the submitting thread and the loop
             except Exception as exc:  # noqa: BLE001 - collected and asserted on below
                 errors.append(exc)
                 return
 
     reader = threading.Thread(target=read, name="test-status-reader")
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)  # switch threads often, so reads land in the middle of the loop's updates
     try:
         coord.wait_for_workers(2)
         reader.start()
@@ -102,6 +104,7 @@ def test_status_from_other_threads_while_submitting_never_sees_the_loop_mid_chan
         assert errors == [] and reads[0] > 0
         assert coord.status().done == 10_000 and coord.num_workers() == 2
     finally:
+        sys.setswitchinterval(switch)
         stop.set()
         coord.shutdown()
 
