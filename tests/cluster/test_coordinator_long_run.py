@@ -39,11 +39,17 @@ def fails(i):
 
 
 def internal_sizes(coord):
-    """Every map the coordinator keeps per closure or per worker."""
-    sender = coord._sender
-    return {"scheduler records": len(coord._state.closures), "queue": len(coord._state.queue),
-            "values": len(coord._values), "payloads": len(coord._payloads), "retained": len(coord._retained),
-            "grpc attempts": len(sender._rpcs), "busy connections": len(sender._framed._busy)}
+    """The length of every container the coordinator, its scheduler state and its senders hold."""
+    sizes = {}
+    owners = [("", coord), ("state.", coord._state)]
+    sender = getattr(coord, "_sender", None)
+    if sender is not None:
+        owners += [("sender.", sender), ("framed.", sender._framed)]
+    for prefix, owner in owners:
+        for name, attr in vars(owner).items():
+            if hasattr(attr, "__len__") and not isinstance(attr, (str, bytes)):
+                sizes[prefix + name] = len(attr)
+    return sizes
 
 
 def test_coordinator_maps_stay_bounded_after_20000_closures(fresh_cluster):
@@ -67,8 +73,9 @@ def test_coordinator_maps_stay_bounded_after_20000_closures(fresh_cluster):
         status = coord.status()
         assert status.done == 20_000 and status.failed == 1 and status.running == 0
         sizes = internal_sizes(coord)
-        assert sizes["values"] == len(kept), sizes  # only what the caller still holds
-        assert max(v for k, v in sizes.items() if k != "values") == 0, sizes
+        assert sizes["_values"] == len(kept), sizes  # only what the caller still holds
+        # per-worker maps hold the 2 workers (a few connections each); nothing holds closures
+        assert max(v for k, v in sizes.items() if k != "_values") <= 4, sizes
     finally:
         coord.shutdown()
 
