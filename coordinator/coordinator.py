@@ -26,9 +26,8 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
-from contextlib import contextmanager
 from typing import Any
 
 import grpc
@@ -41,6 +40,7 @@ from pscluster.coordinator.dispatch import ClosureSender
 from pscluster.coordinator.ps_monitor import PsMonitor
 from pscluster.coordinator.api import CoordinatorAPI
 from pscluster.coordinator.clients import LongPolls, RetainedValues
+from pscluster.coordinator.joins import JoinState
 from pscluster.coordinator.snapshot import RateMeter, Snapshot, take
 from pscluster.coordinator.values import RemoteValue, reply_error
 from pscluster.errors import AbortedError, DeadlineExceededError, InternalError, NotFoundError, UnavailableError
@@ -77,10 +77,7 @@ class ClusterCoordinator(CoordinatorAPI):
         self._sender = ClosureSender(self.settings, self._events.put)
         # Closure ids are unique across coordinator restarts: push ids derive from them.
         self._ids = itertools.count((int.from_bytes(os.urandom(3), "little") << 32) + 1)
-        self._cond = threading.Condition()
-        self._outstanding = 0
-        self._join_error: tuple[int, BaseException] | None = None
-        self._fatal: BaseException | None = None  # a background thread died: join() raises this
+        self._joins = JoinState(on_error_reported=lambda: self._events.put((sch.ErrorReported(), None)))
         self._batch_done = 0  # closures finished in the loop's current batch (loop only)
         self._batch_error: tuple[int, BaseException] | None = None
         self._rates = RateMeter()
@@ -122,12 +119,9 @@ class ClusterCoordinator(CoordinatorAPI):
         """Queue an already-serialized closure; retain=True holds its result for a remote client."""
         cid = next(self._ids)
         value = RemoteValue(cid)
-        with self._cond:
-            if self._fatal is not None:
-                raise self._fatal
-            self._values[cid] = value
-            self._payloads[cid] = payload
-            self._outstanding += 1
+        self._joins.add()
+        self._values[cid] = value
+        self._payloads[cid] = payload
         if retain:
             self._retained.add(value)
         self._events.put((sch.Submit(cid), None))
@@ -154,12 +148,6 @@ class ClusterCoordinator(CoordinatorAPI):
         """A remote client fetched closure_id's result: stop retaining it."""
         self._retained.release(closure_id)
 
-    @contextmanager
-    def long_poll(self, requested: float) -> Iterator[float]:
-        """A slot for a remote client's wait (see LongPolls); yields the seconds it may wait."""
-        with self.long_polls.slot(requested) as wait:
-            yield wait
-
     def join(self, timeout: float | None = None) -> None:
         """Wait for every scheduled closure; raise the first error raised inside one (then clear it).
 
@@ -167,21 +155,11 @@ class ClusterCoordinator(CoordinatorAPI):
             DeadlineExceededError: closures still outstanding after timeout.
             InternalError: a coordinator thread died (its exception is the cause).
         """
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._outstanding == 0 or self._fatal is not None, timeout):
-                raise DeadlineExceededError(f"join: {self._outstanding} closures still outstanding after {timeout} s")
-            if self._fatal is not None:
-                raise self._fatal
-        self._raise_pending_error()
+        self._joins.wait(timeout)
 
     def done(self) -> bool:
         """True when nothing is outstanding; raises a pending closure error like join()."""
-        with self._cond:
-            if self._fatal is not None:
-                raise self._fatal
-            finished = self._outstanding == 0
-        self._raise_pending_error()
-        return finished
+        return self._joins.done()
 
     def configure_sync(self, mode: str = "sync", replicas_to_aggregate: int | None = None,
                        total_num_replicas: int | None = None, staleness: int = 0) -> int:
@@ -313,10 +291,7 @@ class ClusterCoordinator(CoordinatorAPI):
         log.error("coordinator: thread %s died; join() will raise the cause", name, exc_info=exc)
         error = InternalError(f"coordinator thread {name} died: {type(exc).__name__}: {exc}")
         error.__cause__ = exc
-        with self._cond:
-            if self._fatal is None:
-                self._fatal = error
-            self._cond.notify_all()
+        self._joins.fail(error)
 
     def _tick(self) -> None:
         period = min(0.25, self.settings.heartbeat_interval_s / 2)
@@ -366,14 +341,9 @@ class ClusterCoordinator(CoordinatorAPI):
 
     def _publish(self) -> None:
         """Swap in a new snapshot, then account the batch's finished closures (so join sees both)."""
-        snapshot = take(self._state, self._rates.rates)
-        with self._cond:
-            self._snapshot = snapshot
-            if self._batch_error is not None and self._join_error is None:
-                self._join_error = self._batch_error
-            self._outstanding -= self._batch_done
-            if self._batch_done or self._batch_error is not None:
-                self._cond.notify_all()
+        self._snapshot = take(self._state, self._rates.rates)
+        if self._batch_done:
+            self._joins.settle(self._batch_done, self._batch_error)
         self._batch_done, self._batch_error = 0, None
 
     def _perform(self, action: sch.Action, reply: pb.RunClosureReply | None) -> None:
@@ -419,13 +389,6 @@ class ClusterCoordinator(CoordinatorAPI):
         self._batch_done += 1
         if error is not None and self._batch_error is None:
             self._batch_error = (cid, error)
-
-    def _raise_pending_error(self) -> None:
-        with self._cond:
-            pending, self._join_error = self._join_error, None
-        if pending is not None:
-            self._events.put((sch.ErrorReported(), None))
-            raise pending[1]
 
     def _dispatch(self, action: sch.Dispatch) -> None:
         request = pb.RunClosureRequest(closure_id=action.cid, attempt=action.attempt,

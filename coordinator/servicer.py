@@ -56,7 +56,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> pb.FetchReply:
         value = self.coordinator.remote_value(request.closure_id)
-        with self.coordinator.long_poll(request.timeout_s) as wait:
+        with self.coordinator.long_polls.slot(request.timeout_s) as wait:
             if not value.wait(wait):
                 return pb.FetchReply(done=False)
         self.coordinator.release(request.closure_id)
@@ -67,7 +67,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.FetchReply(done=True, reply=pb.RunClosureReply(error=error_to_pb(error)))
 
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
-        with self.coordinator.long_poll(request.timeout_s) as wait:  # ResourceExhausted: the client re-polls
+        with self.coordinator.long_polls.slot(request.timeout_s) as wait:  # ResourceExhausted: the client re-polls
             try:
                 self.coordinator.join(wait)
             except DeadlineExceededError:
