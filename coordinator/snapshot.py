@@ -8,15 +8,14 @@ after each batch of events. Nothing in a snapshot is shared with the loop's muta
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from pscluster.coordinator.scheduler import SchedulerState
 
 RATE_WINDOW_S = 10.0
 
 
-@dataclass(frozen=True)
-class WorkerView:
+class WorkerView(NamedTuple):
     """One registered worker as of the snapshot."""
 
     wid: str
@@ -29,9 +28,9 @@ class WorkerView:
     steps_per_s: float
 
 
-@dataclass(frozen=True)
-class Snapshot:
-    """Counters and membership as of the end of one batch of loop events."""
+class Snapshot(NamedTuple):
+    """Counters and membership as of the end of one batch of loop events (immutable: a NamedTuple,
+    cheap enough to build after every batch)."""
 
     queued: int = 0
     running: int = 0
