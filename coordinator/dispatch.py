@@ -101,7 +101,11 @@ class FramedDispatcher:
                 if not conn.abandoned and conn.wid in self._idle:
                     self._idle[conn.wid].append(conn)
             if pending is not None and not conn.abandoned:
-                self._on_reply(pending[0], pending[1], reply)
+                try:
+                    self._on_reply(pending[0], pending[1], reply)
+                except Exception as exc:  # noqa: BLE001 - never leave the attempt unanswered
+                    log.exception("closure %d: reply from %s could not be handled", pending[0], pending[1])
+                    self._on_failure(pending[0], pending[1], f"its reply could not be handled ({exc})")
 
     def abandon(self, cid: int, wid: str) -> None:
         """Stop waiting for an attempt: close its connection."""
@@ -190,11 +194,12 @@ class ClosureSender:
         if fut.cancelled():
             return  # abandoned by the scheduler
         try:
-            reply = fut.result()
+            self._reply(cid, wid, fut.result())
         except grpc.RpcError as exc:
             self._failure(cid, wid, f"failed a closure RPC ({rpc.translate(exc, 'RunClosure')})")
-            return
-        self._reply(cid, wid, reply)
+        except Exception as exc:  # noqa: BLE001 - grpc would swallow it and the attempt would hang
+            log.exception("closure %d: reply from %s could not be handled", cid, wid)
+            self._failure(cid, wid, f"its reply could not be handled ({exc})")
 
     def _framed_reply(self, cid: int, wid: str, reply: pb.BulkReply) -> None:
         if reply.code:
