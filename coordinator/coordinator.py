@@ -341,7 +341,7 @@ class ClusterCoordinator(CoordinatorAPI):
 
     def _publish(self) -> None:
         """Swap in a new snapshot, then account the batch's finished closures (so join sees both)."""
-        self._snapshot = take(self._state, self._rates.rates)
+        self._snapshot = take(self._state, self._rates)
         if self._batch_done:
             self._joins.settle(self._batch_done, self._batch_error)
         self._batch_done, self._batch_error = 0, None

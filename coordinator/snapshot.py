@@ -50,35 +50,40 @@ class Snapshot(NamedTuple):
         return any(w.wid == wid for w in self.workers)
 
 
-def take(state: SchedulerState, rates: dict[str, float]) -> Snapshot:
+def take(state: SchedulerState, meter: RateMeter) -> Snapshot:
     """A snapshot of state (called by the loop, the state's only owner)."""
     workers = tuple(WorkerView(w.wid, w.address, w.index, w.state, w.done, w.last_seen, tuple(w.inflight),
-                               rates.get(w.wid, 0.0))
+                               meter.rate(w.wid, w.done))
                     for w in state.workers.values())
     return Snapshot(len(state.queue), state.running(), state.completed, state.retried, state.failed,
                     state.paused, workers)
 
 
 class RateMeter:
-    """Closures completed per second by each worker over the last RATE_WINDOW_S, sampled at ticks.
+    """Closures completed per second by each worker over the last RATE_WINDOW_S.
 
-    Owned by the loop: one (time, done) sample per worker per tick, kept for one window, and only for
-    workers still registered, so it is bounded by workers x samples per window.
+    Owned by the loop: at each tick, one (time, done) sample per worker, kept for one window and only
+    for workers still registered (bounded by workers x samples per window). The rate is the done count
+    now minus the count at the oldest sample in the window; a worker not sampled yet registered less
+    than a tick ago, with 0 done.
     """
 
     def __init__(self, window: float = RATE_WINDOW_S) -> None:
         self._window = window
         self._samples: dict[str, deque[tuple[float, int]]] = {}
-        self.rates: dict[str, float] = {}
 
     def sample(self, state: SchedulerState, now: float) -> None:
-        """Record each worker's done count at now; recompute rates; forget workers that are gone."""
+        """Record each worker's done count at now; forget workers that are gone."""
         samples = {}
         for wid, worker in state.workers.items():
-            series = self._samples.get(wid) or deque()
+            series = self._samples.get(wid) or deque([(now, 0)])
             series.append((now, worker.done))
-            while series and now - series[0][0] > self._window:
+            while now - series[0][0] > self._window:
                 series.popleft()
             samples[wid] = series
         self._samples = samples
-        self.rates = {wid: (s[-1][1] - s[0][1]) / self._window for wid, s in samples.items()}
+
+    def rate(self, wid: str, done: int) -> float:
+        """Closures per second by wid over the window, given its done count now."""
+        series = self._samples.get(wid)
+        return (done - (series[0][1] if series else 0)) / self._window

@@ -127,7 +127,7 @@ def test_maps_keyed_by_worker_forget_workers_that_died(fresh_cluster):
             values = [coord.schedule(identity, args=(i,)) for i in range(200)]
             coord.join(timeout=60)
             assert [v.fetch() for v in values] == list(range(200))
-            until(lambda: len(coord.worker_rates()) == 2, "a rate sample of both workers")
+            until(lambda: len(coord._rates._samples) == 2, "a rate sample of both workers")
             victim = cluster.workers[round_]
             cluster.kill(victim, signal.SIGKILL)
             victim.proc.wait(timeout=30)
