@@ -41,13 +41,14 @@ def fails(i):
 def internal_sizes(coord):
     """The length of every container the coordinator, its scheduler state and its senders hold."""
     sizes = {}
-    owners = [("", coord), ("state.", coord._state)]
     sender = getattr(coord, "_sender", None)
-    if sender is not None:
-        owners += [("sender.", sender), ("framed.", sender._framed)]
+    owners = [("", coord), ("state.", coord._state), ("rates.", getattr(coord, "_rates", None)),
+              ("sender.", sender), ("framed.", getattr(sender, "_framed", None))]
     for prefix, owner in owners:
+        if owner is None:
+            continue
         for name, attr in vars(owner).items():
-            if hasattr(attr, "__len__") and not isinstance(attr, (str, bytes)):
+            if hasattr(attr, "__len__") and not isinstance(attr, (str, bytes, tuple)):  # tuple: immutable records
                 sizes[prefix + name] = len(attr)
     return sizes
 
