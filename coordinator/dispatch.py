@@ -6,7 +6,9 @@ scheduler event. `FramedDispatcher` keeps one connection per closure in flight, 
 each has a reader thread blocked on its socket that hands the reply (or the failure) to callbacks.
 Abandoning an attempt shuts its connection down, so a hung worker costs nothing but the socket. A
 reader that meets anything unexpected reports the attempt failed (the closure is rescheduled) rather
-than dying with the attempt unanswered.
+than dying with the attempt unanswered. Sends and reply reads are bounded by the socket timeout; the
+wait for a reply to *start* is not (a closure may run for hours: heartbeats decide when a worker is
+gone, and `abandon` then shuts the socket, which ends the wait).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import grpc
 from pscluster import rpc
 from pscluster.config import Settings
 from pscluster.coordinator import scheduler as sch
-from pscluster.framing import STATUS_BY_VALUE, read_reply, send_frame
+from pscluster.framing import STATUS_BY_VALUE, read_reply, send_frame, wait_readable
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 
@@ -42,11 +44,13 @@ class FramedDispatcher:
     """Sends RunClosureRequests to workers' closure ports and reports replies and failures."""
 
     def __init__(self, token: str | None, on_reply: Callable[[int, str, pb.BulkReply], None],
-                 on_failure: Callable[[int, str, str], None], connect_timeout: float = 2.0) -> None:
+                 on_failure: Callable[[int, str, str], None], connect_timeout: float = 2.0,
+                 io_timeout: float = 30.0) -> None:
         self._token = token or ""
         self._on_reply = on_reply
         self._on_failure = on_failure
         self._timeout = connect_timeout
+        self._io_timeout = io_timeout
         self._lock = threading.Lock()
         self._idle: dict[str, list[_Conn]] = defaultdict(list)
         self._busy: dict[tuple[int, str], _Conn] = {}
@@ -64,7 +68,7 @@ class FramedDispatcher:
             except OSError as exc:
                 self._on_failure(request.closure_id, wid, f"cannot connect to its closure port {address}: {exc}")
                 return
-            sock.settimeout(None)
+            sock.settimeout(self._io_timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = _Conn(sock, wid)
         conn.pending = key
@@ -76,11 +80,12 @@ class FramedDispatcher:
         try:
             send_frame(conn.sock, frame.SerializeToString())
         except OSError:
-            conn.sock.close()  # the reader sees the failure and reports it once
+            _shutdown(conn.sock)  # wakes the reader, which reports the failure once and closes the socket
 
     def _read(self, conn: _Conn) -> None:
         while True:
             try:
+                wait_readable(conn.sock)
                 reply, _ = read_reply(conn.sock)
             except Exception as exc:  # noqa: BLE001 - any failure (socket, garbage frame) fails the attempt
                 with self._lock:
@@ -151,7 +156,8 @@ class ClosureSender:
     def __init__(self, settings: Settings, post: Callable[[Any], None]) -> None:
         self._settings = settings
         self._post = post
-        self._framed = FramedDispatcher(settings.token_value(), self._framed_reply, self._failure)
+        self._framed = FramedDispatcher(settings.token_value(), self._framed_reply, self._failure,
+                                        io_timeout=settings.socket_timeout_s)
         self._stubs: dict[str, tuple[grpc.Channel, pb_grpc.WorkerStub]] = {}
         self._rpcs: dict[tuple[int, str], grpc.Future] = {}
 

@@ -3,7 +3,9 @@
 A request to several PS tasks is pipelined: every request is sent before any reply is read, so the
 PS tasks work in parallel without extra threads; transfers above `THREADED_BYTES` use one thread per
 PS so the sends themselves overlap. Any socket failure closes the connection and surfaces as
-UnavailableError, which callers retry (pushes carry ids, so a retry never applies twice).
+UnavailableError, which callers retry (pushes carry ids, so a retry never applies twice). Every send
+and receive is bounded by `io_timeout` (a PS that stops answering mid-transfer is a failure, not a
+hang), plus a call's own `wait_s` while the PS may hold the reply on purpose (a token wait).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import numpy as np
 
 from pscluster.errors import InternalError, UnavailableError, from_status
 from pscluster.proto import pscluster_pb2 as pb
-from pscluster.framing import PREFIX, STATUS_BY_VALUE, recv_exact, recv_into, send_frame
+from pscluster.framing import PREFIX, STATUS_BY_VALUE, recv_exact, recv_into, send_buffer, send_frame
 
 THREADED_BYTES = 2 << 20
 
@@ -31,6 +33,7 @@ class BulkCall:
     request: pb.BulkRequest
     payloads: Sequence[np.ndarray] = ()
     targets: Sequence[np.ndarray] = ()  # pull: C-contiguous arrays to receive into, in item order
+    wait_s: float = 0.0  # how long the PS may hold the reply on purpose (added to the io timeout)
     reply: pb.BulkReply | None = field(default=None)
 
     @property
@@ -43,11 +46,12 @@ class BulkClient:
     """Connection pools to the bulk ports of every PS task."""
 
     def __init__(self, hosts: Sequence[str], port_of: Callable[[int], int], token: str | None,
-                 timeout: float, pool: ThreadPoolExecutor) -> None:
+                 timeout: float, pool: ThreadPoolExecutor, io_timeout: float = 30.0) -> None:
         self._hosts = list(hosts)
         self._port_of = port_of  # asks the PS (gRPC Status) for its bulk port
         self._token = token or ""
-        self._timeout = timeout
+        self._timeout = timeout  # connect
+        self._io_timeout = io_timeout
         self._pool = pool
         self._free: list[list[socket.socket]] = [[] for _ in hosts]
         self._ports: list[int | None] = [None] * len(hosts)
@@ -97,10 +101,11 @@ class BulkClient:
     def _send(self, call: BulkCall, conn: socket.socket, fresh: bool) -> None:
         if fresh:
             call.request.token = self._token
+        conn.settimeout(self._io_timeout + call.wait_s)
         header = call.request.SerializeToString()
         send_frame(conn, header, sum(p.nbytes for p in call.payloads))
         for payload in call.payloads:
-            conn.sendall(memoryview(np.ascontiguousarray(payload)).cast("B"))
+            send_buffer(conn, memoryview(np.ascontiguousarray(payload)))
 
     def _receive(self, call: BulkCall, conn: socket.socket) -> None:
         header_len, payload_len = PREFIX.unpack(recv_exact(conn, PREFIX.size))

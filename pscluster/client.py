@@ -65,10 +65,12 @@ class PSClient:
         self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.stubs)), thread_name_prefix="ps-stream")
         self._lock = threading.Lock()
         self._known: dict[str, Variable] | None = None
+        self._creating: dict[str, tuple[Variable, threading.Event]] = {}  # names whose shards are being created
         self._timeout = settings.rpc_timeout_s
         self._grpc = GrpcTensors(self)
         self._bulk = BulkClient([a.rpartition(":")[0] for a in settings.cluster.ps], self._bulk_port,
-                                settings.token_value(), settings.rpc_timeout_s, self._pool) \
+                                settings.token_value(), settings.rpc_timeout_s, self._pool,
+                                io_timeout=settings.socket_timeout_s) \
             if settings.bulk_transport else None
 
     def _bulk_port(self, ps: int) -> int:
@@ -164,36 +166,52 @@ class PSClient:
             dt = codec.wire_dtype(np.float32 if dtype is None else dtype)
             full = tuple(int(d) for d in shape)
         rows = split_rows(full, dt, partitioner)
-        known = self.variables()
-        with self._lock:
-            existing = known.get(name)
-            if existing is not None:
-                if existing.shape != full or existing.dtype != dt or len(existing.shards) != len(rows):
-                    raise AlreadyExistsError(
-                        f"variable {name!r} exists as {existing.dtype}{list(existing.shape)} in "
-                        f"{existing.num_shards} shard(s); cannot redefine it as {dt}{list(full)} in {len(rows)}")
-                return existing
-            first = sum(v.num_shards for v in known.values())
-            placements = []
-            offset = 0
-            for i, n in enumerate(rows):
-                placements.append(ShardPlacement(i, ps_for_ordinal(first + i, self.num_ps), offset, n, first + i))
-                offset += n
-            var = Variable(name, full, dt, tuple(placements), sparse)
-            calls = []
-            for pl in placements:
-                spec = ShardSpec(name, pl.shard_index, len(rows), full, var.shard_shape(pl), pl.row_offset,
-                                 dt.str, optimizer, sparse, pl.ordinal)
-                req = pb.CreateShardRequest(
-                    spec=spec_to_pb(spec), initializer=pb.Initializer(kind=initializer, value=init_scale, seed=seed))
-                if initial_value is not None:
-                    part = initial_value[pl.row_offset:pl.row_offset + pl.rows] if full else initial_value
-                    req.initial_value.CopyFrom(codec.encode(part))
-                calls.append((pl.ps, "CreateShard", req))
+        self.variables()  # discover once
+        while True:  # reserve the name and its shard ordinals under the lock; the RPCs run outside it
+            with self._lock:
+                assert self._known is not None
+                existing = self._known.get(name)
+                if existing is not None:
+                    if existing.shape != full or existing.dtype != dt or len(existing.shards) != len(rows):
+                        raise AlreadyExistsError(
+                            f"variable {name!r} exists as {existing.dtype}{list(existing.shape)} in "
+                            f"{existing.num_shards} shard(s); cannot redefine it as {dt}{list(full)} in {len(rows)}")
+                    return existing
+                other = self._creating.get(name)
+                if other is None:
+                    taken = list(self._known.values()) + [v for v, _ in self._creating.values()]
+                    first = sum(v.num_shards for v in taken)
+                    placements = []
+                    offset = 0
+                    for i, n in enumerate(rows):
+                        placements.append(ShardPlacement(i, ps_for_ordinal(first + i, self.num_ps), offset, n,
+                                                         first + i))
+                        offset += n
+                    var = Variable(name, full, dt, tuple(placements), sparse)
+                    done = threading.Event()
+                    self._creating[name] = (var, done)
+                    break
+            other[1].wait()  # another thread is creating this name: look again once it has finished
+        calls = []
+        for pl in placements:
+            spec = ShardSpec(name, pl.shard_index, len(rows), full, var.shard_shape(pl), pl.row_offset,
+                             dt.str, optimizer, sparse, pl.ordinal)
+            req = pb.CreateShardRequest(
+                spec=spec_to_pb(spec), initializer=pb.Initializer(kind=initializer, value=init_scale, seed=seed))
+            if initial_value is not None:
+                part = initial_value[pl.row_offset:pl.row_offset + pl.rows] if full else initial_value
+                req.initial_value.CopyFrom(codec.encode(part))
+            calls.append((pl.ps, "CreateShard", req))
+        try:
             self._gather(calls)
-            assert self._known is not None
-            self._known[name] = var
-            return var
+            with self._lock:
+                assert self._known is not None
+                self._known[name] = var
+        finally:
+            with self._lock:
+                del self._creating[name]
+            done.set()
+        return var
 
     # -- pull ------------------------------------------------------------------------------------
     def _retrying(self, fn: Callable[[], T]) -> T:
@@ -334,7 +352,7 @@ class PSClient:
         """A sync token from PS 0's queue (blocks while none is free)."""
         if self._bulk is not None:
             call = BulkCall(0, pb.BulkRequest(take_token=pb.TokenRequest(closure_id=closure_id, worker=worker,
-                                                                          timeout_s=timeout)))
+                                                                          timeout_s=timeout)), wait_s=timeout)
             self._retrying(lambda: self._bulk.run([call]))  # type: ignore[union-attr]
             token = call.reply.token  # type: ignore[union-attr]
             return int(token.step), int(token.replica)

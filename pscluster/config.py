@@ -78,6 +78,9 @@ class Settings(_Frozen):
     restore: bool = False
     nan_policy: Literal["reject", "allow"] = "reject"
     rpc_timeout_s: float = Field(default=60.0, gt=0)
+    # framed sockets (PS bulk port, worker closure port, their clients): a send or receive that makes no
+    # progress for this long closes the connection; the client side sees a retryable UnavailableError
+    socket_timeout_s: float = Field(default=30.0, gt=0)
     heartbeat_interval_s: float = Field(default=0.5, gt=0)
     heartbeat_timeout_s: float = Field(default=2.0, gt=0)
     server_threads: int = Field(default=16, ge=2, le=256)
@@ -221,6 +224,7 @@ _ENV_FIELDS = {
     "PSCLUSTER_HEARTBEAT_INTERVAL_S": "heartbeat_interval_s",
     "PSCLUSTER_HEARTBEAT_TIMEOUT_S": "heartbeat_timeout_s",
     "PSCLUSTER_STARTUP_TIMEOUT_S": "startup_timeout_s",
+    "PSCLUSTER_SOCKET_TIMEOUT_S": "socket_timeout_s",
 }
 
 

@@ -4,12 +4,19 @@ A frame is `<u32 header length><u64 payload length><header><payload>`; headers a
 BulkReply messages. `FrameServer` owns the listener and one named thread per connection, enforces the
 size limits, and authenticates the first frame of each connection with the cluster token; a handler
 serves each request (reading its payload and writing the reply).
+
+Timeouts: every accepted socket has `io_timeout_s` on each send and receive, so a peer that stops
+reading or writing mid-frame loses its connection instead of holding a thread (and whatever it
+waits behind) forever. Waiting for the *next* request on an idle connection is not a transfer and
+is not bounded by it. Payloads go out through `send_buffer` in `CHUNK` pieces, so the timeout means
+"no progress for that long", not "the whole payload within that long".
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+import select
 import socket
 import struct
 import threading
@@ -25,6 +32,7 @@ from pscluster.proto import pscluster_pb2 as pb
 log = logging.getLogger(__name__)
 PREFIX = struct.Struct("<IQ")
 STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
+CHUNK = 4 << 20  # bytes per send call of a payload: the unit of progress that io timeouts measure
 
 # handler(conn, request, payload_len, per-connection state) serves one request
 Handler = Callable[[socket.socket, pb.BulkRequest, int, dict[str, Any]], None]
@@ -53,6 +61,26 @@ def send_frame(conn: socket.socket, header: bytes, payload_len: int = 0) -> None
     conn.sendall(PREFIX.pack(len(header), payload_len) + header)
 
 
+def send_buffer(conn: socket.socket, data: memoryview | bytes) -> None:
+    """Send data in CHUNK pieces (each bounded by conn's timeout: a stalled reader raises TimeoutError)."""
+    view = memoryview(data)
+    if view.nbytes == 0:
+        return
+    view = view.cast("B")
+    for start in range(0, len(view), CHUNK):
+        conn.sendall(view[start:start + CHUNK])
+
+
+def wait_readable(conn: socket.socket) -> None:
+    """Block until conn has data, EOF or an error (an idle wait, not bounded by conn's timeout)."""
+    pending = getattr(conn, "pending", None)  # a TLS socket may hold decrypted bytes the kernel no longer has
+    if pending is not None and pending():
+        return
+    poller = select.poll()
+    poller.register(conn, select.POLLIN)
+    poller.poll()
+
+
 def read_reply(conn: socket.socket) -> tuple[pb.BulkReply, int]:
     """The next reply header on conn and the length of the payload that follows it."""
     header_len, payload_len = PREFIX.unpack(recv_exact(conn, PREFIX.size))
@@ -74,11 +102,12 @@ class FrameServer:
 
     def __init__(self, host: str, token: str | None, handlers: dict[str, Handler], max_header_bytes: int,
                  max_payload_bytes: int = 1 << 36, max_connections: int = 128, name: str = "frames",
-                 port: int = 0) -> None:
+                 port: int = 0, io_timeout_s: float = 30.0) -> None:
         self._token = token.encode() if token else None
         self._handlers = handlers
         self._max_header = max_header_bytes
         self._max_payload = max_payload_bytes
+        self._io_timeout = io_timeout_s
         self._slots = threading.BoundedSemaphore(max_connections)
         try:
             self._listener = socket.create_server((host, port))
@@ -90,6 +119,12 @@ class FrameServer:
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._accept, name=f"{name}-accept", daemon=True)
+
+    @property
+    def connections(self) -> int:
+        """Connections open now."""
+        with self._lock:
+            return len(self._conns)
 
     def start(self) -> FrameServer:
         """Start accepting connections."""
@@ -123,6 +158,7 @@ class FrameServer:
                 conn.close()
                 continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(self._io_timeout)
             with self._lock:
                 self._conns.add(conn)
             threading.Thread(target=self._serve, args=(conn,), name=f"{self._name}-conn", daemon=True).start()
@@ -132,6 +168,7 @@ class FrameServer:
         state: dict[str, Any] = {}
         try:
             while not self._stop.is_set():
+                wait_readable(conn)
                 header_len, payload_len = PREFIX.unpack(recv_exact(conn, PREFIX.size))
                 if header_len > self._max_header or payload_len > self._max_payload:
                     # The stream cannot be resynchronised without reading it: answer, then hang up.

@@ -2,9 +2,13 @@
 
 Why beside gRPC: grpcio moves large messages at ~0.1-0.35 GB/s and costs ~0.5 ms per call here;
 a framed socket moves numpy buffers with `sendall`/`recv_into` at memory-copy speed. Dense pulls are
-sent straight from the shard's memory, a chunk at a time under the shard lock (no extra copy, so a
-PS serving a 1 GB variable stays near 1x its size); pushes are received into one buffer, validated
-completely, then applied by the same `ParameterServerCore` as gRPC pushes.
+sent a chunk at a time: each chunk is copied under the shard lock into the connection's own
+CHUNK-sized buffer and sent after the lock is released, so a reader that stops reading (a
+SIGSTOPped worker) blocks only its own connection thread, never a push or a checkpoint, until the
+socket's io timeout closes it. Memory stays 1x the variable plus CHUNK per pulling connection (a
+copy-on-write shard would need a second full copy while a stalled reader holds the old one).
+Pushes are received into one buffer, validated completely, then applied by the same
+`ParameterServerCore` as gRPC pushes.
 """
 
 from __future__ import annotations
@@ -17,12 +21,11 @@ import numpy as np
 
 from pscluster import codec
 from pscluster.errors import InvalidArgumentError, PsclusterError
-from pscluster.framing import FrameServer, recv_exact, recv_into, reply_error, send_frame
+from pscluster.framing import CHUNK, FrameServer, recv_exact, recv_into, reply_error, send_buffer, send_frame
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.server.ps import ParameterServerCore
 from pscluster.server.store import PushItem
 
-CHUNK = 4 << 20
 REUSE_BYTES = 64 << 20  # pushes up to this size land in a per-connection buffer (no page faults)
 
 
@@ -32,10 +35,12 @@ class BulkHandlers:
     def __init__(self, core: ParameterServerCore) -> None:
         self.core = core
 
-    def server(self, host: str, token: str | None, max_header_bytes: int, port: int = 0) -> FrameServer:
+    def server(self, host: str, token: str | None, max_header_bytes: int, port: int = 0,
+               io_timeout_s: float = 30.0) -> FrameServer:
         """A FrameServer with this PS's handlers on port (0: any free port), not started."""
         return FrameServer(host, token, {"pull": self.pull, "push": self.push, "take_token": self.take_token,
-                                         "step_done": self.step_done}, max_header_bytes, name="bulk", port=port)
+                                         "step_done": self.step_done}, max_header_bytes, name="bulk", port=port,
+                           io_timeout_s=io_timeout_s)
 
     def take_token(self, conn: socket.socket, request: pb.BulkRequest, payload_len: int,
                    state: dict[str, Any]) -> None:
@@ -128,10 +133,11 @@ class BulkHandlers:
         send_frame(conn, reply.SerializeToString(), total)
         for rows, shard in parts:
             if rows is not None:
-                conn.sendall(memoryview(rows).cast("B"))
+                send_buffer(conn, memoryview(rows))
                 continue
-            flat = shard.value.reshape(-1).view(np.uint8)
-            for start in range(0, flat.size, CHUNK):
-                with shard.lock:
-                    conn.sendall(flat[start:start + CHUNK])
+            out = state.get("pull_chunk")
+            if out is None:
+                out = state["pull_chunk"] = np.empty(CHUNK, np.uint8)
+            for piece in self.core.store.copy_chunks(shard, out):
+                conn.sendall(piece)  # outside the shard lock: a stalled reader stalls only this thread
         self._observe("pull", total, started)

@@ -35,7 +35,8 @@ def start(settings: Settings) -> tuple[grpc.Server, int, ParameterServerCore]:
     bulk = None
     if settings.bulk_transport:
         bulk = BulkHandlers(core).server(settings.bind_host, settings.token_value(),
-                                         settings.max_message_bytes, port=settings.framed_port or 0).start()
+                                         settings.max_message_bytes, port=settings.framed_port or 0,
+                                         io_timeout_s=settings.socket_timeout_s).start()
         core.bulk_port = bulk.port
     servicer = ParameterServerServicer(core, settings.chunk_bytes)
     server, port = rpc.create_server(

@@ -213,6 +213,20 @@ class VariableStore:
 
         return shard.spec, shard.version, chunks()
 
+    @staticmethod
+    def copy_chunks(shard: Shard, out: np.ndarray) -> Iterator[memoryview]:
+        """The shard's bytes, len(out) at a time: each piece is copied into `out` under the lock and
+        yielded after it is released (the caller sends it; `out` is overwritten by the next piece).
+
+        A pull that overlaps a push may see rows of two versions, as any Hogwild-style async PS.
+        """
+        flat = shard.value.reshape(-1).view(np.uint8)
+        for start in range(0, flat.size, out.size):
+            n = min(out.size, flat.size - start)
+            with shard.lock:
+                out[:n] = flat[start:start + n]
+            yield memoryview(out[:n])
+
     # -- writes ----------------------------------------------------------------------------------
     def validate_push(self, items: Sequence[PushItem]) -> list[tuple[Shard, PushItem, np.ndarray | None]]:
         """Check every item against its shard; returns (shard, item, local rows) or raises."""

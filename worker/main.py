@@ -115,7 +115,8 @@ def start(settings: Settings) -> tuple[grpc.Server, int, WorkerServicer]:
                                      address=address, name="worker")
     if settings.bulk_transport:
         frames = closure_server(servicer, settings.bind_host, settings.token_value(),
-                                settings.max_message_bytes, port=settings.framed_port or 0).start()
+                                settings.max_message_bytes, port=settings.framed_port or 0,
+                                io_timeout_s=settings.socket_timeout_s).start()
         servicer.closure_port = frames.port
         stop_with(server, frames)
     return server, port, servicer
