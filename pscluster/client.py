@@ -256,7 +256,9 @@ class PSClient:
         out = np.empty((ids.size,) + var.shape[1:], var.dtype)
         plan: dict[int, list[tuple[pb.PullItem, np.ndarray]]] = defaultdict(list)
         scatter = []
-        for pl, sel in self._group_rows(var, ids):
+        for pl, sel in var.rows_by_shard(ids):
+            if not sel.size:
+                continue
             part = np.empty((sel.size,) + var.shape[1:], var.dtype)
             plan[pl.ps].append((pb.PullItem(ref=pb.ShardRef(variable=var.name, shard_index=pl.shard_index),
                                             ids=codec.encode(ids[sel])), part))
@@ -272,20 +274,23 @@ class PSClient:
         plan: dict[int, list[tuple[pb.PushItem, np.ndarray]]] = defaultdict(list)
         for var, grad in grads:
             arr = _as_grad(var, grad, var.shape)
-            for pl in var.shards:
-                part = arr[pl.row_offset:pl.row_offset + pl.rows] if var.shape else arr
+            for pl, part in var.dense_parts(arr):
                 plan[pl.ps].append((pb.PushItem(ref=pb.ShardRef(variable=var.name, shard_index=pl.shard_index)), part))
         return self._push_plan(plan, push_id or context.push_id(), _step_tag(step))
 
     def push_rows(self, var: Variable, ids: Sequence[int] | np.ndarray, grads: np.ndarray,
                   push_id: str | None = None, step: int = 0) -> list[int]:
-        """Row gradients of a table; only those rows change. Returns versions of the shards touched."""
+        """Row gradients of a table; only those rows change. Returns the new version of every shard.
+
+        Every shard gets a part (empty for shards without rows): each shard then counts every update
+        of the table, so Adam's bias correction does not depend on how the table is sharded.
+        """
         ids = self._check_ids(var, ids)
         arr = _as_grad(var, grads, (ids.size,) + var.shape[1:])
         plan: dict[int, list[tuple[pb.PushItem, np.ndarray]]] = defaultdict(list)
-        for pl, sel in self._group_rows(var, ids):
+        for pl, part_ids, part in var.row_parts(ids, arr):
             plan[pl.ps].append((pb.PushItem(ref=pb.ShardRef(variable=var.name, shard_index=pl.shard_index),
-                                            ids=codec.encode(ids[sel])), arr[sel]))
+                                            ids=codec.encode(part_ids)), part))
         return self._push_plan(plan, push_id or context.push_id(), _step_tag(step))
 
     def _push_plan(self, plan: dict[int, list[tuple[pb.PushItem, np.ndarray]]], pid: str, step: int) -> list[int]:
@@ -333,12 +338,6 @@ class PSClient:
             bad = arr[(arr < 0) | (arr >= var.shape[0])][0]
             raise InvalidArgumentError(f"{var.name}: row id {bad} outside [0, {var.shape[0]})")
         return arr
-
-    @staticmethod
-    def _group_rows(var: Variable, ids: np.ndarray) -> list[tuple[ShardPlacement, np.ndarray]]:
-        starts = np.array([pl.row_offset for pl in var.shards])
-        which = np.searchsorted(starts, ids, side="right") - 1
-        return [(pl, np.flatnonzero(which == k)) for k, pl in enumerate(var.shards) if (which == k).any()]
 
     # -- sync replicas ---------------------------------------------------------------------------
     def configure_sync(self, mode: str, replicas_to_aggregate: int = 1, total_num_replicas: int = 0,

@@ -53,6 +53,23 @@ class Variable:
         """Shape of one shard."""
         return (placement.rows,) + self.shape[1:] if self.shape else ()
 
+    def rows_by_shard(self, ids: np.ndarray) -> list[tuple[ShardPlacement, np.ndarray]]:
+        """(shard, positions in `ids` of the rows it holds) for every shard; ids are global row numbers."""
+        starts = np.array([pl.row_offset for pl in self.shards])
+        which = np.searchsorted(starts, ids, side="right") - 1
+        return [(pl, np.flatnonzero(which == k)) for k, pl in enumerate(self.shards)]
+
+    def dense_parts(self, grad: np.ndarray) -> list[tuple[ShardPlacement, np.ndarray]]:
+        """A dense gradient of the whole variable split into one part per shard."""
+        return [(pl, grad[pl.row_offset:pl.row_offset + pl.rows] if self.shape else grad) for pl in self.shards]
+
+    def row_parts(self, ids: np.ndarray, grads: np.ndarray) -> list[tuple[ShardPlacement, np.ndarray, np.ndarray]]:
+        """Row gradients split into (shard, its ids, their gradients) for *every* shard, empty where it
+        holds none of the rows: each shard then counts every update of the variable, so Adam's step
+        (bias correction) does not depend on the partitioning (see server/optimizers.py).
+        """
+        return [(pl, ids[sel], grads[sel]) for pl, sel in self.rows_by_shard(ids)]
+
     def pull(self) -> np.ndarray:
         """The current value, every shard pulled in parallel and reassembled."""
         return context.current_client().pull([self])[0]

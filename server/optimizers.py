@@ -3,6 +3,13 @@
 Dense updates run over blocks of rows so that a 1 GB shard never needs a 1 GB temporary. Sparse
 updates touch only the given (unique, summed) rows, as TF's sparse apply ops; Adam's sparse variant
 is the "lazy" one (moments of untouched rows do not decay).
+
+The step `t` (Adam's bias correction) counts updates of the whole *variable*, as PyTorch's
+SparseAdam counts `step` per parameter and TF's optimizers count `iterations` per apply, never per
+shard or per row: every push reaches every shard of its variable (a row push sends an empty part to
+shards without rows, which still counts), so the shard's version is the variable's step count and a
+variable's values are the same for 1 or P shards. The version is checkpointed with the shard, so
+restore (into any number of PS tasks) continues the same count.
 """
 
 from __future__ import annotations
