@@ -86,6 +86,7 @@ class RayCluster:
         self.num_workers = num_workers
         self.ps: list[Any] = []
         self.workers: list[Any] = []
+        self._next_worker = 0  # task index of the next worker actor
         self._lock = threading.Lock()
         self._placement = None
 
@@ -128,7 +129,11 @@ class RayCluster:
 
         worker_cls = ray.remote(max_restarts=-1, max_task_retries=-1, num_cpus=0.01)(_DaemonActor)
         with self._lock:
-            actor = worker_cls.remote("worker", str(self.cluster_file), len(self.workers), 0, self._env())
+            index = self._next_worker
+            self._next_worker += 1
+        # Submitting an actor talks to Ray's control plane: done outside the lock.
+        actor = worker_cls.remote("worker", str(self.cluster_file), index, 0, self._env())
+        with self._lock:
             self.workers.append(actor)
         return actor
 
