@@ -105,3 +105,11 @@ def test_token_from_the_environment_when_no_file_is_given(tmp_path):
     (tmp_path / "tok").write_text("filed\n")
     assert load_token(tmp_path / "tok", {"PSCLUSTER_TOKEN": "t0k"}) == "filed"
     assert load_token(None, {}) is None
+
+
+def test_socket_timeout_has_a_default_an_environment_variable_and_a_lower_bound():
+    tf = json.dumps({"cluster": {"ps": PS}})
+    assert load_settings(env={"TF_CONFIG": tf}).socket_timeout_s == 30.0
+    assert load_settings(env={"TF_CONFIG": tf, "PSCLUSTER_SOCKET_TIMEOUT_S": "5"}).socket_timeout_s == 5.0
+    with pytest.raises(ConfigError, match="socket_timeout_s"):
+        load_settings(env={"TF_CONFIG": tf, "PSCLUSTER_SOCKET_TIMEOUT_S": "0"})
