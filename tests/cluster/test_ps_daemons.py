@@ -304,3 +304,18 @@ def test_bulk_and_grpc_transports_agree(cluster):
         bulk_client.push([(v, np.ones((6, 2)))])
         np.testing.assert_array_equal(grpc_client.pull([v])[0], bulk_client.pull([v])[0])
         np.testing.assert_array_equal(bulk_client.pull([v])[0], np.arange(12.0).reshape(6, 2) - 2)
+
+
+@pytest.mark.parametrize("bulk", [True, False], ids=["bulk", "grpc"])
+def test_sparse_adam_on_two_ps_equals_one_shard_over_both_transports(cluster, bulk):
+    with ps.PSClient(cluster.settings(bulk_transport=bulk)) as c:
+        tag = "b" if bulk else "g"
+        one = c.create_variable(f"adam1_{tag}", shape=(4, 1), sparse=True, optimizer=ps.Adam(0.1), initializer="ones")
+        two = c.create_variable(f"adam2_{tag}", shape=(4, 1), sparse=True, optimizer=ps.Adam(0.1), initializer="ones",
+                                partitioner=ps.FixedShardsPartitioner(2))
+        assert {pl.ps for pl in two.shards} == {0, 1}
+        for row in (0, 0, 3):  # the sequence: row 3 is the table's third update wherever it lives
+            for var in (one, two):
+                c.push_rows(var, [row], np.ones((1, 1)))
+        np.testing.assert_allclose(c.pull([two])[0], c.pull([one])[0], rtol=0, atol=1e-6)
+        np.testing.assert_allclose(c.pull([two])[0][:, 0], [0.8, 1.0, 1.0, 0.936], atol=5e-4)
