@@ -1,4 +1,4 @@
-"""A peer that stops reading or answering mid-transfer (a SIGSTOPped worker or PS): real sockets, in-process PS.
+"""Peers that stop reading, answering or sending mid-transfer (a SIGSTOPped worker or PS): real sockets, in-process PS.
 
 The stalled reader is a raw socket that asks for a large dense pull and then never calls recv. The
 test waits for a *state* (the reader's receive buffer holds the first bytes of the payload, so the PS
@@ -161,3 +161,22 @@ def test_a_ps_that_stops_answering_gives_the_puller_a_retryable_error():
         for conn in accepted:
             conn.close()
         listener.close()
+
+
+def test_a_pusher_that_stops_mid_payload_loses_its_connection_and_changes_nothing():
+    core = _core()
+    frames = BulkHandlers(core).server("127.0.0.1", None, 1 << 20, io_timeout_s=0.5).start()
+    sock = socket.create_connection(("127.0.0.1", frames.port), timeout=BOUND_S)
+    try:
+        item = pb.PushItem(ref=pb.ShardRef(variable="big"),
+                           grad=pb.Tensor(dtype="<f4", shape=[ROWS, COLS]))
+        raw = pb.BulkRequest(push=pb.PushRequest(items=[item], push_id="half")).SerializeToString()
+        nbytes = ROWS * COLS * 4
+        sock.sendall(PREFIX.pack(len(raw), nbytes) + raw + b"\x00" * (nbytes // 2))  # then nothing more
+        _wait_until(lambda: frames.connections == 0, "the PS closed the stalled push connection")
+        shard = core.store.get(("big", 0))
+        assert shard.version == 0 and not shard.applied
+        assert not shard.value.any()
+    finally:
+        sock.close()
+        frames.stop()
