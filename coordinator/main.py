@@ -36,7 +36,7 @@ def serve(settings: Settings) -> None:
     Raises:
         StartupError: a PS did not answer within startup_timeout_s, or refused our token.
     """
-    stop = daemon.stop_on_signals()
+    stop = daemon.stop_on_signals(settings.parent_pid)
     if not wait_for_ps(settings, "coordinator", stop):
         return
     coord = ClusterCoordinator(settings, serve=True)

@@ -94,6 +94,9 @@ class Settings(_Frozen):
     # -- daemon start-up and fixed ports (issue 11) ------------------------------------------------
     startup_timeout_s: float = Field(default=300.0, gt=0)  # how long a daemon waits for what it needs
     framed_port: int | None = Field(default=None, ge=0, lt=65536)  # PS bulk / worker closure port (None: any)
+    # a daemon started by a program (LocalCluster, `pscluster up`) stops when that program dies, even by
+    # SIGKILL, instead of running on as an orphan that holds ports and checkpoints
+    parent_pid: int | None = Field(default=None, ge=1)
 
     @field_validator("bind_host")
     @classmethod

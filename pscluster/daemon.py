@@ -12,6 +12,7 @@ StartupError that the CLI prints as one line.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -22,12 +23,26 @@ from pscluster.errors import PsclusterError, StartupError
 log = logging.getLogger(__name__)
 
 
-def stop_on_signals() -> threading.Event:
-    """An Event set by SIGTERM or SIGINT (installs the handlers; call from the main thread)."""
+PARENT_POLL_S = 0.5
+
+
+def stop_on_signals(parent_pid: int | None = None) -> threading.Event:
+    """An Event set by SIGTERM or SIGINT, or once process `parent_pid` has ended (call from the main thread)."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    if parent_pid is not None:
+        # The thread ends with the daemon's own stop, so its owner is that Event.
+        threading.Thread(target=_stop_when_orphaned, args=(parent_pid, stop), name="parent-watch", daemon=True).start()
     return stop
+
+
+def _stop_when_orphaned(parent_pid: int, stop: threading.Event) -> None:
+    # A dead parent cannot send SIGTERM; the kernel reparents us, which getppid() shows.
+    while not stop.wait(PARENT_POLL_S):
+        if os.getppid() != parent_pid:
+            log.warning("the program that started this daemon (pid %d) has ended; stopping", parent_pid)
+            stop.set()
 
 
 class Waiter:

@@ -49,7 +49,7 @@ def start(settings: Settings) -> tuple[grpc.Server, int, ParameterServerCore]:
 
 def serve(settings: Settings) -> None:
     """Run a PS daemon until SIGTERM/SIGINT."""
-    stop = daemon.stop_on_signals()
+    stop = daemon.stop_on_signals(settings.parent_pid)
     server, port, core = start(settings)
     try:
         metrics = "" if settings.metrics_port is None else \

@@ -128,7 +128,7 @@ def serve(settings: Settings) -> None:
     Raises:
         StartupError: the coordinator did not answer within startup_timeout_s, or refused our token.
     """
-    stop = daemon.stop_on_signals()
+    stop = daemon.stop_on_signals(settings.parent_pid)
     server, port, servicer = start(settings)
     advertised = f"{settings.advertise_host or settings.bind_host}:{port}"
     heart = None
