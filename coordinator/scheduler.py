@@ -10,13 +10,17 @@ dies, hangs (missed heartbeats), leaves, or the closure hit an unavailable PS. A
 moment its closure reaches a final state (the Resolve/Cancel/FailUnscheduled action carries all the
 executor needs), so the state holds only queued and running closures; counters replace scans.
 Worker lifecycle: alive -> leaving (SIGTERM: no new work) -> gone; alive -> gone (death, hang).
+Jobs (job_queues.py): every closure belongs to a job (one client program); queues are served
+round-robin over jobs; a job's user error cancels only that job's queue; a job ends on EndJob or
+after job_idle_timeout without a keepalive, its queued closures cancelled.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
+
+from pscluster.coordinator.job_queues import MAIN, JobQueues
 
 ClosureState = Literal["queued", "running", "done", "failed", "cancelled"]
 
@@ -26,6 +30,7 @@ class ClosureRec:
     """Scheduling record of one closure."""
 
     cid: int
+    job: str = MAIN
     state: ClosureState = "queued"
     workers: set[str] = field(default_factory=set)  # workers running an attempt now
     attempts: int = 0
@@ -53,18 +58,21 @@ class SchedulerState:
     heartbeat_timeout: float = 2.0
     max_attempts: int = 10
     no_worker_timeout: float | None = 300.0
+    job_idle_timeout: float | None = 30.0
     closures: dict[int, ClosureRec] = field(default_factory=dict)
-    queue: deque[int] = field(default_factory=deque)
+    queue: JobQueues = field(default_factory=JobQueues)
     workers: dict[str, WorkerRec] = field(default_factory=dict)
     next_index: int = 0
     paused: bool = False  # a PS is down: dispatch nothing until it is back
     max_running: int | None = None  # sync mode: at most N (total_num_replicas) closures at once
-    error_cid: int | None = None  # first closure that raised, until join reports it
     no_worker_since: float | None = None
     retried: int = 0
     failed: int = 0
     completed: int = 0
     num_running: int = 0  # closures in state "running", kept by _move
+
+    def __post_init__(self) -> None:
+        self.queue.open(MAIN, 0.0, expires=False)
 
     def running(self) -> int:
         """Closures running now."""
@@ -79,6 +87,29 @@ class SchedulerState:
 @dataclass(frozen=True)
 class Submit:
     cid: int
+    job: str = MAIN
+
+
+@dataclass(frozen=True)
+class OpenJob:
+    """A client program starts a job (or re-attaches to it)."""
+
+    job: str
+
+
+@dataclass(frozen=True)
+class KeepJob:
+    """The job's client is alive (its session keepalive)."""
+
+    job: str
+
+
+@dataclass(frozen=True)
+class EndJob:
+    """The job's client disconnected: cancel its queued closures, forget the job."""
+
+    job: str
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -145,11 +176,13 @@ class SetConcurrency:
 
 @dataclass(frozen=True)
 class ErrorReported:
-    """join() raised the pending user error; scheduling may go on."""
+    """The job's join() raised its pending user error; scheduling may go on."""
+
+    job: str = MAIN
 
 
 Event = (Submit | Register | Heartbeat | Leave | Finished | TransportFailed | Tick | PsDown | PsUp
-         | SetConcurrency | ErrorReported)
+         | SetConcurrency | ErrorReported | OpenJob | KeepJob | EndJob)
 
 
 # -- actions -----------------------------------------------------------------------------------
@@ -209,15 +242,35 @@ class FailUnscheduled:
     reason: str
 
 
-Action = Dispatch | Resolve | Cancel | Abandon | WorkerGone | Registered | WatchPs | FailUnscheduled
+@dataclass(frozen=True)
+class JobEnded:
+    """The job is gone (its Cancel actions come first); the executor drops what it keeps for it."""
+
+    job: str
+    reason: str
+
+
+Action = Dispatch | Resolve | Cancel | Abandon | WorkerGone | Registered | WatchPs | FailUnscheduled | JobEnded
 
 
 def decide(state: SchedulerState, event: Event, now: float) -> list[Action]:
     """Apply one event to state; return the actions to perform, dispatches last."""
     actions: list[Action] = []
     if isinstance(event, Submit):
-        state.closures[event.cid] = ClosureRec(event.cid)
-        state.queue.append(event.cid)
+        job = state.queue.jobs.get(event.job)
+        if job is None:
+            actions.append(Cancel(event.cid, f"cancelled: job {event.job} has ended"))
+        else:
+            job.last_seen = now
+            state.closures[event.cid] = ClosureRec(event.cid, event.job)
+            state.queue.push(event.job, event.cid)
+    elif isinstance(event, OpenJob):
+        state.queue.open(event.job, now)
+    elif isinstance(event, KeepJob):
+        if event.job in state.queue.jobs:
+            state.queue.jobs[event.job].last_seen = now
+    elif isinstance(event, EndJob):
+        actions += _end_job(state, event.job, event.reason)
     elif isinstance(event, Register):
         old = state.workers.get(event.wid)
         if old is None:
@@ -250,6 +303,9 @@ def decide(state: SchedulerState, event: Event, now: float) -> list[Action]:
                 actions += _lose_worker(
                     state, worker, f"missed heartbeats for {now - worker.last_seen:.1f} s "
                                    f"(timeout {state.heartbeat_timeout:.1f} s)")
+        for job in state.queue.idle(now, state.job_idle_timeout):
+            actions += _end_job(state, job, f"no keepalive from its client for more than "
+                                            f"{state.job_idle_timeout:g} s (job_idle_timeout_s)")
         actions += _check_starvation(state, now)
     elif isinstance(event, PsDown):
         state.paused = True
@@ -258,16 +314,31 @@ def decide(state: SchedulerState, event: Event, now: float) -> list[Action]:
     elif isinstance(event, SetConcurrency):
         state.max_running = event.limit
     elif isinstance(event, ErrorReported):
-        state.error_cid = None
+        if event.job in state.queue.jobs:
+            state.queue.jobs[event.job].error_cid = None
     return actions + _dispatch(state)
 
 
 def _move(state: SchedulerState, rec: ClosureRec, to: ClosureState) -> None:
-    """The one place a closure changes state: keeps the running count and drops final records."""
-    state.num_running += (to == "running") - (rec.state == "running")
+    """The one place a closure changes state: keeps the running counts and drops final records."""
+    delta = (to == "running") - (rec.state == "running")
+    state.num_running += delta
+    job = state.queue.jobs.get(rec.job)
+    if job is not None:
+        job.running += delta
+        job.completed += to == "done"
+        job.failed += to == "failed"
     rec.state = to
     if to in ("done", "failed", "cancelled"):
         del state.closures[rec.cid]
+
+
+def _end_job(state: SchedulerState, job: str, reason: str) -> list[Action]:
+    if job not in state.queue.jobs or job == MAIN:
+        return []
+    actions = _cancel_queued(state, job, f"job {job} ended: {reason}")
+    state.queue.close(job)
+    return actions + [JobEnded(job, reason)]
 
 
 def _finished(state: SchedulerState, event: Finished) -> list[Action]:
@@ -284,7 +355,7 @@ def _finished(state: SchedulerState, event: Finished) -> list[Action]:
     if event.outcome == "retry":
         if not rec.workers:
             _move(state, rec, "queued")
-            state.queue.appendleft(rec.cid)
+            actions += _requeue(state, rec)
             state.retried += 1
             if not state.paused:
                 state.paused = True
@@ -301,21 +372,31 @@ def _finished(state: SchedulerState, event: Finished) -> list[Action]:
             state.completed += 1
         else:
             state.failed += 1
-            if state.error_cid is None:
-                state.error_cid = rec.cid
-            actions += _cancel_queued(state, f"closure {rec.cid} raised an error")
+            job = state.queue.jobs.get(rec.job)
+            if job is not None and job.error_cid is None:
+                job.error_cid = rec.cid
+            actions += _cancel_queued(state, rec.job, f"closure {rec.cid} raised an error")
     if worker is not None and worker.state == "leaving" and not worker.inflight:
         actions += _lose_worker(state, worker, "left (preempted) after finishing its closures")
     return actions
 
 
-def _cancel_queued(state: SchedulerState, reason: str) -> list[Action]:
+def _cancel_queued(state: SchedulerState, job: str, reason: str) -> list[Action]:
     actions: list[Action] = []
-    while state.queue:
-        cid = state.queue.popleft()
+    for cid in state.queue.drain(job):
         _move(state, state.closures[cid], "cancelled")
         actions.append(Cancel(cid, f"cancelled: {reason}"))
     return actions
+
+
+def _requeue(state: SchedulerState, rec: ClosureRec) -> list[Action]:
+    """Put a closure that lost its attempt back at the head of its job's queue, or cancel it if its
+    job has ended meanwhile (nobody waits for it)."""
+    if rec.job in state.queue.jobs:
+        state.queue.push(rec.job, rec.cid, front=True)
+        return []
+    _move(state, rec, "cancelled")
+    return [Cancel(rec.cid, f"cancelled: job {rec.job} has ended")]
 
 
 def _lose_worker(state: SchedulerState, worker: WorkerRec, reason: str) -> list[Action]:
@@ -336,7 +417,7 @@ def _lose_worker(state: SchedulerState, worker: WorkerRec, reason: str) -> list[
             _move(state, rec, "queued")
             requeued.append(cid)
     for cid in reversed(requeued):
-        state.queue.appendleft(cid)
+        actions += _requeue(state, state.closures[cid])
     state.retried += len(requeued)
     actions.insert(0, WorkerGone(worker.wid, worker.address, f"worker {worker.index} ({worker.address}) {reason}",
                                  tuple(requeued)))
@@ -355,8 +436,7 @@ def _check_starvation(state: SchedulerState, now: float) -> list[Action]:
     actions: list[Action] = []
     reason = (f"no live worker for {now - state.no_worker_since:.0f} s "
               f"(no_worker_timeout_s={state.no_worker_timeout:g}); start a worker or raise the timeout")
-    while state.queue:
-        cid = state.queue.popleft()
+    for cid in state.queue.drain():
         _move(state, state.closures[cid], "failed")
         state.failed += 1
         actions.append(FailUnscheduled(cid, reason))
@@ -380,7 +460,7 @@ def _dispatch(state: SchedulerState) -> list[Action]:
                 break
             if len(worker.inflight) >= state.max_inflight:
                 continue
-            cid = state.queue.popleft()
+            cid = state.queue.pop_next()
             rec = state.closures[cid]
             _move(state, rec, "running")
             rec.attempts += 1

@@ -1,6 +1,7 @@
 """The scheduling/membership state machine, fed events; no sockets, no sleeps."""
 
 from pscluster.coordinator import scheduler as sch
+from pscluster.coordinator.job_queues import MAIN
 
 
 def kinds(actions, kind):
@@ -102,9 +103,9 @@ def test_user_error_fails_the_closure_cancels_the_queue_and_is_not_retried():
     assert kinds(actions, sch.Resolve) == [sch.Resolve(1)]
     assert [c.cid for c in kinds(actions, sch.Cancel)] == [2, 3]
     assert not kinds(actions, sch.Dispatch)
-    assert state.error_cid == 1 and state.failed == 1 and not state.closures
+    assert state.queue.jobs[MAIN].error_cid == 1 and state.failed == 1 and not state.closures
     sch.decide(state, sch.ErrorReported(), 0.2)
-    assert state.error_cid is None
+    assert state.queue.jobs[MAIN].error_cid is None
     assert kinds(sch.decide(state, sch.Submit(4), 0.3), sch.Dispatch)  # scheduling goes on
 
 
@@ -235,3 +236,72 @@ def test_state_stays_bounded_over_many_closures():
                 sch.decide(state, sch.Finished(action.cid, action.wid, "ok"), 0.0)
     assert state.completed + len(state.closures) == 20_000
     assert len(state.closures) <= 4 and state.running() <= 4
+
+
+def test_a_long_queue_does_not_starve_a_second_job_round_robin():
+    state = with_workers(fresh(max_inflight=1), "a")
+    sch.decide(state, sch.OpenJob("big"), 0.0)
+    sch.decide(state, sch.OpenJob("small"), 0.0)
+    order = []
+    for cid in range(1, 101):  # job big queues 100 closures first
+        order += [d.cid for d in kinds(sch.decide(state, sch.Submit(cid, "big"), 0.0), sch.Dispatch)]
+    for cid in (1001, 1002, 1003):
+        sch.decide(state, sch.Submit(cid, "small"), 0.0)
+    while state.closures:
+        running = next(iter(state.workers["a"].inflight))
+        order += [d.cid for d in kinds(sch.decide(state, sch.Finished(running, "a", "ok"), 0.1), sch.Dispatch)]
+    # one worker slot: after the closure already running, the jobs alternate until small is empty
+    assert order[:7] == [1, 2, 1001, 3, 1002, 4, 1003]
+    assert sorted(order) == list(range(1, 101)) + [1001, 1002, 1003]
+    assert state.queue.jobs["big"].completed == 100 and state.queue.jobs["small"].completed == 3
+
+
+def test_a_user_error_cancels_only_its_own_jobs_queue():
+    state = with_workers(fresh(max_inflight=1), "a")
+    sch.decide(state, sch.OpenJob("x"), 0.0)
+    sch.decide(state, sch.OpenJob("y"), 0.0)
+    for cid, job in ((1, "x"), (2, "x"), (3, "y"), (4, "x"), (5, "y")):
+        sch.decide(state, sch.Submit(cid, job), 0.0)
+    actions = sch.decide(state, sch.Finished(1, "a", "user_error"), 0.1)
+    assert [c.cid for c in kinds(actions, sch.Cancel)] == [2, 4]
+    assert kinds(actions, sch.Dispatch) == [sch.Dispatch(3, "a", "addr-a", 1)]
+    assert state.queue.jobs["x"].error_cid == 1 and state.queue.jobs["y"].error_cid is None
+    assert list(state.queue) == [5]
+
+
+def test_an_idle_job_ends_its_queue_is_cancelled_and_its_record_dropped():
+    state = fresh(max_inflight=1, job_idle_timeout=5.0)
+    with_workers(state, "a")
+    sch.decide(state, sch.OpenJob("gone"), 0.0)
+    sch.decide(state, sch.OpenJob("alive"), 0.0)
+    for cid in (1, 2, 3):
+        sch.decide(state, sch.Submit(cid, "gone"), 0.0)
+    sch.decide(state, sch.Heartbeat("a"), 4.0)
+    sch.decide(state, sch.KeepJob("alive"), 4.0)
+    assert kinds(sch.decide(state, sch.Tick(), 4.0), sch.JobEnded) == []
+    sch.decide(state, sch.Heartbeat("a"), 5.5)
+    actions = sch.decide(state, sch.Tick(), 5.5)
+    assert [c.cid for c in kinds(actions, sch.Cancel)] == [2, 3]  # 1 runs on a and may finish
+    assert kinds(actions, sch.JobEnded)[0].job == "gone"
+    assert set(state.queue.jobs) == {MAIN, "alive"} and len(state.queue) == 0
+    late = sch.decide(state, sch.Submit(4, "gone"), 5.6)
+    assert [c.cid for c in kinds(late, sch.Cancel)] == [4] and 4 not in state.closures
+    sch.decide(state, sch.Finished(1, "a", "ok"), 5.7)  # the running closure still resolves
+    assert not state.closures and state.running() == 0
+
+
+def test_a_closure_of_an_ended_job_that_loses_its_worker_is_cancelled_not_requeued():
+    state = with_workers(fresh(max_inflight=1), "a")
+    sch.decide(state, sch.OpenJob("j"), 0.0)
+    sch.decide(state, sch.Submit(1, "j"), 0.0)
+    sch.decide(state, sch.EndJob("j", "client closed"), 0.1)
+    actions = sch.decide(state, sch.TransportFailed(1, "a", "connection reset"), 0.2)
+    assert [c.cid for c in kinds(actions, sch.Cancel)] == [1]
+    assert not state.closures and len(state.queue) == 0 and state.running() == 0
+
+
+def test_the_main_job_never_idles_out():
+    state = fresh(job_idle_timeout=1.0)
+    sch.decide(state, sch.Submit(1), 0.0)
+    assert kinds(sch.decide(state, sch.Tick(), 100.0), sch.JobEnded) == []
+    assert list(state.queue) == [1]
