@@ -1,14 +1,24 @@
-"""What ClusterCoordinator and RemoteCoordinator share: variables, per-worker datasets, fetch."""
+"""What ClusterCoordinator and RemoteCoordinator share: variables, per-worker datasets, fetch, sync stats.
+
+Both classes offer the same public methods (tests/unit/test_remote_clients.py compares them);
+DAEMON_SIDE names ClusterCoordinator's entry points for the servicer, which a client has no use for,
+and CLIENT_SIDE what only a remote client needs.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Self
 
 from pscluster.client import PSClient
 from pscluster.coordinator.values import RemoteValue
 from pscluster.datasets import PerWorkerDataset
 from pscluster.variables import Variable
+
+
+DAEMON_SIDE = frozenset({"schedule_payload", "register", "heartbeat", "release", "snapshot", "open_job",
+                         "keep_job", "end_job", "join_job", "keepalive_interval_s"})
+CLIENT_SIDE = frozenset({"close"})  # detach without ending the job (RemoteCoordinator(settings, job=...) re-attaches)
 
 
 class CoordinatorAPI:
@@ -33,3 +43,19 @@ class CoordinatorAPI:
         if isinstance(values, (list, tuple)):
             return type(values)(self.fetch(v) for v in values)
         return values
+
+    def sync_stats(self) -> dict[str, float]:
+        """Global step, stale gradients dropped (all PS), and bounded mode's widest admitted spread."""
+        reply = self.client.sync_step()
+        return {"global_step": reply.global_step, "dropped_stale": reply.dropped_stale,
+                "max_spread": reply.max_spread}
+
+    def shutdown(self) -> None:
+        """Release everything this coordinator (or client) holds."""
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -40,7 +40,8 @@ from pscluster.coordinator.dispatch import ClosureSender
 from pscluster.coordinator.ps_monitor import PsMonitor
 from pscluster.coordinator.api import CoordinatorAPI
 from pscluster.coordinator.clients import LongPolls, RetainedValues
-from pscluster.coordinator.joins import JoinState
+from pscluster.coordinator.job_queues import MAIN
+from pscluster.coordinator.joins import JobJoins
 from pscluster.coordinator.snapshot import RateMeter, Snapshot, take
 from pscluster.coordinator.values import RemoteValue, reply_error
 from pscluster.errors import AbortedError, DeadlineExceededError, InternalError, NotFoundError, UnavailableError
@@ -66,20 +67,23 @@ class ClusterCoordinator(CoordinatorAPI):
         self._state = sch.SchedulerState(
             max_inflight=self.settings.max_inflight_per_worker,
             heartbeat_timeout=self.settings.heartbeat_timeout_s,
-            no_worker_timeout=self.settings.no_worker_timeout_s)
+            no_worker_timeout=self.settings.no_worker_timeout_s,
+            job_idle_timeout=self.settings.job_idle_timeout_s)
         self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         # Held weakly: the caller's reference keeps a RemoteValue alive; remote clients' are retained.
         self._values: weakref.WeakValueDictionary[int, RemoteValue] = weakref.WeakValueDictionary()
         self._retained = RetainedValues(self.settings.result_retention_s, clock)
         self.long_polls = LongPolls(max(1, self.settings.server_threads // 2), LONG_POLL_SLICE_S)
-        self._payloads: dict[int, bytes] = {}
+        self._payloads: dict[int, tuple[str, bytes]] = {}  # queued/running closure -> (job, payload)
         self._encoder = ClosureEncoder()
         self._sender = ClosureSender(self.settings, self._events.put)
         # Closure ids are unique across coordinator restarts: push ids derive from them.
         self._ids = itertools.count((int.from_bytes(os.urandom(3), "little") << 32) + 1)
-        self._joins = JoinState(on_error_reported=lambda: self._events.put((sch.ErrorReported(), None)))
-        self._batch_done = 0  # closures finished in the loop's current batch (loop only)
-        self._batch_error: tuple[int, BaseException] | None = None
+        self._joins = JobJoins(on_error_reported=lambda job: self._events.put((sch.ErrorReported(job), None)))
+        self._joins.open(MAIN)
+        self.job = MAIN
+        # per job: (closures finished, first error) in the loop's current batch (loop only)
+        self._batch: dict[str, tuple[int, tuple[int, BaseException] | None]] = {}
         self._rates = RateMeter()
         self._snapshot = Snapshot()
         self.sync_mode = "async"
@@ -115,17 +119,64 @@ class ClusterCoordinator(CoordinatorAPI):
         """Queue fn(*args, **kwargs) to run on some worker; returns a RemoteValue at once."""
         return self.schedule_payload(self._encoder.encode(fn, tuple(args), dict(kwargs or {})))
 
-    def schedule_payload(self, payload: bytes, *, retain: bool = False) -> RemoteValue:
-        """Queue an already-serialized closure; retain=True holds its result for a remote client."""
+    def schedule_payload(self, payload: bytes, *, retain: bool = False, job: str = MAIN) -> RemoteValue:
+        """Queue an already-serialized closure in job; retain=True holds its result for a remote client.
+
+        Raises:
+            NotFoundError: job has ended (or never existed).
+        """
+        joins = self._joins.get(job)
         cid = next(self._ids)
         value = RemoteValue(cid)
-        self._joins.add()
+        joins.add()
         self._values[cid] = value
-        self._payloads[cid] = payload
+        self._payloads[cid] = (job, payload)
         if retain:
             self._retained.add(value)
-        self._events.put((sch.Submit(cid), None))
+        self._events.put((sch.Submit(cid, job), None))
         return value
+
+    def open_job(self, job: str = "") -> str:
+        """Start a job for a remote client ("": a new one) or re-attach to a live one; returns its name.
+
+        Raises:
+            NotFoundError: job was named but has ended.
+        """
+        if job:
+            self._joins.get(job)
+            self._events.put((sch.KeepJob(job), None))
+            return job
+        job = f"job-{os.urandom(4).hex()}"
+        self._joins.open(job)
+        self._events.put((sch.OpenJob(job), None))
+        return job
+
+    def keep_job(self, job: str) -> bool:
+        """The job's client is alive; False if the job has ended."""
+        try:
+            self._joins.get(job)
+        except NotFoundError:
+            return False
+        self._events.put((sch.KeepJob(job), None))
+        return True
+
+    @property
+    def keepalive_interval_s(self) -> float:
+        """How often a remote client must send KeepJob (a fifth of job_idle_timeout_s, at most 5 s)."""
+        return min(5.0, self.settings.job_idle_timeout_s / 5)
+
+    def end_job(self, job: str, reason: str) -> None:
+        """End a remote client's job: its queued closures are cancelled, its state dropped."""
+        self._events.put((sch.EndJob(job, reason), None))
+
+    def join_job(self, job: str, timeout: float | None) -> tuple[int, BaseException] | None:
+        """Wait for job's closures; the first (closure id, error) among them, or None (for the servicer).
+
+        Raises:
+            DeadlineExceededError: closures still outstanding after timeout.
+            NotFoundError: job has ended.
+        """
+        return self._joins.get(job).poll(timeout)
 
     def remote_value(self, closure_id: int) -> RemoteValue:
         """The RemoteValue of a closure scheduled on this coordinator.
@@ -155,20 +206,20 @@ class ClusterCoordinator(CoordinatorAPI):
             DeadlineExceededError: closures still outstanding after timeout.
             InternalError: a coordinator thread died (its exception is the cause).
         """
-        self._joins.wait(timeout)
+        self._joins.get(MAIN).wait(timeout)
 
     def done(self) -> bool:
         """True when nothing is outstanding; raises a pending closure error like join()."""
-        return self._joins.done()
+        return self._joins.get(MAIN).done()
 
     def configure_sync(self, mode: str = "sync", replicas_to_aggregate: int | None = None,
-                       total_num_replicas: int | None = None, staleness: int = 0) -> int:
+                       total_num_replicas: int | None = None, staleness: int = 0, *, job: str = MAIN) -> int:
         """Choose the update mode: "async", "sync" (token queue) or "bounded" (staleness tau).
 
         sync defaults to R = N = the number of live workers; N > R makes the slowest N - R backups.
         Call it while no closure runs. Returns the global step.
         """
-        self.join()
+        self._joins.get(job).wait(None)
         r = replicas_to_aggregate or max(1, self.num_workers())
         n = total_num_replicas or r
         step = self.client.configure_sync(mode, r, n, staleness)
@@ -176,15 +227,9 @@ class ClusterCoordinator(CoordinatorAPI):
         self._events.put((sch.SetConcurrency(n if mode == "sync" else None), None))
         return step
 
-    def sync_stats(self) -> dict[str, float]:
-        """Global step, stale gradients dropped (all PS), and bounded mode's widest admitted spread."""
-        reply = self.client.sync_step()
-        return {"global_step": reply.global_step, "dropped_stale": reply.dropped_stale,
-                "max_spread": reply.max_spread}
-
-    def checkpoint(self, step: int | None = None) -> list[str]:
+    def checkpoint(self, step: int | None = None, *, job: str = MAIN) -> list[str]:
         """Join, then write a checkpoint of every PS at one global step (consistent: no push in flight)."""
-        self.join()
+        self._joins.get(job).wait(None)
         return self.client.checkpoint(self.global_step if step is None else step)
 
     @property
@@ -208,9 +253,13 @@ class ClusterCoordinator(CoordinatorAPI):
         snap = self._snapshot
         workers = [pb.WorkerState(worker_id=w.wid, address=w.address, state=w.state, closures_done=w.done,
                                   steps_per_s=w.steps_per_s) for w in snap.workers]
+        now = self._clock()
+        jobs = [pb.JobState(job=j.job, queued=j.queued, running=j.running, done=j.completed, failed=j.failed,
+                            idle_s=now - j.last_seen if j.expires else 0.0) for j in snap.jobs]
         return pb.CoordinatorStatus(queued=snap.queued, running=snap.running, done=snap.completed,
                                     retried=snap.retried, failed=snap.failed, workers=workers,
-                                    lost_updates=self.lost_updates)
+                                    lost_updates=self.lost_updates, global_step=self.global_step,
+                                    sync_mode=self.sync_mode, jobs=jobs)
 
     def worker_rates(self) -> dict[str, float]:
         """Closures completed per second by each registered worker over the last 10 s (as of the last tick)."""
@@ -246,12 +295,6 @@ class ClusterCoordinator(CoordinatorAPI):
         self._sender.close()
         self.client.close()
         context.set_default_client(None)
-
-    def __enter__(self) -> ClusterCoordinator:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
 
     # -- entry points for the servicer -------------------------------------------------------------
     def register(self, worker_id: str, address: str, closure_port: int = 0, timeout: float = 5.0) -> int:
@@ -342,9 +385,9 @@ class ClusterCoordinator(CoordinatorAPI):
     def _publish(self) -> None:
         """Swap in a new snapshot, then account the batch's finished closures (so join sees both)."""
         self._snapshot = take(self._state, self._rates)
-        if self._batch_done:
-            self._joins.settle(self._batch_done, self._batch_error)
-        self._batch_done, self._batch_error = 0, None
+        for job, (finished, error) in self._batch.items():
+            self._joins.settle(job, finished, error)
+        self._batch = {}
 
     def _perform(self, action: sch.Action, reply: pb.RunClosureReply | None) -> None:
         if isinstance(action, sch.Dispatch):
@@ -377,6 +420,9 @@ class ClusterCoordinator(CoordinatorAPI):
                 log.info("worker %d (%s) joined", action.index, action.wid)
         elif isinstance(action, sch.WatchPs):
             self._monitor.wake()
+        elif isinstance(action, sch.JobEnded):
+            log.info("job %s ended: %s", action.job, action.reason)
+            self._joins.end(action.job, AbortedError(f"job {action.job} ended: {action.reason}"))
 
     def _resolve_with(self, cid: int, error: BaseException) -> None:
         value = self._values.get(cid)
@@ -384,14 +430,15 @@ class ClusterCoordinator(CoordinatorAPI):
             value._set_error(error)
 
     def _finish(self, cid: int, error: BaseException | None) -> None:
-        self._payloads.pop(cid, None)
+        job, _ = self._payloads.pop(cid, (None, b""))
         self._retained.touch(cid)
-        self._batch_done += 1
-        if error is not None and self._batch_error is None:
-            self._batch_error = (cid, error)
+        if job is None:
+            return
+        finished, first = self._batch.get(job, (0, None))
+        self._batch[job] = (finished + 1, first if first is not None or error is None else (cid, error))
 
     def _dispatch(self, action: sch.Dispatch) -> None:
         request = pb.RunClosureRequest(closure_id=action.cid, attempt=action.attempt,
-                                       payload=self._payloads[action.cid], sync_mode=self.sync_mode,
+                                       payload=self._payloads[action.cid][1], sync_mode=self.sync_mode,
                                        worker_index=self._state.workers[action.wid].index)
         self._sender.send(action, request)

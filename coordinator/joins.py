@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from pscluster.errors import DeadlineExceededError
+from pscluster.errors import DeadlineExceededError, NotFoundError
 
 
 class JoinState:
@@ -54,13 +54,30 @@ class JoinState:
         Raises:
             DeadlineExceededError: closures still outstanding after timeout.
         """
+        error = self.poll(timeout)
+        if error is not None:
+            raise error[1]
+
+    def poll(self, timeout: float | None) -> tuple[int, BaseException] | None:
+        """Like wait, but return the pending (closure id, error) instead of raising it (for the servicer).
+
+        Raises:
+            DeadlineExceededError: closures still outstanding after timeout.
+        """
         with self._cond:
             if not self._cond.wait_for(lambda: self.outstanding == 0 or self._fatal is not None, timeout):
                 raise DeadlineExceededError(f"join: {self.outstanding} closures still outstanding after {timeout} s")
-        self.done()
+        return self.take()[1]
 
     def done(self) -> bool:
         """True when nothing is outstanding; raises the fatal or the pending closure error first."""
+        finished, pending = self.take()
+        if pending is not None:
+            raise pending[1]
+        return finished
+
+    def take(self) -> tuple[bool, tuple[int, BaseException] | None]:
+        """(nothing outstanding, the pending (closure id, error) or None), clearing the error; raises the fatal."""
         with self._cond:
             if self._fatal is not None:
                 raise self._fatal
@@ -68,5 +85,61 @@ class JoinState:
             finished = self.outstanding == 0
         if pending is not None:
             self._on_error_reported()
-            raise pending[1]
-        return finished
+        return finished, pending
+
+
+class JobJoins:
+    """One JoinState per live job (its own outstanding count and first error), dropped when the job ends."""
+
+    def __init__(self, on_error_reported: Callable[[str], None]) -> None:
+        self._lock = threading.Lock()
+        self._on_error_reported = on_error_reported
+        self._jobs: dict[str, JoinState] = {}
+        self._fatal: BaseException | None = None
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def open(self, job: str) -> bool:
+        """Track job; False if it was tracked already."""
+        with self._lock:
+            if job in self._jobs:
+                return False
+            state = JoinState(on_error_reported=lambda: self._on_error_reported(job))
+            if self._fatal is not None:
+                state.fail(self._fatal)
+            self._jobs[job] = state
+            return True
+
+    def get(self, job: str) -> JoinState:
+        """The job's JoinState.
+
+        Raises:
+            NotFoundError: no such job (never opened, or it ended).
+        """
+        state = self._jobs.get(job)
+        if state is None:
+            raise NotFoundError(f"no job {job!r} on this coordinator (it ended: its client closed it or sent "
+                                f"no keepalive for job_idle_timeout_s; start a new RemoteCoordinator)")
+        return state
+
+    def settle(self, job: str, finished: int, error: tuple[int, BaseException] | None) -> None:
+        """finished closures of job reached a final state (nothing to do if the job has ended)."""
+        state = self._jobs.get(job)
+        if state is not None:
+            state.settle(finished, error)
+
+    def end(self, job: str, error: BaseException) -> None:
+        """Forget job; a join still waiting on it raises error."""
+        with self._lock:
+            state = self._jobs.pop(job, None)
+        if state is not None:
+            state.fail(error)
+
+    def fail(self, error: BaseException) -> None:
+        """A background thread died: every job's join()/done()/schedule() raises error from now on."""
+        with self._lock:
+            self._fatal = self._fatal or error
+            states = list(self._jobs.values())
+        for state in states:
+            state.fail(error)

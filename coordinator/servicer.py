@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from pscluster.errors import DeadlineExceededError, PsclusterError
+from pscluster.coordinator.job_queues import MAIN
+from pscluster.errors import DeadlineExceededError
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 
@@ -51,7 +52,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.HeartbeatReply(known=self.coordinator.heartbeat(request.worker_id, request.leaving))
 
     def Schedule(self, request: pb.ScheduleRequest, context: grpc.ServicerContext) -> pb.ScheduleReply:
-        value = self.coordinator.schedule_payload(request.payload, retain=True)
+        value = self.coordinator.schedule_payload(request.payload, retain=True, job=request.job or MAIN)
         return pb.ScheduleReply(closure_id=value.closure_id)
 
     def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> pb.FetchReply:
@@ -69,13 +70,35 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         with self.coordinator.long_polls.slot(request.timeout_s) as wait:  # ResourceExhausted: the client re-polls
             try:
-                self.coordinator.join(wait)
+                failed = self.coordinator.join_job(request.job or MAIN, wait)
             except DeadlineExceededError:
                 return pb.JoinReply(done=False, closure_id_of_error=-1)
-            except (PsclusterError, Exception) as exc:  # noqa: BLE001 - the closure's error, sent to the client
-                return pb.JoinReply(done=True, closure_id_of_error=getattr(exc, "closure_id", 0),
-                                    error=error_to_pb(exc))
+        if failed is not None:
+            return pb.JoinReply(done=True, closure_id_of_error=failed[0], error=error_to_pb(failed[1]))
         return pb.JoinReply(done=True, closure_id_of_error=-1)
+
+    def OpenJob(self, request: pb.JobRequest, context: grpc.ServicerContext) -> pb.JobReply:
+        job = self.coordinator.open_job(request.job)
+        return pb.JobReply(job=job, known=True, keepalive_interval_s=self.coordinator.keepalive_interval_s)
+
+    def KeepJob(self, request: pb.JobRequest, context: grpc.ServicerContext) -> pb.JobReply:
+        return pb.JobReply(job=request.job, known=self.coordinator.keep_job(request.job),
+                           keepalive_interval_s=self.coordinator.keepalive_interval_s)
+
+    def EndJob(self, request: pb.JobRequest, context: grpc.ServicerContext) -> pb.JobReply:
+        self.coordinator.end_job(request.job, request.reason or "its client ended it")
+        return pb.JobReply(job=request.job, known=False)
+
+    def ConfigureSync(self, request: pb.CoordinatorSyncRequest, context: grpc.ServicerContext) -> pb.SyncConfigReply:
+        c = request.config
+        step = self.coordinator.configure_sync(c.mode, c.replicas_to_aggregate or None, c.total_num_replicas or None,
+                                               c.staleness, job=request.job or MAIN)
+        return pb.SyncConfigReply(global_step=step)
+
+    def Checkpoint(self, request: pb.CoordinatorCheckpointRequest,
+                   context: grpc.ServicerContext) -> pb.CoordinatorCheckpointReply:
+        step = request.step if request.has_step else None
+        return pb.CoordinatorCheckpointReply(paths=self.coordinator.checkpoint(step, job=request.job or MAIN))
 
     def Status(self, request: pb.CoordinatorStatusRequest, context: grpc.ServicerContext) -> pb.CoordinatorStatus:
         return self.coordinator.status()

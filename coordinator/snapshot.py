@@ -28,6 +28,18 @@ class WorkerView(NamedTuple):
     steps_per_s: float
 
 
+class JobView(NamedTuple):
+    """One job as of a snapshot."""
+
+    job: str
+    queued: int
+    running: int
+    completed: int
+    failed: int
+    last_seen: float
+    expires: bool
+
+
 class Snapshot(NamedTuple):
     """Counters and membership as of the end of one batch of loop events (immutable: a NamedTuple,
     cheap enough to build after every batch)."""
@@ -39,6 +51,7 @@ class Snapshot(NamedTuple):
     failed: int = 0
     paused: bool = False
     workers: tuple[WorkerView, ...] = ()
+    jobs: tuple[JobView, ...] = ()
 
     @property
     def alive(self) -> int:
@@ -55,8 +68,10 @@ def take(state: SchedulerState, meter: RateMeter) -> Snapshot:
     workers = tuple(WorkerView(w.wid, w.address, w.index, w.state, w.done, w.last_seen, tuple(w.inflight),
                                meter.rate(w.wid, w.done))
                     for w in state.workers.values())
+    jobs = tuple(JobView(j.job, len(j.queue), j.running, j.completed, j.failed, j.last_seen, j.expires)
+                 for j in state.queue.jobs.values())
     return Snapshot(len(state.queue), state.running(), state.completed, state.retried, state.failed,
-                    state.paused, workers)
+                    state.paused, workers, jobs)
 
 
 class RateMeter:

@@ -430,10 +430,12 @@ class HeartbeatReply(_message.Message):
     def __init__(self, known: _Optional[bool] = ...) -> None: ...
 
 class ScheduleRequest(_message.Message):
-    __slots__ = ("payload",)
+    __slots__ = ("payload", "job")
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
     payload: bytes
-    def __init__(self, payload: _Optional[bytes] = ...) -> None: ...
+    job: str
+    def __init__(self, payload: _Optional[bytes] = ..., job: _Optional[str] = ...) -> None: ...
 
 class ScheduleReply(_message.Message):
     __slots__ = ("closure_id",)
@@ -458,10 +460,12 @@ class FetchReply(_message.Message):
     def __init__(self, done: _Optional[bool] = ..., reply: _Optional[_Union[RunClosureReply, _Mapping]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("timeout_s",)
+    __slots__ = ("timeout_s", "job")
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
     timeout_s: float
-    def __init__(self, timeout_s: _Optional[float] = ...) -> None: ...
+    job: str
+    def __init__(self, timeout_s: _Optional[float] = ..., job: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("done", "closure_id_of_error", "error")
@@ -472,6 +476,64 @@ class JoinReply(_message.Message):
     closure_id_of_error: int
     error: UserError
     def __init__(self, done: _Optional[bool] = ..., closure_id_of_error: _Optional[int] = ..., error: _Optional[_Union[UserError, _Mapping]] = ...) -> None: ...
+
+class JobRequest(_message.Message):
+    __slots__ = ("job", "reason")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    reason: str
+    def __init__(self, job: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class JobReply(_message.Message):
+    __slots__ = ("job", "known", "keepalive_interval_s")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    KEEPALIVE_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    known: bool
+    keepalive_interval_s: float
+    def __init__(self, job: _Optional[str] = ..., known: _Optional[bool] = ..., keepalive_interval_s: _Optional[float] = ...) -> None: ...
+
+class CoordinatorSyncRequest(_message.Message):
+    __slots__ = ("job", "config")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    config: SyncConfigRequest
+    def __init__(self, job: _Optional[str] = ..., config: _Optional[_Union[SyncConfigRequest, _Mapping]] = ...) -> None: ...
+
+class CoordinatorCheckpointRequest(_message.Message):
+    __slots__ = ("job", "has_step", "step")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    HAS_STEP_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    has_step: bool
+    step: int
+    def __init__(self, job: _Optional[str] = ..., has_step: _Optional[bool] = ..., step: _Optional[int] = ...) -> None: ...
+
+class CoordinatorCheckpointReply(_message.Message):
+    __slots__ = ("paths",)
+    PATHS_FIELD_NUMBER: _ClassVar[int]
+    paths: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, paths: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class JobState(_message.Message):
+    __slots__ = ("job", "queued", "running", "done", "failed", "idle_s")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    queued: int
+    running: int
+    done: int
+    failed: int
+    idle_s: float
+    def __init__(self, job: _Optional[str] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., done: _Optional[int] = ..., failed: _Optional[int] = ..., idle_s: _Optional[float] = ...) -> None: ...
 
 class CoordinatorStatusRequest(_message.Message):
     __slots__ = ()
@@ -492,7 +554,7 @@ class WorkerState(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., closures_done: _Optional[int] = ..., steps_per_s: _Optional[float] = ...) -> None: ...
 
 class CoordinatorStatus(_message.Message):
-    __slots__ = ("queued", "running", "done", "retried", "failed", "workers", "lost_updates")
+    __slots__ = ("queued", "running", "done", "retried", "failed", "workers", "lost_updates", "global_step", "sync_mode", "jobs")
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
@@ -500,6 +562,9 @@ class CoordinatorStatus(_message.Message):
     FAILED_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     LOST_UPDATES_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_STEP_FIELD_NUMBER: _ClassVar[int]
+    SYNC_MODE_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
     queued: int
     running: int
     done: int
@@ -507,4 +572,7 @@ class CoordinatorStatus(_message.Message):
     failed: int
     workers: _containers.RepeatedCompositeFieldContainer[WorkerState]
     lost_updates: int
-    def __init__(self, queued: _Optional[int] = ..., running: _Optional[int] = ..., done: _Optional[int] = ..., retried: _Optional[int] = ..., failed: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., lost_updates: _Optional[int] = ...) -> None: ...
+    global_step: int
+    sync_mode: str
+    jobs: _containers.RepeatedCompositeFieldContainer[JobState]
+    def __init__(self, queued: _Optional[int] = ..., running: _Optional[int] = ..., done: _Optional[int] = ..., retried: _Optional[int] = ..., failed: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerState, _Mapping]]] = ..., lost_updates: _Optional[int] = ..., global_step: _Optional[int] = ..., sync_mode: _Optional[str] = ..., jobs: _Optional[_Iterable[_Union[JobState, _Mapping]]] = ...) -> None: ...

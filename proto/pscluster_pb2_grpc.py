@@ -724,6 +724,31 @@ class CoordinatorStub:
                 request_serializer=pscluster_dot_proto_dot_pscluster__pb2.CoordinatorStatusRequest.SerializeToString,
                 response_deserializer=pscluster_dot_proto_dot_pscluster__pb2.CoordinatorStatus.FromString,
                 _registered_method=True)
+        self.OpenJob = channel.unary_unary(
+                '/pscluster.Coordinator/OpenJob',
+                request_serializer=pscluster_dot_proto_dot_pscluster__pb2.JobRequest.SerializeToString,
+                response_deserializer=pscluster_dot_proto_dot_pscluster__pb2.JobReply.FromString,
+                _registered_method=True)
+        self.KeepJob = channel.unary_unary(
+                '/pscluster.Coordinator/KeepJob',
+                request_serializer=pscluster_dot_proto_dot_pscluster__pb2.JobRequest.SerializeToString,
+                response_deserializer=pscluster_dot_proto_dot_pscluster__pb2.JobReply.FromString,
+                _registered_method=True)
+        self.EndJob = channel.unary_unary(
+                '/pscluster.Coordinator/EndJob',
+                request_serializer=pscluster_dot_proto_dot_pscluster__pb2.JobRequest.SerializeToString,
+                response_deserializer=pscluster_dot_proto_dot_pscluster__pb2.JobReply.FromString,
+                _registered_method=True)
+        self.ConfigureSync = channel.unary_unary(
+                '/pscluster.Coordinator/ConfigureSync',
+                request_serializer=pscluster_dot_proto_dot_pscluster__pb2.CoordinatorSyncRequest.SerializeToString,
+                response_deserializer=pscluster_dot_proto_dot_pscluster__pb2.SyncConfigReply.FromString,
+                _registered_method=True)
+        self.Checkpoint = channel.unary_unary(
+                '/pscluster.Coordinator/Checkpoint',
+                request_serializer=pscluster_dot_proto_dot_pscluster__pb2.CoordinatorCheckpointRequest.SerializeToString,
+                response_deserializer=pscluster_dot_proto_dot_pscluster__pb2.CoordinatorCheckpointReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -765,6 +790,36 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenJob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def KeepJob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EndJob(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ConfigureSync(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Checkpoint(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -797,6 +852,31 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=pscluster_dot_proto_dot_pscluster__pb2.CoordinatorStatusRequest.FromString,
                     response_serializer=pscluster_dot_proto_dot_pscluster__pb2.CoordinatorStatus.SerializeToString,
+            ),
+            'OpenJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenJob,
+                    request_deserializer=pscluster_dot_proto_dot_pscluster__pb2.JobRequest.FromString,
+                    response_serializer=pscluster_dot_proto_dot_pscluster__pb2.JobReply.SerializeToString,
+            ),
+            'KeepJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeepJob,
+                    request_deserializer=pscluster_dot_proto_dot_pscluster__pb2.JobRequest.FromString,
+                    response_serializer=pscluster_dot_proto_dot_pscluster__pb2.JobReply.SerializeToString,
+            ),
+            'EndJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndJob,
+                    request_deserializer=pscluster_dot_proto_dot_pscluster__pb2.JobRequest.FromString,
+                    response_serializer=pscluster_dot_proto_dot_pscluster__pb2.JobReply.SerializeToString,
+            ),
+            'ConfigureSync': grpc.unary_unary_rpc_method_handler(
+                    servicer.ConfigureSync,
+                    request_deserializer=pscluster_dot_proto_dot_pscluster__pb2.CoordinatorSyncRequest.FromString,
+                    response_serializer=pscluster_dot_proto_dot_pscluster__pb2.SyncConfigReply.SerializeToString,
+            ),
+            'Checkpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.Checkpoint,
+                    request_deserializer=pscluster_dot_proto_dot_pscluster__pb2.CoordinatorCheckpointRequest.FromString,
+                    response_serializer=pscluster_dot_proto_dot_pscluster__pb2.CoordinatorCheckpointReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -961,6 +1041,141 @@ class Coordinator:
             '/pscluster.Coordinator/Status',
             pscluster_dot_proto_dot_pscluster__pb2.CoordinatorStatusRequest.SerializeToString,
             pscluster_dot_proto_dot_pscluster__pb2.CoordinatorStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pscluster.Coordinator/OpenJob',
+            pscluster_dot_proto_dot_pscluster__pb2.JobRequest.SerializeToString,
+            pscluster_dot_proto_dot_pscluster__pb2.JobReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pscluster.Coordinator/KeepJob',
+            pscluster_dot_proto_dot_pscluster__pb2.JobRequest.SerializeToString,
+            pscluster_dot_proto_dot_pscluster__pb2.JobReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pscluster.Coordinator/EndJob',
+            pscluster_dot_proto_dot_pscluster__pb2.JobRequest.SerializeToString,
+            pscluster_dot_proto_dot_pscluster__pb2.JobReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ConfigureSync(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pscluster.Coordinator/ConfigureSync',
+            pscluster_dot_proto_dot_pscluster__pb2.CoordinatorSyncRequest.SerializeToString,
+            pscluster_dot_proto_dot_pscluster__pb2.SyncConfigReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Checkpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pscluster.Coordinator/Checkpoint',
+            pscluster_dot_proto_dot_pscluster__pb2.CoordinatorCheckpointRequest.SerializeToString,
+            pscluster_dot_proto_dot_pscluster__pb2.CoordinatorCheckpointReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -91,6 +91,7 @@ class Settings(_Frozen):
     no_worker_timeout_s: float | None = Field(default=300.0, gt=0)
     drain_timeout_s: float = Field(default=10.0, ge=0)
     result_retention_s: float = Field(default=600.0, gt=0)  # daemon: keep an unfetched remote result this long
+    job_idle_timeout_s: float = Field(default=30.0, gt=0)  # daemon: end a client's job after this long without a keepalive
     # -- daemon start-up and fixed ports (issue 11) ------------------------------------------------
     startup_timeout_s: float = Field(default=300.0, gt=0)  # how long a daemon waits for what it needs
     framed_port: int | None = Field(default=None, ge=0, lt=65536)  # PS bulk / worker closure port (None: any)
@@ -228,6 +229,7 @@ _ENV_FIELDS = {
     "PSCLUSTER_HEARTBEAT_TIMEOUT_S": "heartbeat_timeout_s",
     "PSCLUSTER_STARTUP_TIMEOUT_S": "startup_timeout_s",
     "PSCLUSTER_SOCKET_TIMEOUT_S": "socket_timeout_s",
+    "PSCLUSTER_JOB_IDLE_TIMEOUT_S": "job_idle_timeout_s",
 }
 
 

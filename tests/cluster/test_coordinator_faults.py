@@ -191,7 +191,7 @@ def test_coordinator_daemon_serves_remote_clients_that_reconnect(fresh_cluster, 
         values = [client.schedule(counter_step, args=(counter, i, 0.0)) for i in range(30)]
         ids = [v.closure_id for v in values]
         client.close()
-        again = RemoteCoordinator(cluster.settings())  # a new connection fetches the same results
+        again = RemoteCoordinator(cluster.settings(), job=client.job)  # re-attach: same job, same results
         again.join(timeout=60)
         assert [again.remote_value(cid).fetch(timeout=30) for cid in ids] == list(range(30))
         assert int(counter.pull()) == 30

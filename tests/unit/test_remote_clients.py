@@ -71,3 +71,23 @@ def test_long_polls_beyond_the_cap_are_refused_and_waits_are_sliced():
             assert immediate == 0.0
     with polls.slot(5.0) as again:  # slots are given back
         assert again == 2.0
+
+
+def _public(cls):
+    return {name for name in dir(cls) if not name.startswith("_")
+            and (callable(getattr(cls, name)) or isinstance(getattr(cls, name), property))}
+
+
+def test_remote_coordinator_offers_every_public_method_of_cluster_coordinator():
+    from pscluster.coordinator.api import CLIENT_SIDE, DAEMON_SIDE
+    from pscluster.coordinator.coordinator import ClusterCoordinator
+    from pscluster.coordinator.remote import RemoteCoordinator
+
+    embedded, remote = _public(ClusterCoordinator), _public(RemoteCoordinator)
+    assert embedded - DAEMON_SIDE == remote - CLIENT_SIDE
+    assert DAEMON_SIDE <= embedded and not (CLIENT_SIDE & embedded)
+    for name in ("checkpoint", "configure_sync", "sync_stats", "wait_for_workers", "lost_updates", "shutdown",
+                 "global_step", "num_workers", "status"):
+        assert name in remote
+    for cls in (ClusterCoordinator, RemoteCoordinator):
+        assert cls.__enter__ is not object.__dict__.get("__enter__") and hasattr(cls, "__exit__")
