@@ -162,7 +162,7 @@ def test_many_long_polls_leave_threads_for_heartbeats_and_status(fresh_cluster):
         cluster.add_worker()
         coord.wait_for_workers(1)
         worker = coord.snapshot().workers[0]
-        value = coord.schedule(hold_until_released, args=(gate,))
+        value = remote.schedule(hold_until_released, args=(gate,))  # the remote job's join waits for it
         until(lambda: coord.snapshot().running == 1, "the gated closure to start")
         for poller in pollers:
             poller.start()
