@@ -110,6 +110,12 @@ def render(status: ClusterStatus, console: Console) -> None:
         for w in sorted(c.workers, key=lambda w: w.address):
             workers.add_row(w.worker_id, w.address, w.state, str(w.closures_done), f"{w.steps_per_s:.1f}")
         _print(console, workers)
+        jobs = Table(title="jobs")
+        for col in ("job", "queued", "running", "done", "failed", "idle s"):
+            jobs.add_column(col)
+        for j in c.jobs:
+            jobs.add_row(j.job, str(j.queued), str(j.running), str(j.done), str(j.failed), f"{j.idle_s:.1f}")
+        _print(console, jobs)
     elif status.coordinator_error:
         console.print(f"[yellow]coordinator {status.coordinator_error}", soft_wrap=True)
 
