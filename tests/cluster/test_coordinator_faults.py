@@ -1,4 +1,8 @@
-"""Real workers and PS daemons under a fault schedule keyed to completed closures; arithmetic oracles."""
+"""Real workers and PS daemons under a fault schedule keyed to completed closures; arithmetic oracles.
+
+The fault tests run twice (`make_coord`): against an embedded ClusterCoordinator and against a
+RemoteCoordinator talking to a `pscluster coordinator` daemon, so the two cannot drift apart.
+"""
 
 import signal
 import subprocess
@@ -7,12 +11,43 @@ import time
 
 import numpy as np
 import pytest
+import yaml
 
 import pscluster as ps
 from pscluster.coordinator.remote import RemoteCoordinator
 from pscluster.errors import AbortedError, UnavailableError
 
 pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(params=["embedded", "remote"])
+def make_coord(request, tmp_path):
+    """make_coord(cluster, **overrides): a ClusterCoordinator, or a RemoteCoordinator of a daemon started here."""
+    daemons = []
+
+    def make(cluster, **overrides):
+        if request.param == "embedded":
+            return ps.ClusterCoordinator(cluster.settings(**overrides))
+        spec = {**yaml.safe_load(cluster.cluster_file.read_text()), **overrides}
+        path = tmp_path / f"coordinator{len(daemons)}.yaml"
+        path.write_text(yaml.safe_dump(spec))
+        log_path = tmp_path / f"coordinator{len(daemons)}.log"
+        with open(log_path, "wb") as log:
+            daemons.append(subprocess.Popen([sys.executable, "-P", "-m", "pscluster.cli", "coordinator", "--cluster",
+                                             str(path)], stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True))
+        deadline = time.monotonic() + 60
+        while b"READY coordinator" not in log_path.read_bytes():
+            assert daemons[-1].poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, "coordinator daemon not READY after 60 s"
+            time.sleep(0.05)
+        return RemoteCoordinator(cluster.settings(**overrides))
+
+    yield make
+    for proc in daemons:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
 
 
 def wait_done(coord, n, timeout=60.0):
@@ -29,9 +64,9 @@ def counter_step(counter, i, pause=0.01):
     return i
 
 
-def test_counter_exact_when_workers_are_killed_hung_and_added(fresh_cluster):
+def test_counter_exact_when_workers_are_killed_hung_and_added(fresh_cluster, make_coord):
     cluster = fresh_cluster(2, 2, supervise=False)
-    coord = ps.ClusterCoordinator(cluster.settings())
+    coord = make_coord(cluster)
     try:
         coord.wait_for_workers(2)
         counter = coord.create_variable("counter", shape=(), dtype="int64", optimizer=ps.SGD(1.0))
@@ -62,9 +97,9 @@ def _port(daemon):
     raise AssertionError("worker never printed READY")
 
 
-def test_preempted_worker_finishes_its_closures_and_exits_cleanly(fresh_cluster):
+def test_preempted_worker_finishes_its_closures_and_exits_cleanly(fresh_cluster, make_coord):
     cluster = fresh_cluster(1, 2, supervise=False)
-    coord = ps.ClusterCoordinator(cluster.settings())
+    coord = make_coord(cluster)
     try:
         coord.wait_for_workers(2)
         counter = coord.create_variable("counter", shape=(), dtype="int64", optimizer=ps.SGD(1.0))
@@ -81,9 +116,9 @@ def test_preempted_worker_finishes_its_closures_and_exits_cleanly(fresh_cluster)
         coord.shutdown()
 
 
-def test_ps_killed_mid_run_restarts_from_checkpoint_and_run_completes(fresh_cluster):
+def test_ps_killed_mid_run_restarts_from_checkpoint_and_run_completes(fresh_cluster, make_coord):
     cluster = fresh_cluster(2, 2, supervise=True)
-    coord = ps.ClusterCoordinator(cluster.settings())
+    coord = make_coord(cluster)
     try:
         coord.wait_for_workers(2)
         counter = coord.create_variable("counter", shape=(), dtype="int64", optimizer=ps.SGD(1.0))
@@ -102,9 +137,9 @@ def test_ps_killed_mid_run_restarts_from_checkpoint_and_run_completes(fresh_clus
         coord.shutdown()
 
 
-def test_error_inside_a_closure_is_raised_by_join_and_not_retried(fresh_cluster):
+def test_error_inside_a_closure_is_raised_by_join_and_not_retried(fresh_cluster, make_coord):
     cluster = fresh_cluster(1, 1, supervise=False)
-    coord = ps.ClusterCoordinator(cluster.settings(max_inflight_per_worker=1))
+    coord = make_coord(cluster, max_inflight_per_worker=1)
     try:
         coord.wait_for_workers(1)
         counter = coord.create_variable("counter", shape=(), dtype="int64", optimizer=ps.SGD(1.0))
@@ -138,9 +173,9 @@ def _raises(value, kind):
     return False
 
 
-def test_closures_wait_for_a_worker_and_time_out_with_a_clear_error(fresh_cluster):
+def test_closures_wait_for_a_worker_and_time_out_with_a_clear_error(fresh_cluster, make_coord):
     cluster = fresh_cluster(1, 0, supervise=False)
-    coord = ps.ClusterCoordinator(cluster.settings(no_worker_timeout_s=3.0))
+    coord = make_coord(cluster, no_worker_timeout_s=3.0)
     try:
         value = coord.schedule(lambda: 1)
         with pytest.raises(UnavailableError, match="no live worker"):
