@@ -9,6 +9,11 @@ import subprocess
 import sys
 import time
 
+import pytest
+import yaml
+
+import pscluster as ps
+from pscluster.coordinator.remote import RemoteCoordinator
 from pscluster.launcher import free_port
 
 BIN = [sys.executable, "-P", "-m", "pscluster.cli"]
@@ -71,3 +76,33 @@ def free_range(count):
             for s in socks:
                 s.close()
     raise AssertionError("no free port range")
+
+
+@pytest.fixture(params=["embedded", "remote"])
+def make_coord(request, tmp_path):
+    """make_coord(cluster, **overrides): a ClusterCoordinator, or a RemoteCoordinator of a daemon started here."""
+    daemons = []
+
+    def make(cluster, **overrides):
+        if request.param == "embedded":
+            return ps.ClusterCoordinator(cluster.settings(**overrides))
+        spec = {**yaml.safe_load(cluster.cluster_file.read_text()), **overrides}
+        path = tmp_path / f"coordinator{len(daemons)}.yaml"
+        path.write_text(yaml.safe_dump(spec))
+        log_path = tmp_path / f"coordinator{len(daemons)}.log"
+        with open(log_path, "wb") as log:
+            daemons.append(subprocess.Popen([sys.executable, "-P", "-m", "pscluster.cli", "coordinator", "--cluster",
+                                             str(path)], stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True))
+        deadline = time.monotonic() + 60
+        while b"READY coordinator" not in log_path.read_bytes():
+            assert daemons[-1].poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, "coordinator daemon not READY after 60 s"
+            time.sleep(0.05)
+        return RemoteCoordinator(cluster.settings(**overrides))
+
+    yield make
+    for proc in daemons:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)

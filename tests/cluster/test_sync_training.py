@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import pscluster as ps
+from tests.cluster.procs import make_coord  # noqa: F401 - the fixture: embedded and remote coordinator
 
 pytestmark = pytest.mark.cluster
 LR = 0.5
@@ -24,9 +25,9 @@ def quadratic_step(w):
     return token.step, ps.worker_info().worker_index
 
 
-def test_sync_with_r_equals_n_equals_three_matches_sgd_on_the_mean_gradient(fresh_cluster):
+def test_sync_with_r_equals_n_equals_three_matches_sgd_on_the_mean_gradient(fresh_cluster, make_coord):
     cluster = fresh_cluster(2, 3, supervise=False)
-    coord = ps.ClusterCoordinator(cluster.settings())
+    coord = make_coord(cluster)
     try:
         coord.wait_for_workers(3)
         w0 = np.random.default_rng(7).normal(size=(6, 3))
@@ -58,9 +59,9 @@ def slow_third_worker(w):
     return token.step, index
 
 
-def test_backup_workers_are_not_waited_for_and_their_stale_gradients_are_dropped(fresh_cluster):
+def test_backup_workers_are_not_waited_for_and_their_stale_gradients_are_dropped(fresh_cluster, make_coord):
     cluster = fresh_cluster(1, 3, supervise=False)
-    coord = ps.ClusterCoordinator(cluster.settings())
+    coord = make_coord(cluster)
     try:
         coord.wait_for_workers(3)
         w = coord.create_variable("w", initial_value=np.zeros((4,), np.float64), optimizer=ps.SGD(1.0))
@@ -92,9 +93,9 @@ def held_token_step(w, pause):
     return 1
 
 
-def test_worker_killed_while_holding_a_token_does_not_hang_the_step(fresh_cluster):
+def test_worker_killed_while_holding_a_token_does_not_hang_the_step(fresh_cluster, make_coord):
     cluster = fresh_cluster(1, 3, supervise=False)
-    coord = ps.ClusterCoordinator(cluster.settings())
+    coord = make_coord(cluster)
     try:
         coord.wait_for_workers(3)
         w = coord.create_variable("w", initial_value=np.zeros(2), optimizer=ps.SGD(1.0))
@@ -119,9 +120,9 @@ def uneven_step(w):
     return ps.worker_info().worker_index
 
 
-def test_bounded_staleness_keeps_every_worker_within_tau_of_the_slowest(fresh_cluster):
+def test_bounded_staleness_keeps_every_worker_within_tau_of_the_slowest(fresh_cluster, make_coord):
     cluster = fresh_cluster(1, 3, supervise=False)
-    coord = ps.ClusterCoordinator(cluster.settings())
+    coord = make_coord(cluster)
     try:
         coord.wait_for_workers(3)
         w = coord.create_variable("w", initial_value=np.zeros(3), optimizer=ps.SGD(0.01))
