@@ -16,8 +16,7 @@ from pscluster.datasets import PerWorkerDataset
 from pscluster.variables import Variable
 
 
-DAEMON_SIDE = frozenset({"schedule_payload", "register", "heartbeat", "release", "snapshot", "open_job",
-                         "keep_job", "end_job", "join_job", "keepalive_interval_s"})
+DAEMON_SIDE = frozenset({"schedule_payload", "register", "heartbeat", "release", "snapshot"})
 CLIENT_SIDE = frozenset({"close"})  # detach without ending the job (RemoteCoordinator(settings, job=...) re-attaches)
 
 

@@ -41,8 +41,8 @@ from pscluster.coordinator.ps_monitor import PsMonitor
 from pscluster.coordinator.api import CoordinatorAPI
 from pscluster.coordinator.clients import LongPolls, RetainedValues
 from pscluster.coordinator.job_queues import MAIN
-from pscluster.coordinator.joins import JobJoins
-from pscluster.coordinator.snapshot import RateMeter, Snapshot, take
+from pscluster.coordinator.joins import JobJoins, JobSessions
+from pscluster.coordinator.snapshot import RateMeter, Snapshot, take, to_status
 from pscluster.coordinator.values import RemoteValue, reply_error
 from pscluster.errors import AbortedError, DeadlineExceededError, InternalError, NotFoundError, UnavailableError
 from pscluster.proto import pscluster_pb2 as pb
@@ -82,6 +82,8 @@ class ClusterCoordinator(CoordinatorAPI):
         self._joins = JobJoins(on_error_reported=lambda job: self._events.put((sch.ErrorReported(job), None)))
         self._joins.open(MAIN)
         self.job = MAIN
+        self.sessions = JobSessions(self._joins, lambda event: self._events.put((event, None)),
+                                    self.settings.job_idle_timeout_s)
         # per job: (closures finished, first error) in the loop's current batch (loop only)
         self._batch: dict[str, tuple[int, tuple[int, BaseException] | None]] = {}
         self._rates = RateMeter()
@@ -135,48 +137,6 @@ class ClusterCoordinator(CoordinatorAPI):
             self._retained.add(value)
         self._events.put((sch.Submit(cid, job), None))
         return value
-
-    def open_job(self, job: str = "") -> str:
-        """Start a job for a remote client ("": a new one) or re-attach to a live one; returns its name.
-
-        Raises:
-            NotFoundError: job was named but has ended.
-        """
-        if job:
-            self._joins.get(job)
-            self._events.put((sch.KeepJob(job), None))
-            return job
-        job = f"job-{os.urandom(4).hex()}"
-        self._joins.open(job)
-        self._events.put((sch.OpenJob(job), None))
-        return job
-
-    def keep_job(self, job: str) -> bool:
-        """The job's client is alive; False if the job has ended."""
-        try:
-            self._joins.get(job)
-        except NotFoundError:
-            return False
-        self._events.put((sch.KeepJob(job), None))
-        return True
-
-    @property
-    def keepalive_interval_s(self) -> float:
-        """How often a remote client must send KeepJob (a fifth of job_idle_timeout_s, at most 5 s)."""
-        return min(5.0, self.settings.job_idle_timeout_s / 5)
-
-    def end_job(self, job: str, reason: str) -> None:
-        """End a remote client's job: its queued closures are cancelled, its state dropped."""
-        self._events.put((sch.EndJob(job, reason), None))
-
-    def join_job(self, job: str, timeout: float | None) -> tuple[int, BaseException] | None:
-        """Wait for job's closures; the first (closure id, error) among them, or None (for the servicer).
-
-        Raises:
-            DeadlineExceededError: closures still outstanding after timeout.
-            NotFoundError: job has ended.
-        """
-        return self._joins.get(job).poll(timeout)
 
     def remote_value(self, closure_id: int) -> RemoteValue:
         """The RemoteValue of a closure scheduled on this coordinator.
@@ -249,17 +209,9 @@ class ClusterCoordinator(CoordinatorAPI):
         return self._snapshot
 
     def status(self) -> pb.CoordinatorStatus:
-        """Queue, counters and workers, as reported by `pscluster status`."""
-        snap = self._snapshot
-        workers = [pb.WorkerState(worker_id=w.wid, address=w.address, state=w.state, closures_done=w.done,
-                                  steps_per_s=w.steps_per_s) for w in snap.workers]
-        now = self._clock()
-        jobs = [pb.JobState(job=j.job, queued=j.queued, running=j.running, done=j.completed, failed=j.failed,
-                            idle_s=now - j.last_seen if j.expires else 0.0) for j in snap.jobs]
-        return pb.CoordinatorStatus(queued=snap.queued, running=snap.running, done=snap.completed,
-                                    retried=snap.retried, failed=snap.failed, workers=workers,
-                                    lost_updates=self.lost_updates, global_step=self.global_step,
-                                    sync_mode=self.sync_mode, jobs=jobs)
+        """Queue, counters, workers and jobs, as reported by `pscluster status`."""
+        return to_status(self._snapshot, self._clock(), lost_updates=self.lost_updates,
+                         global_step=self.global_step, sync_mode=self.sync_mode)
 
     def worker_rates(self) -> dict[str, float]:
         """Closures completed per second by each registered worker over the last 10 s (as of the last tick)."""

@@ -6,9 +6,11 @@ snapshot that counts them, so a `join()` that returns sees `status()` and `globa
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 
+from pscluster.coordinator import events
 from pscluster.errors import DeadlineExceededError, NotFoundError
 
 
@@ -143,3 +145,49 @@ class JobJoins:
             states = list(self._jobs.values())
         for state in states:
             state.fail(error)
+
+
+class JobSessions:
+    """The daemon's side of remote clients' jobs: open, keep alive, end, join (for the servicer)."""
+
+    def __init__(self, joins: JobJoins, post: Callable[[events.Event], None], idle_timeout: float) -> None:
+        self._joins = joins
+        self._post = post  # hands an event to the coordinator loop
+        self.keepalive_interval_s = min(5.0, idle_timeout / 5)  # how often a client must send KeepJob
+
+    def open(self, job: str = "") -> str:
+        """Start a job ("": a new one) or re-attach to a live one; returns its name.
+
+        Raises:
+            NotFoundError: job was named but has ended.
+        """
+        if job:
+            self._joins.get(job)
+            self._post(events.KeepJob(job))
+            return job
+        job = f"job-{os.urandom(4).hex()}"
+        self._joins.open(job)
+        self._post(events.OpenJob(job))
+        return job
+
+    def keep(self, job: str) -> bool:
+        """The job's client is alive; False if the job has ended."""
+        try:
+            self._joins.get(job)
+        except NotFoundError:
+            return False
+        self._post(events.KeepJob(job))
+        return True
+
+    def end(self, job: str, reason: str) -> None:
+        """End job: its queued closures are cancelled, its state dropped (by the loop)."""
+        self._post(events.EndJob(job, reason))
+
+    def join(self, job: str, timeout: float | None) -> tuple[int, BaseException] | None:
+        """Wait for job's closures; the first (closure id, error) among them, or None.
+
+        Raises:
+            DeadlineExceededError: closures still outstanding after timeout.
+            NotFoundError: job has ended.
+        """
+        return self._joins.get(job).poll(timeout)

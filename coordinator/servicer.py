@@ -70,7 +70,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         with self.coordinator.long_polls.slot(request.timeout_s) as wait:  # ResourceExhausted: the client re-polls
             try:
-                failed = self.coordinator.join_job(request.job or MAIN, wait)
+                failed = self.coordinator.sessions.join(request.job or MAIN, wait)
             except DeadlineExceededError:
                 return pb.JoinReply(done=False, closure_id_of_error=-1)
         if failed is not None:
@@ -78,15 +78,17 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.JoinReply(done=True, closure_id_of_error=-1)
 
     def OpenJob(self, request: pb.JobRequest, context: grpc.ServicerContext) -> pb.JobReply:
-        job = self.coordinator.open_job(request.job)
-        return pb.JobReply(job=job, known=True, keepalive_interval_s=self.coordinator.keepalive_interval_s)
+        sessions = self.coordinator.sessions
+        job = sessions.open(request.job)
+        return pb.JobReply(job=job, known=True, keepalive_interval_s=sessions.keepalive_interval_s)
 
     def KeepJob(self, request: pb.JobRequest, context: grpc.ServicerContext) -> pb.JobReply:
-        return pb.JobReply(job=request.job, known=self.coordinator.keep_job(request.job),
-                           keepalive_interval_s=self.coordinator.keepalive_interval_s)
+        sessions = self.coordinator.sessions
+        return pb.JobReply(job=request.job, known=sessions.keep(request.job),
+                           keepalive_interval_s=sessions.keepalive_interval_s)
 
     def EndJob(self, request: pb.JobRequest, context: grpc.ServicerContext) -> pb.JobReply:
-        self.coordinator.end_job(request.job, request.reason or "its client ended it")
+        self.coordinator.sessions.end(request.job, request.reason or "its client ended it")
         return pb.JobReply(job=request.job, known=False)
 
     def ConfigureSync(self, request: pb.CoordinatorSyncRequest, context: grpc.ServicerContext) -> pb.SyncConfigReply:

@@ -11,6 +11,7 @@ from collections import deque
 from typing import NamedTuple
 
 from pscluster.coordinator.scheduler import SchedulerState
+from pscluster.proto import pscluster_pb2 as pb
 
 RATE_WINDOW_S = 10.0
 
@@ -72,6 +73,18 @@ def take(state: SchedulerState, meter: RateMeter) -> Snapshot:
                  for j in state.queue.jobs.values())
     return Snapshot(len(state.queue), state.running(), state.completed, state.retried, state.failed,
                     state.paused, workers, jobs)
+
+
+def to_status(snap: Snapshot, now: float, *, lost_updates: int, global_step: int,
+              sync_mode: str) -> pb.CoordinatorStatus:
+    """A snapshot as the Status reply (`pscluster status`); a job's idle time is counted to now."""
+    workers = [pb.WorkerState(worker_id=w.wid, address=w.address, state=w.state, closures_done=w.done,
+                              steps_per_s=w.steps_per_s) for w in snap.workers]
+    jobs = [pb.JobState(job=j.job, queued=j.queued, running=j.running, done=j.completed, failed=j.failed,
+                        idle_s=now - j.last_seen if j.expires else 0.0) for j in snap.jobs]
+    return pb.CoordinatorStatus(queued=snap.queued, running=snap.running, done=snap.completed,
+                                retried=snap.retried, failed=snap.failed, workers=workers, lost_updates=lost_updates,
+                                global_step=global_step, sync_mode=sync_mode, jobs=jobs)
 
 
 class RateMeter:
