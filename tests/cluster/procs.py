@@ -91,9 +91,8 @@ def make_coord(request, tmp_path):
         path.write_text(yaml.safe_dump(spec))
         log_path = tmp_path / f"coordinator{len(daemons)}.log"
         with open(log_path, "wb") as log:
-            daemons.append(subprocess.Popen([sys.executable, "-P", "-m", "pscluster.cli", "coordinator", "--cluster",
-                                             str(path)], stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True))
+            argv = [*BIN, "coordinator", "--cluster", str(path), "--exit-with-parent", str(os.getpid())]
+            daemons.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         deadline = time.monotonic() + 60
         while b"READY coordinator" not in log_path.read_bytes():
             assert daemons[-1].poll() is None, log_path.read_text()

@@ -33,8 +33,8 @@ def daemon(fresh_cluster):
     cluster = fresh_cluster(1, 1, supervise=False)
     procs = Procs()
     try:
-        coord = procs.start("coordinator", "--cluster", str(cluster.cluster_file),
-                            env={"PSCLUSTER_JOB_IDLE_TIMEOUT_S": IDLE_TIMEOUT_S})
+        coord = procs.start("coordinator", "--cluster", str(cluster.cluster_file), "--exit-with-parent",
+                            str(os.getpid()), env={"PSCLUSTER_JOB_IDLE_TIMEOUT_S": IDLE_TIMEOUT_S})
         read_until(coord, "READY coordinator")
         yield cluster
     finally:
