@@ -91,3 +91,31 @@ def test_remote_coordinator_offers_every_public_method_of_cluster_coordinator():
         assert name in remote
     for cls in (ClusterCoordinator, RemoteCoordinator):
         assert cls.__enter__ is not object.__dict__.get("__enter__") and hasattr(cls, "__exit__")
+
+
+def test_each_job_joins_its_own_closures_reports_the_real_closure_id_once_and_is_dropped_when_it_ends():
+    from pscluster.coordinator.joins import JobJoins
+    from pscluster.errors import AbortedError, NotFoundError
+
+    reported = []
+    joins = JobJoins(on_error_reported=reported.append)
+    joins.open("a")
+    joins.open("b")
+    joins.get("a").add()
+    joins.get("b").add()
+    error = ValueError("bad batch")
+    joins.settle("a", 1, (42, error))
+    joins.settle("b", 1, None)
+    assert joins.get("b").poll(0) is None  # b never sees a's error
+    assert joins.get("a").poll(0) == (42, error) and reported == ["a"]
+    assert joins.get("a").poll(0) is None  # reported once
+    waiting = joins.get("a")
+    waiting.add()
+    joins.end("a", AbortedError("job a ended: no keepalive"))
+    assert len(joins) == 1
+    with pytest.raises(AbortedError, match="job a ended"):
+        waiting.wait(0)
+    with pytest.raises(NotFoundError, match="no job 'a'"):
+        joins.get("a")
+    joins.settle("a", 1, None)  # a late closure of the ended job changes nothing
+    assert len(joins) == 1
