@@ -42,7 +42,8 @@ def internal_sizes(coord):
     """The length of every container the coordinator, its scheduler state and its senders hold."""
     sizes = {}
     sender = getattr(coord, "_sender", None)
-    owners = [("", coord), ("state.", coord._state), ("rates.", getattr(coord, "_rates", None)),
+    owners = [("", coord), ("state.", coord._state), ("queues.", getattr(coord._state, "queue", None)),
+              ("rates.", getattr(coord, "_rates", None)),
               ("sender.", sender), ("framed.", getattr(sender, "_framed", None))]
     for prefix, owner in owners:
         if owner is None:
@@ -77,6 +78,26 @@ def test_coordinator_maps_stay_bounded_after_20000_closures(fresh_cluster):
         assert sizes["_values"] == len(kept), sizes  # only what the caller still holds
         # per-worker maps hold the 2 workers (a few connections each); nothing holds closures
         assert max(v for k, v in sizes.items() if k != "_values") <= 4, sizes
+    finally:
+        coord.shutdown()
+
+
+def test_per_job_state_is_dropped_when_client_jobs_end(fresh_cluster):
+    cluster = fresh_cluster(1, 1, supervise=False)
+    coord = ps.ClusterCoordinator(cluster.settings())  # serves remote clients too
+    try:
+        coord.wait_for_workers(1)
+        for n in range(20):
+            client = RemoteCoordinator(cluster.settings())  # each client program is one job
+            values = [client.schedule(identity, args=(i,)) for i in range(5)]
+            client.join(timeout=60)
+            assert client.fetch(values) == list(range(5))
+            client.shutdown()  # ends the job
+        until(lambda: len(coord._state.queue.jobs) == 1, "the ended jobs to be dropped")
+        sizes = internal_sizes(coord)
+        assert sizes["_joins"] == 1 and sizes["queues.jobs"] == 1 and sizes["_retained"] == 0, sizes
+        assert max(sizes.values()) <= 4, sizes
+        assert [j.job for j in coord.status().jobs] == ["main"]
     finally:
         coord.shutdown()
 
