@@ -177,7 +177,8 @@ class ClusterCoordinator(CoordinatorAPI):
         """Choose the update mode: "async", "sync" (token queue) or "bounded" (staleness tau).
 
         sync defaults to R = N = the number of live workers; N > R makes the slowest N - R backups.
-        Call it while no closure runs. Returns the global step.
+        Call it while no closure runs: it joins the calling job (a daemon's other jobs are not waited
+        for; the mode applies to every job). Returns the global step.
         """
         self._joins.get(job).wait(None)
         r = replicas_to_aggregate or max(1, self.num_workers())
@@ -188,7 +189,10 @@ class ClusterCoordinator(CoordinatorAPI):
         return step
 
     def checkpoint(self, step: int | None = None, *, job: str = MAIN) -> list[str]:
-        """Join, then write a checkpoint of every PS at one global step (consistent: no push in flight)."""
+        """Join the calling job, then write a checkpoint of every PS at one global step.
+
+        Consistent (no push in flight) when no other job runs closures at the same time.
+        """
         self._joins.get(job).wait(None)
         return self.client.checkpoint(self.global_step if step is None else step)
 
