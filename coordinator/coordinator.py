@@ -44,7 +44,8 @@ from pscluster.coordinator.job_queues import MAIN
 from pscluster.coordinator.joins import JobJoins, JobSessions
 from pscluster.coordinator.snapshot import RateMeter, Snapshot, take, to_status
 from pscluster.coordinator.values import RemoteValue, reply_error
-from pscluster.errors import AbortedError, DeadlineExceededError, InternalError, NotFoundError, UnavailableError
+from pscluster.errors import (AbortedError, DeadlineExceededError, InternalError, NotFoundError, PsclusterError,
+                              UnavailableError)
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 from pscluster.closures import ClosureEncoder
@@ -213,9 +214,13 @@ class ClusterCoordinator(CoordinatorAPI):
         return self._snapshot
 
     def status(self) -> pb.CoordinatorStatus:
-        """Queue, counters, workers and jobs, as reported by `pscluster status`."""
-        return to_status(self._snapshot, self._clock(), lost_updates=self.lost_updates,
-                         global_step=self.global_step, sync_mode=self.sync_mode)
+        """Queue, counters, workers and jobs, as reported by `pscluster status` (global_step -1: PS 0 down)."""
+        try:
+            step = self.global_step  # sync/bounded: asks PS 0, which may be down while status is wanted most
+        except PsclusterError:
+            step = -1
+        return to_status(self._snapshot, self._clock(), lost_updates=self.lost_updates, global_step=step,
+                         sync_mode=self.sync_mode)
 
     def worker_rates(self) -> dict[str, float]:
         """Closures completed per second by each registered worker over the last 10 s (as of the last tick)."""
