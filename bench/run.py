@@ -22,7 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # the benchmark process shares 2 cores with daemons
 
-from bench import closures, training, transfer  # noqa: E402
+from bench import chaos, closures, training, transfer  # noqa: E402
 
 Row = tuple[str, str, str, str]  # id, what, measured, target and verdict
 
@@ -136,9 +136,42 @@ def bench_b10(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
                 f"<= 50 MiB growth, >= 0.9 x rate: {'met' if ok else 'NOT met'}")]
 
 
+def bench_b11(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
+    r = chaos.soak(duration_s=600.0, seed=0)
+    g = r["growth"]
+    flat = "; ".join(f"{role} threads {v['threads_early']:.0f}->{v['threads_late']:.0f}, fds "
+                     f"{v['fds_early']:.0f}->{v['fds_late']:.0f}, RSS {v['rss_mib_early']:.0f}->{v['rss_mib_late']:.0f} MiB"
+                     for role, v in g.items())
+    return r, [("B11", "chaos soak: 10 min W2 async, 2 PS + 3 workers, seed 0, automatic checkpoints every 5 s; "
+                "a separate run: `python bench/run.py --only B11`",
+                f"{r['completed']} closures, {r['unresolved']} unresolved, {r['errors']} errors; "
+                f"{r['worker_kills']} worker SIGKILLs, {r['worker_stops']} SIGSTOPs, {r['ps_kills']} PS SIGKILLs, "
+                f"{r['retried']} retried; counter {r['counter']} = completed - lost ({r['lost_counter_updates']}): "
+                f"{r['exact']}; accuracy {r['accuracy']:.4f}; max per role, minute 2-3 -> 9.2-10: {flat}",
+                "all resolved, exact, acc >= 0.92, no growth (RSS within 20 MiB): "
+                f"{'met' if r['ok'] else 'NOT met'}")]
+
+
+def bench_b12(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
+    from bench import torch_cnn  # torch is an optional extra: imported only for B12
+
+    one = _runs(torch_cnn.single, args.runs)
+    ddp = _runs(torch_cnn.ddp, args.runs)
+    ps_ = _runs(torch_cnn.cluster, args.runs)
+    out = {"single": one, "ddp": ddp, "cluster": ps_}
+    return out, [("B12", "torch CNN (examples/torch_mnist.py, 20.5k params, Adam 2e-3), 100 + 1000 minibatches of 64; "
+                  "`python bench/run.py --only B12`",
+                  f"2 PS + 2 workers {ps_['steps_per_s']:.0f} steps/s, accuracy {ps_['accuracy']:.4f}; single-process "
+                  f"torch {one['steps_per_s']:.0f} steps/s, {one['accuracy']:.4f}; DDP gloo x2 "
+                  f"{ddp['steps_per_s']:.0f} steps/s, {ddp['accuracy']:.4f}; cluster = "
+                  f"{ps_['steps_per_s'] / one['steps_per_s']:.2f} x single, {ps_['steps_per_s'] / ddp['steps_per_s']:.2f} x DDP",
+                  "table, same run (accuracy >= 0.95 for the cluster: "
+                  f"{'met' if ps_['accuracy'] >= 0.95 else 'NOT met'})")]
+
+
 BENCHES = {"B1": bench_b1, "B9": bench_b9, "B2": bench_b2, "B3": bench_b3, "B4": bench_b4, "B5": bench_b5,
            "B6": bench_b6, "B7": bench_b7, "B8": bench_b8,
-           "B10": bench_b10}
+           "B10": bench_b10, "B11": bench_b11, "B12": bench_b12}
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 

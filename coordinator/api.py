@@ -2,7 +2,8 @@
 
 Both classes offer the same public methods (tests/unit/test_remote_clients.py compares them);
 DAEMON_SIDE names ClusterCoordinator's entry points for the servicer, which a client has no use for,
-and CLIENT_SIDE what only a remote client needs.
+and CLIENT_SIDE what only a remote client needs. `lost_updates_by_variable` is also embedded-only: the
+Status RPC carries the total (`lost_updates`), not the per-variable breakdown.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pscluster.datasets import PerWorkerDataset
 from pscluster.variables import Variable
 
 
-DAEMON_SIDE = frozenset({"schedule_payload", "register", "heartbeat", "release", "snapshot"})
+DAEMON_SIDE = frozenset({"schedule_payload", "register", "heartbeat", "release", "snapshot", "lost_updates_by_variable"})
 CLIENT_SIDE = frozenset({"close"})  # detach without ending the job (RemoteCoordinator(settings, job=...) re-attaches)
 
 

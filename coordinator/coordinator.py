@@ -39,6 +39,7 @@ from pscluster.coordinator import scheduler as sch
 from pscluster.coordinator.dispatch import ClosureSender
 from pscluster.coordinator.ps_monitor import PsMonitor
 from pscluster.coordinator.api import CoordinatorAPI
+from pscluster.coordinator.checkpoints import AutoCheckpointer
 from pscluster.coordinator.clients import LongPolls, RetainedValues
 from pscluster.coordinator.job_queues import MAIN
 from pscluster.coordinator.joins import JobJoins, JobSessions
@@ -95,6 +96,9 @@ class ClusterCoordinator(CoordinatorAPI):
         self._monitor = PsMonitor(self.client, on_down=lambda: self._events.put((sch.PsDown(), None)),
                                   on_up=lambda: self._events.put((sch.PsUp(), None)),
                                   on_fatal=lambda exc: self._fail("ps-monitor", exc)).start()
+        self._checkpointer = AutoCheckpointer.from_settings(
+            self.settings, self.initial_step, step=lambda: self.global_step, save=self.client.checkpoint,
+            clock=clock, on_fatal=lambda exc: self._fail("auto-checkpoint", exc))
         self._loop = self._thread(self._run, "coordinator-loop")
         self._ticker = self._thread(self._tick, "coordinator-tick")
         self.metrics_port = 0
@@ -178,10 +182,11 @@ class ClusterCoordinator(CoordinatorAPI):
         """Choose the update mode: "async", "sync" (token queue) or "bounded" (staleness tau).
 
         sync defaults to R = N = the number of live workers; N > R makes the slowest N - R backups.
-        Call it while no closure runs: it joins the calling job (a daemon's other jobs are not waited
-        for; the mode applies to every job). Returns the global step.
+        Call it while no closure runs: it waits for the calling job's closures (a daemon's other jobs
+        are not waited for; the mode applies to every job) and leaves a closure error for join().
+        Returns the global step.
         """
-        self._joins.get(job).wait(None)
+        self._joins.get(job).drain(None)
         r = replicas_to_aggregate or max(1, self.num_workers())
         n = total_num_replicas or r
         step = self.client.configure_sync(mode, r, n, staleness)
@@ -190,17 +195,22 @@ class ClusterCoordinator(CoordinatorAPI):
         return step
 
     def checkpoint(self, step: int | None = None, *, job: str = MAIN) -> list[str]:
-        """Join the calling job, then write a checkpoint of every PS at one global step.
+        """Wait for the calling job's closures, then write a checkpoint of every PS at one global step.
 
+        A closure error is left for join() to report: a failed closure does not prevent the save.
         Consistent (no push in flight) when no other job runs closures at the same time.
         """
-        self._joins.get(job).wait(None)
+        self._joins.get(job).drain(None)
         return self.client.checkpoint(self.global_step if step is None else step)
 
     @property
     def lost_updates(self) -> int:
-        """Updates applied on a PS after its last checkpoint and lost when it restarted."""
+        """Shard updates of completed closures rolled back by PS restarts (summed over shards)."""
         return self._monitor.lost_updates
+
+    def lost_updates_by_variable(self) -> dict[str, int]:
+        """Lost shard updates per variable; for a one-shard counter, completed closures it lost."""
+        return self._monitor.lost_updates_by_variable()
 
     @property
     def global_step(self) -> int:
@@ -247,6 +257,8 @@ class ClusterCoordinator(CoordinatorAPI):
     def shutdown(self) -> None:
         """Stop the loop, the server and every connection."""
         self._stop.set()
+        if self._checkpointer is not None:
+            self._checkpointer.stop()
         self._monitor.stop()
         self._events.put((_STOP, None))
         self._loop.join(timeout=5)
@@ -374,7 +386,8 @@ class ClusterCoordinator(CoordinatorAPI):
         elif isinstance(action, sch.Abandon):
             self._sender.abandon(action.cid, action.wid)
         elif isinstance(action, sch.WorkerGone):
-            log.warning("%s; closures %s rescheduled", action.reason, list(action.rescheduled) or "none")
+            moved = list(action.rescheduled)
+            log.warning("%s; %s", action.reason, f"closures {moved} rescheduled" if moved else "no closure to reschedule")
             self._sender.forget(action.wid, action.address)
         elif isinstance(action, sch.Registered):
             if action.new:

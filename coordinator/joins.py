@@ -66,10 +66,23 @@ class JoinState:
         Raises:
             DeadlineExceededError: closures still outstanding after timeout.
         """
+        self.drain(timeout)
+        return self.take()[1]
+
+    def drain(self, timeout: float | None) -> None:
+        """Block until nothing is outstanding, leaving a pending closure error for join() to report.
+
+        checkpoint() and configure_sync() drain: an error the user already saw through fetch() must
+        not stop a save, and join() still reports it once.
+
+        Raises:
+            DeadlineExceededError: closures still outstanding after timeout.
+        """
         with self._cond:
             if not self._cond.wait_for(lambda: self.outstanding == 0 or self._fatal is not None, timeout):
                 raise DeadlineExceededError(f"join: {self.outstanding} closures still outstanding after {timeout} s")
-        return self.take()[1]
+            if self._fatal is not None:
+                raise self._fatal
 
     def done(self) -> bool:
         """True when nothing is outstanding; raises the fatal or the pending closure error first."""
@@ -191,3 +204,12 @@ class JobSessions:
             NotFoundError: job has ended.
         """
         return self._joins.get(job).poll(timeout)
+
+    def drain(self, job: str, timeout: float | None) -> None:
+        """Wait for job's closures without taking its pending error (see JoinState.drain).
+
+        Raises:
+            DeadlineExceededError: closures still outstanding after timeout.
+            NotFoundError: job has ended.
+        """
+        self._joins.get(job).drain(timeout)

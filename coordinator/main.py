@@ -45,5 +45,6 @@ def serve(settings: Settings) -> None:
         print(f"READY coordinator {settings.bind_host}:{coord.port} global_step={coord.global_step}{metrics}",
               flush=True)
         stop.wait()
+        log.info("coordinator: stopping; queued closures are cancelled, workers keep running")
     finally:
         coord.shutdown()

@@ -1,8 +1,16 @@
 """Watches every PS task: pauses dispatch while one is down, and counts updates lost by a restart.
 
 A restarted PS has a new incarnation and serves its newest checkpoint. Workers report the shard
-versions their pushes produced, tagged with the PS incarnation; the updates lost are the versions
-seen under the old incarnation beyond the version the PS restored.
+versions their pushes produced, tagged with the PS incarnation, only when their closure completes;
+the updates lost are the *reported* versions of the old incarnation beyond the version the PS
+restored. A version applied by an attempt that then failed is not reported (its closure re-runs and
+is applied again), so it is not counted: for a one-shard counter pushed once per closure,
+counter == completed - lost_updates exactly.
+
+Memory: per shard and incarnation the reported versions are kept as sorted disjoint ranges; a run
+of consecutive reports is one range, so the ranges grow with the number of versions never reported
+(failed attempts) and late reports in flight, not with the number of closures completed. After a
+restart the old incarnation keeps only its ranges above the restored version.
 
 A check that fails (a PS answering garbage, a restart met again mid-accounting) is logged and retried
 with backoff; dispatch stays paused meanwhile. After `max_failures` failed checks in a row the monitor
@@ -12,6 +20,7 @@ instead of staying paused forever.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 import time
@@ -23,6 +32,46 @@ from pscluster.errors import PsclusterError
 from pscluster.proto import pscluster_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+
+class VersionRanges:
+    """A set of integers as sorted disjoint closed ranges; `count_above(v)` counts members > v."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+
+    def add(self, v: int) -> None:
+        """Insert v (idempotent), merging with its neighbours."""
+        i = bisect.bisect_right(self._starts, v) - 1
+        if i >= 0 and self._starts[i] <= v <= self._ends[i]:
+            return
+        joins_left = i >= 0 and self._ends[i] == v - 1
+        joins_right = i + 1 < len(self._starts) and self._starts[i + 1] == v + 1
+        if joins_left and joins_right:
+            self._ends[i] = self._ends[i + 1]
+            del self._starts[i + 1], self._ends[i + 1]
+        elif joins_left:
+            self._ends[i] = v
+        elif joins_right:
+            self._starts[i + 1] = v
+        else:
+            self._starts.insert(i + 1, v)
+            self._ends.insert(i + 1, v)
+
+    def count_above(self, v: int) -> int:
+        """How many members are > v."""
+        return sum(e - max(s, v + 1) + 1 for s, e in zip(self._starts, self._ends) if e > v)
+
+    def drop_through(self, v: int) -> None:
+        """Forget members <= v."""
+        i = bisect.bisect_right(self._ends, v)
+        del self._starts[:i], self._ends[:i]
+        if self._starts and self._starts[0] <= v:
+            self._starts[0] = v + 1
+
+    def __len__(self) -> int:
+        return len(self._starts)
 
 
 class PsMonitor:
@@ -40,7 +89,7 @@ class PsMonitor:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._seen: dict[tuple[str, int, int], int] = {}  # (variable, shard, incarnation) -> max version
+        self._seen: dict[tuple[str, int, int], VersionRanges] = {}  # (variable, shard, incarnation) -> reported
         self.incarnations = [s.incarnation for s in client.status()]
         # per restart: the old incarnation and the version each of its shards came back with
         self._restores: list[tuple[int, dict[tuple[str, int], int]]] = []
@@ -65,19 +114,26 @@ class PsMonitor:
         """Note shard versions reported by a finished closure."""
         with self._lock:
             for v in versions:
-                key = (v.variable, v.shard_index, v.incarnation)
-                if v.version > self._seen.get(key, -1):
-                    self._seen[key] = v.version
+                self._seen.setdefault((v.variable, v.shard_index, v.incarnation), VersionRanges()).add(v.version)
 
     @property
     def lost_updates(self) -> int:
-        """Updates acknowledged by a PS incarnation beyond what its restart restored.
+        """Shard updates of completed closures that a PS restart rolled back (summed over shards).
 
         Computed from the latest reports, so closures that finish after the restart still count.
         """
+        return sum(self.lost_updates_by_variable().values())
+
+    def lost_updates_by_variable(self) -> dict[str, int]:
+        """Lost shard updates per variable (for a one-shard variable: its completed closures lost)."""
+        out: dict[str, int] = {}
         with self._lock:
-            return sum(max(0, self._seen.get((var, shard, old), version) - version)
-                       for old, restored in self._restores for (var, shard), version in restored.items())
+            for old, restored in self._restores:
+                for (var, shard), version in restored.items():
+                    seen = self._seen.get((var, shard, old))
+                    if seen is not None:
+                        out[var] = out.get(var, 0) + seen.count_above(version)
+        return out
 
     def _statuses(self) -> list[pb.PsStatus] | None:
         try:
@@ -130,10 +186,18 @@ class PsMonitor:
 
     def _account(self, ps: int, status: pb.PsStatus) -> None:
         old = self.incarnations[ps]
+        created = self._client.recreate_missing(ps)  # before dispatch resumes: no NotFoundError to closures
+        if created:
+            log.warning("ps %d came back without %d shard(s) created after its checkpoint; created them again",
+                        ps, created)
         reply = rpc.call(self._client.stubs[ps].ListShards, pb.ListShardsRequest(), timeout=5.0)
         restored = {(i.spec.variable, i.spec.shard_index): max(i.restored_version, 0) for i in reply.shards}
         with self._lock:
             self._restores.append((old, restored))
+            for (var, shard), version in restored.items():
+                seen = self._seen.get((var, shard, old))
+                if seen is not None:
+                    seen.drop_through(version)  # only what the restart rolled back can ever count
         self.incarnations[ps] = status.incarnation
         log.warning("ps %d restarted from checkpoint step %d; %d updates lost so far (applied after that "
                     "checkpoint; see ClusterCoordinator.lost_updates)", ps, status.restored_step, self.lost_updates)

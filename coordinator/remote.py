@@ -135,10 +135,13 @@ class RemoteCoordinator(CoordinatorAPI):
 
     def join(self, timeout: float | None = None) -> None:
         """Wait for every closure this job scheduled; raise the first closure error (once)."""
+        self._wait(timeout, keep_error=False)
+
+    def _wait(self, timeout: float | None, keep_error: bool) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             wait = 10.0 if deadline is None else max(0.0, deadline - time.monotonic())
-            reply = self._poll("Join", pb.JoinRequest(timeout_s=wait, job=self.job))
+            reply = self._poll("Join", pb.JoinRequest(timeout_s=wait, job=self.job, keep_error=keep_error))
             if reply is not None and reply.done:
                 if reply.HasField("error"):
                     raise reply_error(reply.closure_id_of_error, reply.error)
@@ -160,14 +163,17 @@ class RemoteCoordinator(CoordinatorAPI):
     def configure_sync(self, mode: str = "sync", replicas_to_aggregate: int | None = None,
                        total_num_replicas: int | None = None, staleness: int = 0) -> int:
         """Choose the update mode on the daemon (see ClusterCoordinator.configure_sync); returns the global step."""
-        self.join()
+        self._wait(None, keep_error=True)
         config = pb.SyncConfigRequest(mode=mode, replicas_to_aggregate=replicas_to_aggregate or 0,
                                       total_num_replicas=total_num_replicas or 0, staleness=staleness)
         return int(self._call("ConfigureSync", pb.CoordinatorSyncRequest(job=self.job, config=config)).global_step)
 
     def checkpoint(self, step: int | None = None) -> list[str]:
-        """Join this job, then checkpoint every PS at one global step; returns the files written."""
-        self.join()
+        """Wait for this job's closures, then checkpoint every PS at one global step; returns the files written.
+
+        A closure error is left for join() to report (see ClusterCoordinator.checkpoint).
+        """
+        self._wait(None, keep_error=True)
         request = pb.CoordinatorCheckpointRequest(job=self.job, has_step=step is not None, step=step or 0)
         return list(self._call("Checkpoint", request).paths)
 

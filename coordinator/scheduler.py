@@ -17,8 +17,9 @@ after job_idle_timeout without a keepalive, its queued closures cancelled.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from pscluster.coordinator.events import (  # noqa: F401 - re-exported: sch.Submit, sch.Dispatch, ...
     Submit, OpenJob, KeepJob, EndJob, Register, Heartbeat, Leave, Finished, TransportFailed, Tick, PsDown,
@@ -55,6 +56,18 @@ class WorkerRec:
     done: int = 0
 
 
+ENDED_JOBS_SHOWN = 8  # `pscluster status` shows the last few ended jobs; older ones are forgotten
+
+
+class EndedJob(NamedTuple):
+    """A job that ended: its final counters, for status."""
+
+    job: str
+    completed: int
+    failed: int
+    reason: str
+
+
 @dataclass
 class SchedulerState:
     """Everything the scheduler decides from."""
@@ -75,6 +88,7 @@ class SchedulerState:
     failed: int = 0
     completed: int = 0
     num_running: int = 0  # closures in state "running", kept by _move
+    ended_jobs: deque[EndedJob] = field(default_factory=lambda: deque(maxlen=ENDED_JOBS_SHOWN))
 
     def __post_init__(self) -> None:
         self.queue.open(MAIN, 0.0, expires=False)
@@ -173,6 +187,8 @@ def _end_job(state: SchedulerState, job: str, reason: str) -> list[Action]:
     if job not in state.queue.jobs or job == MAIN:
         return []
     actions = _cancel_queued(state, job, f"job {job} ended: {reason}")
+    rec = state.queue.jobs[job]
+    state.ended_jobs.append(EndedJob(job, rec.completed, rec.failed, reason))
     state.queue.close(job)
     return actions + [JobEnded(job, reason)]
 

@@ -70,6 +70,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinReply:
         with self.coordinator.long_polls.slot(request.timeout_s) as wait:  # ResourceExhausted: the client re-polls
             try:
+                if request.keep_error:
+                    self.coordinator.sessions.drain(request.job or MAIN, wait)
+                    return pb.JoinReply(done=True, closure_id_of_error=-1)
                 failed = self.coordinator.sessions.join(request.job or MAIN, wait)
             except DeadlineExceededError:
                 return pb.JoinReply(done=False, closure_id_of_error=-1)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 from typing import NamedTuple
 
-from pscluster.coordinator.scheduler import SchedulerState
+from pscluster.coordinator.scheduler import EndedJob, SchedulerState
 from pscluster.proto import pscluster_pb2 as pb
 
 RATE_WINDOW_S = 10.0
@@ -53,6 +53,7 @@ class Snapshot(NamedTuple):
     paused: bool = False
     workers: tuple[WorkerView, ...] = ()
     jobs: tuple[JobView, ...] = ()
+    ended_jobs: tuple[EndedJob, ...] = ()
 
     @property
     def alive(self) -> int:
@@ -72,7 +73,7 @@ def take(state: SchedulerState, meter: RateMeter) -> Snapshot:
     jobs = tuple(JobView(j.job, len(j.queue), j.running, j.completed, j.failed, j.last_seen, j.expires)
                  for j in state.queue.jobs.values())
     return Snapshot(len(state.queue), state.running(), state.completed, state.retried, state.failed,
-                    state.paused, workers, jobs)
+                    state.paused, workers, jobs, tuple(state.ended_jobs))
 
 
 def to_status(snap: Snapshot, now: float, *, lost_updates: int, global_step: int,
@@ -82,6 +83,7 @@ def to_status(snap: Snapshot, now: float, *, lost_updates: int, global_step: int
                               steps_per_s=w.steps_per_s) for w in snap.workers]
     jobs = [pb.JobState(job=j.job, queued=j.queued, running=j.running, done=j.completed, failed=j.failed,
                         idle_s=now - j.last_seen if j.expires else 0.0) for j in snap.jobs]
+    jobs += [pb.JobState(job=e.job, done=e.completed, failed=e.failed, ended=e.reason) for e in snap.ended_jobs]
     return pb.CoordinatorStatus(queued=snap.queued, running=snap.running, done=snap.completed,
                                 retried=snap.retried, failed=snap.failed, workers=workers, lost_updates=lost_updates,
                                 global_step=global_step, sync_mode=sync_mode, jobs=jobs)

@@ -460,12 +460,14 @@ class FetchReply(_message.Message):
     def __init__(self, done: _Optional[bool] = ..., reply: _Optional[_Union[RunClosureReply, _Mapping]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("timeout_s", "job")
+    __slots__ = ("timeout_s", "job", "keep_error")
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     JOB_FIELD_NUMBER: _ClassVar[int]
+    KEEP_ERROR_FIELD_NUMBER: _ClassVar[int]
     timeout_s: float
     job: str
-    def __init__(self, timeout_s: _Optional[float] = ..., job: _Optional[str] = ...) -> None: ...
+    keep_error: bool
+    def __init__(self, timeout_s: _Optional[float] = ..., job: _Optional[str] = ..., keep_error: _Optional[bool] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("done", "closure_id_of_error", "error")
@@ -520,20 +522,22 @@ class CoordinatorCheckpointReply(_message.Message):
     def __init__(self, paths: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class JobState(_message.Message):
-    __slots__ = ("job", "queued", "running", "done", "failed", "idle_s")
+    __slots__ = ("job", "queued", "running", "done", "failed", "idle_s", "ended")
     JOB_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
     job: str
     queued: int
     running: int
     done: int
     failed: int
     idle_s: float
-    def __init__(self, job: _Optional[str] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., done: _Optional[int] = ..., failed: _Optional[int] = ..., idle_s: _Optional[float] = ...) -> None: ...
+    ended: str
+    def __init__(self, job: _Optional[str] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., done: _Optional[int] = ..., failed: _Optional[int] = ..., idle_s: _Optional[float] = ..., ended: _Optional[str] = ...) -> None: ...
 
 class CoordinatorStatusRequest(_message.Message):
     __slots__ = ()

@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     wk.add_argument("--framed-port", type=int, help="port of the framed closure listener (default: any free port)")
     co = sub.add_parser("coordinator", help="run a coordinator daemon")
     _common(co)
+    co.add_argument("--checkpoint-every-steps", type=int, help="automatic checkpoint every N global steps")
+    co.add_argument("--checkpoint-every-s", type=float, help="automatic checkpoint every T seconds (default 60)")
+    co.add_argument("--no-auto-checkpoint", action="store_true", help="no automatic checkpoints")
     up = sub.add_parser("up", help="run a whole cluster on this machine, supervised")
     up.add_argument("--ps", type=int, default=2, help="number of PS tasks")
     up.add_argument("--workers", type=int, default=2, help="number of workers")
@@ -82,6 +85,9 @@ def settings_from_args(args: argparse.Namespace, task_type: str | None) -> Setti
         "restore": getattr(args, "restore", None) or None, "nan_policy": getattr(args, "nan_policy", None),
         "token_file": args.token_file, "metrics_port": getattr(args, "metrics_port", None),
         "framed_port": getattr(args, "framed_port", None), "parent_pid": getattr(args, "parent_pid", None),
+        "checkpoint_every_steps": getattr(args, "checkpoint_every_steps", None),
+        "checkpoint_every_s": getattr(args, "checkpoint_every_s", None),
+        "auto_checkpoint": False if getattr(args, "no_auto_checkpoint", False) else None,
     }
     return load_settings(args.cluster, overrides=overrides)
 

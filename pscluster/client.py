@@ -25,7 +25,7 @@ from pscluster import codec, context, rpc
 from pscluster.bulk import BulkCall, BulkClient
 from pscluster.grpc_tensors import GrpcTensors
 from pscluster.config import Settings
-from pscluster.errors import AlreadyExistsError, InvalidArgumentError, PsclusterError
+from pscluster.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, PsclusterError, UnavailableError
 from pscluster.placement import Partitioner, ps_for_ordinal, split_rows
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
@@ -47,6 +47,15 @@ def _as_grad(var: Variable, grad: np.ndarray, shape: tuple[int, ...]) -> np.ndar
     return arr
 
 
+def _check_variables(items: Sequence[Any], what: str) -> None:
+    """Raise InvalidArgumentError unless every item is a Variable (a name or an array is a common slip)."""
+    for i, item in enumerate(items):
+        if not isinstance(item, Variable):
+            raise InvalidArgumentError(
+                f"{what}: item {i} is {type(item).__name__} {item!r:.60}, not a Variable; pass what "
+                f"create_variable() returned (or client.variables()[name])")
+
+
 def _step_tag(step: int = 0) -> int:
     """The step to tag a push with: the running closure's sync token (taken now if needed), else step."""
     scope = context.current_scope()
@@ -66,6 +75,9 @@ class PSClient:
         self._lock = threading.Lock()
         self._known: dict[str, Variable] | None = None
         self._creating: dict[str, tuple[Variable, threading.Event]] = {}  # names whose shards are being created
+        # this client's own definitions (CreateShard requests by PS), to create a shard again on a PS that
+        # restarted from a checkpoint older than the variable: one entry per variable, not per step
+        self._definitions: dict[str, list[tuple[int, str, Any]]] = {}
         self._timeout = settings.rpc_timeout_s
         self._grpc = GrpcTensors(self)
         self._bulk = BulkClient([a.rpartition(":")[0] for a in settings.cluster.ps], self._bulk_port,
@@ -110,7 +122,7 @@ class PSClient:
             except grpc.RpcError as exc:
                 err = rpc.translate(exc, f"ps {ps} ({self.settings.cluster.ps[ps]}) {method}")
                 if not err.retryable:
-                    raise err from exc
+                    raise err from None
                 out.append(self._call(ps, method, req))
         return out
 
@@ -207,6 +219,7 @@ class PSClient:
             with self._lock:
                 assert self._known is not None
                 self._known[name] = var
+                self._definitions[name] = calls
         finally:
             with self._lock:
                 del self._creating[name]
@@ -214,31 +227,85 @@ class PSClient:
         return var
 
     # -- pull ------------------------------------------------------------------------------------
+    def recreate_missing(self, ps: int) -> int:
+        """Create again on PS `ps` the shards this client defined that it no longer holds; returns how many."""
+        with self._lock:
+            mine = [call for calls in self._definitions.values() for call in calls if call[0] == ps]
+        held = {(i.spec.variable, i.spec.shard_index) for i in self._call(ps, "ListShards", pb.ListShardsRequest()).shards}
+        missing = [call for call in mine if (call[2].spec.variable, call[2].spec.shard_index) not in held]
+        if missing:
+            self._gather(missing)
+        return len(missing)
+
     def _retrying(self, fn: Callable[[], T]) -> T:
-        """Run fn, retrying UnavailableError/DeadlineExceeded for retry_for seconds (ids make it safe)."""
+        """Run fn, retrying UnavailableError/DeadlineExceeded for retry_for seconds (ids make it safe).
+
+        A NotFoundError for a shard of a Variable handle means its PS restarted from a checkpoint older
+        than the variable (handles come from create/discover, nothing deletes a variable): retried the
+        same way while the coordinator creates it again, then raised as a retryable UnavailableError so
+        the closure is rescheduled instead of failing as a user error.
+        """
         deadline = time.monotonic() + self.retry_for
         backoff = 0.02
         while True:
             try:
                 return fn()
             except PsclusterError as err:
-                if not err.retryable or time.monotonic() + backoff > deadline:
+                lost = isinstance(err, NotFoundError)
+                if not (err.retryable or lost):
+                    raise
+                if time.monotonic() + backoff > deadline:
+                    if lost:
+                        raise UnavailableError(f"a PS lost a shard (restarted without it): {err}") from err
                     raise
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 0.5)
 
     def pull(self, variables: Sequence[Variable]) -> list[np.ndarray]:
         """Current values of variables: one request per PS task, all in parallel, reassembled."""
-        _step_tag()
+        _check_variables(variables, "pull")
         outs = [np.empty(v.shape, v.dtype) for v in variables]
+        self.pull_into(list(zip(variables, outs)))
+        return outs
+
+    def pull_into(self, dense: Sequence[tuple[Variable, np.ndarray]],
+                  rows: Sequence[tuple[Variable, np.ndarray, np.ndarray]] = ()) -> None:
+        """Fill arrays in place: whole variables `(var, out)` and table rows `(table, ids, out)`, one request
+        per PS task for all of them. The bulk path receives straight into `out` (C-contiguous, the
+        variable's dtype); rows of one shard land in place when `ids` is sorted (else one scatter copy).
+
+        Raises:
+            InvalidArgumentError: an `out` of the wrong shape, dtype or layout, or ids out of range.
+        """
+        _check_variables([var for var, _ in dense], "pull")
+        checked = [(var, self._check_ids(var, ids), out) for var, ids, out in rows]
+        for var, ids, out in [(v, None, o) for v, o in dense] + checked:
+            want = var.shape if ids is None else (ids.size,) + var.shape[1:]
+            if out.shape != want or out.dtype != var.dtype or not out.flags.c_contiguous or not out.flags.writeable:
+                raise InvalidArgumentError(f"{var.name}: pull target {out.dtype}{list(out.shape)} must be a writable "
+                                           f"C-contiguous {var.dtype}{list(want)}")
+        _step_tag()
         plan: dict[int, list[tuple[pb.PullItem, np.ndarray]]] = defaultdict(list)
-        for var, out in zip(variables, outs):
+        for var, out in dense:
             for pl in var.shards:
                 target = out[pl.row_offset:pl.row_offset + pl.rows] if var.shape else out
                 plan[pl.ps].append((pb.PullItem(ref=pb.ShardRef(variable=var.name, shard_index=pl.shard_index)),
                                     target))
+        scatter = []
+        for var, ids, out in checked:
+            for pl, sel in var.rows_by_shard(ids):
+                if not sel.size:
+                    continue
+                if sel[-1] - sel[0] + 1 == sel.size:  # a run of out's rows (sorted ids): receive in place
+                    part = out[sel[0]:sel[-1] + 1]
+                else:
+                    part = np.empty((sel.size,) + var.shape[1:], var.dtype)
+                    scatter.append((out, sel, part))
+                plan[pl.ps].append((pb.PullItem(ref=pb.ShardRef(variable=var.name, shard_index=pl.shard_index),
+                                                ids=codec.encode(ids[sel])), part))
         self._pull_plan(plan)
-        return outs
+        for out, sel, part in scatter:
+            out[sel] = part
 
     def _pull_plan(self, plan: dict[int, list[tuple[pb.PullItem, np.ndarray]]]) -> None:
         """Fill each target with its item's tensor, over the bulk path or gRPC."""
@@ -247,51 +314,45 @@ class PSClient:
                               targets=[t for _, t in items]) for ps, items in plan.items()]
             self._retrying(lambda: self._bulk.run(calls))  # type: ignore[union-attr]
             return
-        self._grpc.pull(plan)
+        self._retrying(lambda: self._grpc.pull(plan))
 
     def pull_rows(self, var: Variable, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Rows `ids` of a table, gathered from the shards that hold them."""
-        ids = self._check_ids(var, ids)
-        _step_tag()
-        out = np.empty((ids.size,) + var.shape[1:], var.dtype)
-        plan: dict[int, list[tuple[pb.PullItem, np.ndarray]]] = defaultdict(list)
-        scatter = []
-        for pl, sel in var.rows_by_shard(ids):
-            if not sel.size:
-                continue
-            part = np.empty((sel.size,) + var.shape[1:], var.dtype)
-            plan[pl.ps].append((pb.PullItem(ref=pb.ShardRef(variable=var.name, shard_index=pl.shard_index),
-                                            ids=codec.encode(ids[sel])), part))
-            scatter.append((sel, part))
-        self._pull_plan(plan)
-        for sel, part in scatter:
-            out[sel] = part
+        arr = self._check_ids(var, ids)
+        out = np.empty((arr.size,) + var.shape[1:], var.dtype)
+        self.pull_into((), rows=[(var, arr, out)])
         return out
 
     # -- push ------------------------------------------------------------------------------------
-    def push(self, grads: Grads, push_id: str | None = None, step: int = 0) -> list[int]:
-        """Send dense gradients; returns the new version of every shard touched, in request order."""
+    def push(self, grads: Grads, push_id: str | None = None, step: int = 0,
+             rows: Sequence[tuple[Variable, np.ndarray, np.ndarray]] = ()) -> list[int]:
+        """Send dense gradients and table row gradients `(table, ids, grads)` under one push id, one
+        request per PS task; returns the new version of every shard touched, in request order.
+
+        Every shard of a table gets a part (empty for shards without rows): each shard then counts every
+        update of the table, so Adam's bias correction does not depend on how the table is sharded.
+        """
+        pairs = list(grads)
+        if not all(isinstance(pair, tuple) and len(pair) == 2 for pair in pairs):
+            raise InvalidArgumentError("push: takes (Variable, gradient) pairs")
+        _check_variables([var for var, _ in pairs], "push")
         plan: dict[int, list[tuple[pb.PushItem, np.ndarray]]] = defaultdict(list)
-        for var, grad in grads:
+        for var, grad in pairs:
             arr = _as_grad(var, grad, var.shape)
             for pl, part in var.dense_parts(arr):
                 plan[pl.ps].append((pb.PushItem(ref=pb.ShardRef(variable=var.name, shard_index=pl.shard_index)), part))
+        for var, ids, row_grads in rows:
+            ids = self._check_ids(var, ids)
+            arr = _as_grad(var, row_grads, (ids.size,) + var.shape[1:])
+            for pl, part_ids, part in var.row_parts(ids, arr):
+                plan[pl.ps].append((pb.PushItem(ref=pb.ShardRef(variable=var.name, shard_index=pl.shard_index),
+                                                ids=codec.encode(part_ids)), part))
         return self._push_plan(plan, push_id or context.push_id(), _step_tag(step))
 
     def push_rows(self, var: Variable, ids: Sequence[int] | np.ndarray, grads: np.ndarray,
                   push_id: str | None = None, step: int = 0) -> list[int]:
-        """Row gradients of a table; only those rows change. Returns the new version of every shard.
-
-        Every shard gets a part (empty for shards without rows): each shard then counts every update
-        of the table, so Adam's bias correction does not depend on how the table is sharded.
-        """
-        ids = self._check_ids(var, ids)
-        arr = _as_grad(var, grads, (ids.size,) + var.shape[1:])
-        plan: dict[int, list[tuple[pb.PushItem, np.ndarray]]] = defaultdict(list)
-        for pl, part_ids, part in var.row_parts(ids, arr):
-            plan[pl.ps].append((pb.PushItem(ref=pb.ShardRef(variable=var.name, shard_index=pl.shard_index),
-                                            ids=codec.encode(part_ids)), part))
-        return self._push_plan(plan, push_id or context.push_id(), _step_tag(step))
+        """Row gradients of a table; only those rows change. Returns the new version of every shard."""
+        return self.push((), push_id, step, rows=[(var, np.asarray(ids), grads)])
 
     def _push_plan(self, plan: dict[int, list[tuple[pb.PushItem, np.ndarray]]], pid: str, step: int) -> list[int]:
         refs = [item.ref for items in plan.values() for item, _ in items]
@@ -310,7 +371,7 @@ class PSClient:
             self._retrying(lambda: self._bulk.run(calls))  # type: ignore[union-attr]
             replies = [c.reply.push for c in calls]  # type: ignore[union-attr]
         else:
-            replies = self._grpc.push(plan, pid, step)
+            replies = self._retrying(lambda: self._grpc.push(plan, pid, step))
         self._record(refs, replies)
         return [v for r in replies for v in r.versions]
 
@@ -328,6 +389,7 @@ class PSClient:
 
     @staticmethod
     def _check_ids(var: Variable, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        _check_variables([var], "rows")
         arr = np.asarray(ids)
         if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
             raise InvalidArgumentError(f"{var.name}: row ids must be a 1-D integer array, got {arr.dtype}{arr.shape}")

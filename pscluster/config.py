@@ -75,6 +75,11 @@ class Settings(_Frozen):
     stream_threshold_bytes: int = Field(default=16 * MiB, ge=0)
     checkpoint_dir: pathlib.Path | None = None
     keep_checkpoints: int = Field(default=3, ge=1)
+    # coordinator: automatic checkpoints every N global steps and/or T seconds (None: that trigger off);
+    # on by default, active whenever the PS tasks have a checkpoint directory
+    auto_checkpoint: bool = True
+    checkpoint_every_steps: int | None = Field(default=None, ge=1)
+    checkpoint_every_s: float | None = Field(default=60.0, gt=0)
     restore: bool = False
     nan_policy: Literal["reject", "allow"] = "reject"
     rpc_timeout_s: float = Field(default=60.0, gt=0)
@@ -223,6 +228,9 @@ _ENV_FIELDS = {
     "PSCLUSTER_METRICS_PORT": "metrics_port",
     "PSCLUSTER_TASK_INDEX": "task_index",
     "PSCLUSTER_CHECKPOINT_DIR": "checkpoint_dir",
+    "PSCLUSTER_AUTO_CHECKPOINT": "auto_checkpoint",
+    "PSCLUSTER_CHECKPOINT_EVERY_STEPS": "checkpoint_every_steps",
+    "PSCLUSTER_CHECKPOINT_EVERY_S": "checkpoint_every_s",
     "PSCLUSTER_MAX_MESSAGE_BYTES": "max_message_bytes",
     "PSCLUSTER_NAN_POLICY": "nan_policy",
     "PSCLUSTER_HEARTBEAT_INTERVAL_S": "heartbeat_interval_s",

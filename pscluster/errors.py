@@ -125,10 +125,16 @@ ERRORS_BY_CODE: dict[grpc.StatusCode, type[PsclusterError]] = {
 }
 
 
+TOKEN_HINT = ("this program's token comes from PSCLUSTER_TOKEN, --token-file or token_file in the cluster "
+              "file and must be the one the cluster was started with")
+
+
 def from_status(code: grpc.StatusCode, details: str) -> PsclusterError:
     """The pscluster error for a gRPC status (CANCELLED and unknown codes become UnavailableError/Internal)."""
     if code == grpc.StatusCode.CANCELLED:
         return UnavailableError(details or "call cancelled")
     if code == grpc.StatusCode.OUT_OF_RANGE:
         return InvalidArgumentError(details)
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return UnauthenticatedError(f"{details} ({TOKEN_HINT})")
     return ERRORS_BY_CODE.get(code, InternalError)(details)

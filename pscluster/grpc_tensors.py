@@ -61,7 +61,7 @@ class GrpcTensors:
                 flat[pos:pos + len(chunk.data)] = np.frombuffer(chunk.data, np.uint8)
                 pos += len(chunk.data)
         except grpc.RpcError as exc:
-            raise rpc.translate(exc, f"ps {ps} PullStream {item.ref.variable}") from exc
+            raise rpc.translate(exc, f"ps {ps} PullStream {item.ref.variable}") from None
         if pos != flat.size:
             raise PsclusterError(f"ps {ps} PullStream {item.ref.variable}: got {pos} of {flat.size} bytes")
 

@@ -14,6 +14,7 @@ import argparse
 import logging
 import os
 import pathlib
+import random
 import signal
 import socket
 import subprocess
@@ -33,9 +34,30 @@ from pscluster.errors import ConfigError, DeadlineExceededError, FailedPrecondit
 log = logging.getLogger(__name__)
 
 
+def _ephemeral_floor() -> int:
+    try:
+        return int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on host right now."""
-    with socket.socket() as s:
+    """A port free on host right now, chosen below the kernel's ephemeral range.
+
+    The port is bound later (a daemon's start, a PS restart, the embedded coordinator): a port from
+    the ephemeral range could meanwhile be handed to any process's bind(0) or outgoing connect().
+    """
+    floor = _ephemeral_floor()
+    low = max(1024, floor - 12000)
+    for _ in range(200):
+        port = random.randrange(low, floor)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the whole low range busy: fall back to the kernel's choice
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
@@ -293,12 +315,18 @@ def up_main(args: argparse.Namespace) -> int:
         except DeadlineExceededError as exc:
             raise StartupError(f"up: {exc}") from exc
         step = coord.global_step
-        print(f"READY up: {len(cluster.ps)} PS, {len(cluster.workers)} workers, coordinator at "
+        print(f"READY up: {len(cluster.ps)} PS, {_plural(len(cluster.workers), 'worker')}, coordinator at "
               f"{cluster.spec['coordinator']}, global_step={step}; cluster spec: "
               f"{args.write_cluster or cluster.cluster_file}", flush=True)
         stop.wait()
+        print("up: stopping: coordinator, then workers and PS tasks (up to 1 s for running closures)", flush=True)
     finally:
         if coord is not None:
             coord.shutdown()  # first: its PS monitor would warn about PS tasks going down
         cluster.stop(grace=1.0)  # Ctrl-C means now: a closure still running after 1 s is killed with its worker
+    print("up: stopped", flush=True)
     return 0
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

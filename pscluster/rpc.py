@@ -175,6 +175,7 @@ def open_channel(address: str, settings: Settings) -> grpc.Channel:
     return channel
 
 
+
 def translate(exc: grpc.RpcError, what: str = "") -> PsclusterError:
     """The PsclusterError for a failed call (by status code only)."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
@@ -197,7 +198,7 @@ def call(method: Callable[..., T], request: Any, *, timeout: float, what: str = 
         except grpc.RpcError as exc:
             err = translate(exc, what)
             if not err.retryable or time.monotonic() + backoff > give_up:
-                raise err from exc
+                raise err from None  # the status says it all; grpc's own frames only bury it
             sleep(backoff * (0.5 + random.random()))
             backoff = min(backoff * 2, 1.0)
 

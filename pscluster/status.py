@@ -25,6 +25,12 @@ class ClusterStatus:
     ps_problems: list[str] = field(default_factory=list)
     coordinator: pb.CoordinatorStatus | None = None
     coordinator_error: str = ""
+    coordinator_address: str = ""
+
+    def answered(self) -> tuple[int, int]:
+        """(tasks that answered, tasks asked)."""
+        asked = len(self.ps) + bool(self.coordinator_address)
+        return sum(st is not None for _, st, _ in self.ps) + (self.coordinator is not None), asked
 
     def complete(self, settings: Settings) -> bool:
         """True when every PS and the coordinator (if the spec names one) answered."""
@@ -55,13 +61,13 @@ def gather(settings: Settings, timeout: float = 3.0) -> ClusterStatus:
         finally:
             channel.close()
     if settings.cluster.coordinator:
+        out.coordinator_address = settings.cluster.coordinator
         channel = rpc.open_channel(settings.cluster.coordinator, settings)
         try:
             out.coordinator = rpc.call(pb_grpc.CoordinatorStub(channel).Status, pb.CoordinatorStatusRequest(),
                                        timeout=timeout)
         except PsclusterError as exc:
-            problem = _problem(exc)
-            out.coordinator_error = problem if problem != "unreachable" else f"unreachable: {exc}"
+            out.coordinator_error = _problem(exc)
         finally:
             channel.close()
     return out
@@ -78,8 +84,25 @@ def _print(console: Console, table: Table) -> None:
     console.print(table)
 
 
+def _render_silence(status: ClusterStatus, console: Console) -> None:
+    """Nothing answered: one line per distinct problem instead of empty tables."""
+    tasks: dict[str, list[str]] = {}
+    for i, (address, _, _) in enumerate(status.ps):
+        problem = status.ps_problems[i] if i < len(status.ps_problems) else "unreachable"
+        tasks.setdefault(problem, []).append(f"ps {i} {address}")
+    if status.coordinator_address:
+        tasks.setdefault(status.coordinator_error or "unreachable", []).append(
+            f"coordinator {status.coordinator_address}")
+    for problem, names in tasks.items():
+        hint = " (is the cluster running? see `pscluster up`)" if problem == "unreachable" else ""
+        console.print(f"[red]no task answered[/red]: {problem}{hint}: {', '.join(names)}", soft_wrap=True)
+
+
 def render(status: ClusterStatus, console: Console) -> None:
-    """Print the tables."""
+    """Print the tables (or one line per problem when no task answered)."""
+    if status.answered()[0] == 0:
+        _render_silence(status, console)
+        return
     ps_table = Table(title="parameter servers")
     for col in ("ps", "address", "state", "global step", "restored step", "shards", "held", "stale dropped"):
         ps_table.add_column(col)
@@ -111,10 +134,12 @@ def render(status: ClusterStatus, console: Console) -> None:
             workers.add_row(w.worker_id, w.address, w.state, str(w.closures_done), f"{w.steps_per_s:.1f}")
         _print(console, workers)
         jobs = Table(title="jobs")
-        for col in ("job", "queued", "running", "done", "failed", "idle s"):
+        for col in ("job", "state", "queued", "running", "done", "failed", "idle s"):
             jobs.add_column(col)
         for j in c.jobs:
-            jobs.add_row(j.job, str(j.queued), str(j.running), str(j.done), str(j.failed), f"{j.idle_s:.1f}")
+            state = f"ended: {j.ended}" if j.ended else "live"
+            jobs.add_row(j.job, state, str(j.queued), str(j.running), str(j.done), str(j.failed),
+                         f"{j.idle_s:.1f}" if not j.ended else "-")
         _print(console, jobs)
     elif status.coordinator_error:
         console.print(f"[yellow]coordinator {status.coordinator_error}", soft_wrap=True)
@@ -128,5 +153,9 @@ def show(settings: Settings, console: Console | None = None, wait: float = 0.0,
     while not status.complete(settings) and clock() < deadline:
         time.sleep(min(0.2, max(0.0, deadline - clock())))
         status = gather(settings)
-    render(status, console or Console())
+    console = console or Console()
+    render(status, console)
+    answered, asked = status.answered()
+    if wait > 0 and answered < asked:
+        console.print(f"[yellow]--wait {wait:g} s ran out: {answered} of {asked} tasks answered", soft_wrap=True)
     return 0 if all(st is not None for _, st, _ in status.ps) else 1

@@ -4,6 +4,14 @@ Layout: `<dir>/step-<step>/ps-<i>-of-<P>.safetensors`. A file appears only by re
 its presence means it is complete; a step is complete when all P files are present. Restore reads the
 newest complete step and takes the shards whose ordinal maps to this task under the *current* P, so
 a checkpoint restores into a different number of PS tasks (re-sharding by placement).
+
+Disk stays bounded by `keep` x model size (plus one in-flight temporary per PS task): pruning works
+on whole steps across tasks (any task removes every step directory older than the newest `keep`
+complete steps, since a step is useless once newer complete ones exist), and a temporary
+`.ps-i-of-P.safetensors.tmp-PID` left by a save killed mid-write is removed at start and on every
+prune unless PID is a live pscluster process (its save may still be running). A PID reused by an
+unrelated process does not protect the file; a live pscluster process with a reused PID keeps it
+only until that process ends.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from pscluster.server.store import Shard, ShardSpec, VariableStore
 
 _FILE = re.compile(r"ps-(\d+)-of-(\d+)\.safetensors$")
 _STEP = re.compile(r"step-(\d+)$")
+_TMP = re.compile(r"\.ps-\d+-of-\d+\.safetensors\.tmp-(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -73,7 +82,7 @@ def save(store: VariableStore, root: pathlib.Path, step: int, ps_index: int, num
         os.fsync(fh.fileno())
     os.replace(tmp, final)
     _fsync_dir(step_dir)
-    prune(root, keep, ps_index)
+    prune(root, keep)
     return final
 
 
@@ -98,17 +107,59 @@ def complete_steps(root: pathlib.Path) -> list[tuple[int, list[pathlib.Path]]]:
     return sorted(out)
 
 
-def prune(root: pathlib.Path, keep: int, ps_index: int) -> None:
-    """Remove this task's files of all but the newest `keep` complete steps."""
+def _writer_alive(pid: int) -> bool:
+    """Whether `pid` is a live pscluster process (whose save may still be writing)."""
+    try:
+        cmdline = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc here: fall back to "the PID exists"
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    return b"pscluster" in cmdline
+
+
+def remove_stale_temporaries(root: pathlib.Path, *, at_start: bool = False) -> int:
+    """Delete temporaries whose writer is gone (at start, this process's own too); returns how many."""
+    removed = 0
+    if not root.is_dir():
+        return removed
+    for step_dir in root.iterdir():
+        if not _STEP.match(step_dir.name) or not step_dir.is_dir():
+            continue
+        for f in step_dir.iterdir():
+            m = _TMP.match(f.name)
+            if not m:
+                continue
+            pid = int(m.group(1))
+            if pid == os.getpid() and not at_start:
+                continue
+            if pid != os.getpid() and _writer_alive(pid):
+                continue
+            f.unlink(missing_ok=True)
+            removed += 1
+            try:
+                step_dir.rmdir()  # only if that temporary was all it held
+            except OSError:
+                pass
+    return removed
+
+
+def prune(root: pathlib.Path, keep: int) -> None:
+    """Keep the newest `keep` complete steps; remove every older step directory (any task's files)."""
     steps = complete_steps(root)
-    for step, files in steps[:-keep] if len(steps) > keep else []:
-        for f in files:
-            m = _FILE.match(f.name)
-            if m and int(m.group(1)) == ps_index:
-                f.unlink(missing_ok=True)
-        step_dir = root / f"step-{step:012d}"
-        if step_dir.is_dir() and not any(p for p in step_dir.iterdir() if _FILE.match(p.name)):
-            shutil.rmtree(step_dir, ignore_errors=True)
+    if len(steps) > keep:
+        oldest_kept = steps[-keep][0]
+        for step_dir in root.iterdir():
+            m = _STEP.match(step_dir.name)
+            if m and step_dir.is_dir() and int(m.group(1)) < oldest_kept:
+                shutil.rmtree(step_dir, ignore_errors=True)
+    remove_stale_temporaries(root)
 
 
 def restore(store: VariableStore, root: pathlib.Path, ps_index: int, num_ps: int) -> Restored | None:

@@ -34,6 +34,11 @@ class ParameterServerCore:
         self.restored_step = -1
         self.incarnation = int.from_bytes(os.urandom(6), "little")
         self._save_lock = threading.Lock()
+        if checkpoint_dir is not None:
+            removed = checkpoint.remove_stale_temporaries(checkpoint_dir, at_start=True)
+            if removed:
+                log.info("ps %d: removed %d temporaries left by interrupted saves in %s", ps_index, removed,
+                         checkpoint_dir)
         self.sync: Any = None  # a SyncReplicas, installed by sync_replicas.attach()
         self.bulk_port = 0
         self.metrics: Any = None  # a PsMetrics, installed by main.start()

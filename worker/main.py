@@ -44,10 +44,24 @@ class Heartbeater:
         self._registered = False
         self._on_give_up = on_give_up
         self.failure: StartupError | None = None  # set when start-up gave up on the coordinator
+        self._subject = f"the coordinator at {settings.cluster.coordinator}"
+        self._waiter: Waiter | None = None  # start-up's wait; None once registered
         self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
 
     def start(self) -> None:
-        """Start the heartbeat thread."""
+        """Try to register once here (a refused token fails before READY), then heartbeat in a thread.
+
+        Raises:
+            StartupError: the coordinator refused this worker (e.g. a wrong token).
+        """
+        self._waiter = Waiter(f"worker {self._worker_id}", self._subject, self._settings.startup_timeout_s)
+        try:
+            self._register()
+            self._waiter = None
+        except PsclusterError as exc:
+            if not exc.retryable:
+                self._channel.close()
+                self._waiter.failed(exc)  # raises StartupError naming the refusal
         self._thread.start()
 
     def _register(self) -> None:
@@ -60,8 +74,7 @@ class Heartbeater:
 
     def _loop(self) -> None:
         interval = self._settings.heartbeat_interval_s
-        subject = f"the coordinator at {self._settings.cluster.coordinator}"
-        waiter: Waiter | None = Waiter(f"worker {self._worker_id}", subject, self._settings.startup_timeout_s)
+        subject, waiter = self._subject, self._waiter
         while not self._stop.is_set():
             delay = interval
             try:
@@ -132,14 +145,14 @@ def serve(settings: Settings) -> None:
     server, port, servicer = start(settings)
     advertised = f"{settings.advertise_host or settings.bind_host}:{port}"
     heart = None
-    if settings.cluster.coordinator:
-        heart = Heartbeater(settings, servicer.worker_id, advertised, servicer.runner.datasets,
-                            servicer.closure_port, on_give_up=stop.set)
-        heart.start()
-    metrics = "" if settings.metrics_port is None else \
-        f" metrics={metrics_serve(servicer.runner.metrics.registry, settings.bind_host, settings.metrics_port)}"
-    print(f"READY worker {servicer.worker_id} {advertised}{metrics}", flush=True)
     try:
+        if settings.cluster.coordinator:
+            heart = Heartbeater(settings, servicer.worker_id, advertised, servicer.runner.datasets,
+                                servicer.closure_port, on_give_up=stop.set)
+            heart.start()
+        metrics = "" if settings.metrics_port is None else \
+            f" metrics={metrics_serve(servicer.runner.metrics.registry, settings.bind_host, settings.metrics_port)}"
+        print(f"READY worker {servicer.worker_id} {advertised}{metrics}", flush=True)
         stop.wait()
         if heart is not None and heart.failure is not None:
             heart.leave(notify=False)

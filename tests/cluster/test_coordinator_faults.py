@@ -4,6 +4,7 @@ The fault tests run twice (`make_coord`): against an embedded ClusterCoordinator
 RemoteCoordinator talking to a `pscluster coordinator` daemon, so the two cannot drift apart.
 """
 
+import os
 import signal
 import subprocess
 import sys
@@ -34,30 +35,68 @@ def counter_step(counter, i, pause=0.01):
     return i
 
 
-def test_counter_exact_when_workers_are_killed_hung_and_added(fresh_cluster, make_coord):
+FAULT_STEPS = (50, 100, 160)
+
+
+def gated_step(counter, i, gates):
+    """Closure i waits, before pushing, until the test opened the gate of every fault step <= i."""
+    import pathlib as _pathlib
+    import time as _time
+    level = sum(i >= s for s in FAULT_STEPS)
+    gate = _pathlib.Path(gates) / f"open-{level}"
+    deadline = _time.monotonic() + 120
+    while level and not gate.exists():
+        if _time.monotonic() > deadline:
+            raise TimeoutError(f"gate {level} never opened")
+        _time.sleep(0.005)
+    counter.push(np.array(-1, np.int64))
+    return i
+
+
+def test_counter_exact_when_workers_are_killed_hung_and_added(fresh_cluster, make_coord, tmp_path):
+    """Faults keyed to progress: closures past a fault's step park until that fault has landed, so
+    each fault meets a run with exactly that many closures done and every worker busy."""
     cluster = fresh_cluster(2, 2, supervise=False)
     coord = make_coord(cluster)
     try:
         coord.wait_for_workers(2)
         counter = coord.create_variable("counter", shape=(), dtype="int64", optimizer=ps.SGD(1.0))
         k = 300
-        values = [coord.schedule(counter_step, args=(counter, i)) for i in range(k)]
+        values = [coord.schedule(gated_step, args=(counter, i, str(tmp_path))) for i in range(k)]
+
+        def landed_retry(fault):
+            """Run a fault that ends a busy worker, then wait until its closures were handed back."""
+            before = coord.status().retried
+            fault()
+            wait_for(lambda: coord.status().retried > before, "the victim's closures to be rescheduled")
+
         faults = {
             50: lambda: cluster.add_worker(),
-            100: lambda: cluster.kill(cluster.workers[0], signal.SIGKILL),
-            160: lambda: cluster.kill(cluster.workers[1], signal.SIGSTOP),
+            100: lambda: landed_retry(lambda: cluster.kill(cluster.workers[0], signal.SIGKILL)),
+            160: lambda: landed_retry(lambda: cluster.kill(cluster.workers[1], signal.SIGSTOP)),
         }
-        for step, fault in sorted(faults.items()):
+        for level, step in enumerate(FAULT_STEPS, start=1):
             wait_done(coord, step)
-            fault()
+            faults[step]()
+            assert coord.status().done == step  # the fault landed mid-run: nothing past the gate ran
+            (tmp_path / f"open-{level}").touch()
         coord.join(timeout=90)
         assert int(counter.pull()) == k
         assert [v.fetch() for v in values] == list(range(k))
         status = coord.status()
-        assert status.retried >= 1 and status.failed == 0
+        assert status.retried >= 2 and status.failed == 0
         assert [w.address for w in status.workers] == [f"127.0.0.1:{_port(cluster.workers[2])}"]
+        assert status.workers[0].closures_done > 0  # the added worker took part
     finally:
         coord.shutdown()
+
+
+def wait_for(condition, what, timeout=60.0):
+    """Poll a progress condition with a deadline."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
 
 
 def _port(daemon):
@@ -131,6 +170,30 @@ def test_error_inside_a_closure_is_raised_by_join_and_not_retried(fresh_cluster,
         after = coord.schedule(counter_step, args=(counter, 99, 0.0))
         coord.join(timeout=30)
         assert after.fetch() == 99
+    finally:
+        coord.shutdown()
+
+
+def test_checkpoint_after_a_fetched_closure_error_saves_and_join_still_reports_it(fresh_cluster, make_coord, tmp_path):
+    cluster = fresh_cluster(1, 1, supervise=False, checkpoint_dir=str(tmp_path / "ckpt"))
+    coord = make_coord(cluster)
+    try:
+        coord.wait_for_workers(1)
+        counter = coord.create_variable("counter", shape=(), dtype="int64", optimizer=ps.SGD(1.0))
+
+        def bad():
+            raise ValueError("bad batch 3")
+
+        with pytest.raises(ValueError, match="bad batch 3"):
+            coord.schedule(bad).fetch(timeout=30)
+        coord.schedule(counter_step, args=(counter, 1, 0.0))
+        paths = coord.checkpoint()
+        assert paths and all(os.path.exists(p) for p in paths)
+        assert coord.configure_sync("async") >= 0
+        with pytest.raises(ValueError, match="bad batch 3"):  # the error is still reported, once
+            coord.join(timeout=30)
+        coord.join(timeout=30)
+        assert int(counter.pull()) == 1  # SGD(1.0) of the one -1 gradient
     finally:
         coord.shutdown()
 

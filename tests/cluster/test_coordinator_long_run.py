@@ -96,8 +96,11 @@ def test_per_job_state_is_dropped_when_client_jobs_end(fresh_cluster):
         until(lambda: len(coord._state.queue.jobs) == 1, "the ended jobs to be dropped")
         sizes = internal_sizes(coord)
         assert sizes["_joins"] == 1 and sizes["queues.jobs"] == 1 and sizes["_retained"] == 0, sizes
+        assert sizes.pop("state.ended_jobs") == 8  # status shows the last 8 ended jobs, no more
         assert max(sizes.values()) <= 4, sizes
-        assert [j.job for j in coord.status().jobs] == ["main"]
+        jobs = coord.status().jobs
+        assert [j.job for j in jobs if not j.ended] == ["main"]
+        assert [j.done for j in jobs if j.ended] == [5] * 8 and all(j.ended == "its client shut down" for j in jobs if j.ended)
     finally:
         coord.shutdown()
 

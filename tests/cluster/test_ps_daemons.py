@@ -9,7 +9,7 @@ import pytest
 
 import pscluster as ps
 from pscluster import codec
-from pscluster.errors import AlreadyExistsError, InvalidArgumentError
+from pscluster.errors import AlreadyExistsError, InvalidArgumentError, UnauthenticatedError
 from pscluster.launcher import LocalCluster
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
@@ -184,6 +184,30 @@ def test_unauthenticated_calls_are_rejected_and_change_nothing(cluster, client, 
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert client.pull([v])[0].tolist() == [0, 0, 0]
 
+
+
+@pytest.mark.parametrize("bulk_transport", [True, False])
+def test_a_client_with_the_wrong_token_gets_one_clear_error(cluster, client, bulk_transport):
+    v = client.create_variable("guarded_too", shape=(3,), optimizer=ps.SGD(1.0))
+    settings = cluster.settings(token="not-the-token", bulk_transport=bulk_transport)
+    with ps.PSClient(settings) as wrong:
+        with pytest.raises(UnauthenticatedError, match="PSCLUSTER_TOKEN, --token-file or token_file") as info:
+            wrong.pull([v])
+    assert info.value.__cause__ is None and info.value.__suppress_context__  # no grpc internals in the traceback
+    assert client.pull([v])[0].tolist() == [0, 0, 0]
+
+
+def test_names_instead_of_variables_get_a_clear_error(client):
+    v = client.create_variable("named_w", shape=(2,), optimizer=ps.SGD(1.0))
+    with pytest.raises(InvalidArgumentError, match="pull: item 0 is str 'named_w', not a Variable"):
+        client.pull(["named_w"])
+    with pytest.raises(InvalidArgumentError, match="push: item 0 is str"):
+        client.push([("named_w", np.ones(2, np.float32))])
+    with pytest.raises(InvalidArgumentError, match="push: takes \\(Variable, gradient\\) pairs"):
+        client.push([v])
+    with pytest.raises(InvalidArgumentError, match="rows: item 0 is str"):
+        client.pull_rows("named_w", [0])
+    assert client.pull([v])[0].tolist() == [0, 0]
 
 def test_sigkilled_ps_restarted_with_restore_serves_checkpointed_values(cluster, client, tmp_path):
     w = client.create_variable("ckpt", initial_value=np.arange(8, dtype=np.float32),

@@ -74,3 +74,15 @@ def test_coordinator_refused_by_the_ps_says_so_at_once(tmp_path, procs):
     out, _ = coord.communicate(timeout=60)  # no startup timeout: a wrong token is not worth waiting for
     assert coord.returncode == 3 and "Traceback" not in out, out
     assert "ps 0 at 127.0.0.1:" in out and "refused us (UnauthenticatedError" in out
+
+
+def test_worker_refused_by_the_coordinator_exits_before_ready(tmp_path, procs):
+    spec = write_spec(tmp_path, 1)
+    right = {"PSCLUSTER_TOKEN": "right"}
+    read_until(procs.start("ps", "--cluster", str(spec), "--index", "0", env=right), "READY ps")
+    read_until(procs.start("coordinator", "--cluster", str(spec), env=right), "READY coordinator")
+    worker = procs.start("worker", "--cluster", str(spec), env={"PSCLUSTER_TOKEN": "wrong"})
+    out, _ = worker.communicate(timeout=60)
+    assert worker.returncode == 3 and "Traceback" not in out, out
+    assert "READY" not in out  # nothing told a launcher this worker was usable
+    assert "the coordinator at 127.0.0.1:" in out and "refused us (UnauthenticatedError" in out

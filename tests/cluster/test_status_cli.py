@@ -38,3 +38,14 @@ def test_status_wait_waits_for_a_restarted_ps(fresh_cluster):
         out = status(cluster, "--wait", "60")
     assert out.returncode == 0, out.stdout
     assert "unreachable" not in out.stdout and "up" in out.stdout
+
+
+def test_status_of_a_stopped_cluster_is_one_line_and_wait_says_it_ran_out(fresh_cluster):
+    cluster = fresh_cluster(2, 0, supervise=False)
+    cluster.stop()
+    out = status(cluster, "--wait", "1")
+    assert out.returncode == 1
+    lines = out.stdout.splitlines()
+    assert len(lines) == 2, out.stdout
+    assert lines[0].startswith("no task answered: unreachable") and cluster.spec["ps"][1] in lines[0]
+    assert lines[1] == "--wait 1 s ran out: 0 of 3 tasks answered"

@@ -37,6 +37,7 @@ def interrupt(up, children):
     out, _ = up.communicate(timeout=30)
     assert up.returncode == 0, out
     assert "Traceback" not in out and "WARNING" not in out, out
+    assert "up: stopping" in out and out.rstrip().endswith("up: stopped"), out  # Ctrl-C is acknowledged
     for pid in children:
         assert not os.path.exists(f"/proc/{pid}"), f"pid {pid} outlived pscluster up"
 

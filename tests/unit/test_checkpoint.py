@@ -1,5 +1,10 @@
 """Checkpoint write/read, atomicity, keep-K, and re-sharding into a different number of PS tasks."""
 
+import os
+import shutil
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
@@ -7,6 +12,7 @@ from safetensors.numpy import load_file
 from pscluster.placement import ps_for_ordinal
 from pscluster.server import checkpoint
 from pscluster.server.optimizers import OptimizerConfig
+from pscluster.server.ps import ParameterServerCore
 from pscluster.server.store import PushItem, ShardSpec, VariableStore
 
 ADAM = OptimizerConfig("adam", 0.1)
@@ -92,3 +98,56 @@ def test_every_shard_lands_on_exactly_one_task(tmp_path, num_ps):
         checkpoint.save(s, tmp_path, 1, i, 2, keep=1)
     counts = [checkpoint.restore(VariableStore(), tmp_path, i, num_ps).shards for i in range(num_ps)]
     assert sum(counts) == 5
+
+
+def _dir_bytes(root):
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def _dead_pid():
+    """The PID of a process that has already exited (and been reaped)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait(timeout=30)
+    return proc.pid
+
+
+def test_two_ps_tasks_prune_whole_steps_down_to_keep(tmp_path):
+    stores = make_stores(2)
+    for step in range(1, 13):
+        for i, s in enumerate(stores):
+            checkpoint.save(s, tmp_path, step, i, 2, keep=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"step-{s:012d}" for s in (10, 11, 12)]
+    assert [s for s, _ in checkpoint.complete_steps(tmp_path)] == [10, 11, 12]
+    assert all(len(list(d.iterdir())) == 2 for d in tmp_path.iterdir())
+
+
+def test_stale_temporaries_are_removed_on_prune_and_size_stays_bounded(tmp_path):
+    stores = make_stores(2)
+    for i, s in enumerate(stores):
+        checkpoint.save(s, tmp_path, 1, i, 2, keep=2)
+    model_bytes = _dir_bytes(tmp_path)
+    dead = _dead_pid()
+    for step in range(2, 22):  # every step: a save killed mid-write left a full-size temporary
+        for i, s in enumerate(stores):
+            final = checkpoint.save(s, tmp_path, step, i, 2, keep=2)
+            shutil.copy(final, final.parent / f".{final.name}.tmp-{dead}")
+        assert _dir_bytes(tmp_path) <= 2 * model_bytes + 2 * final.stat().st_size
+    checkpoint.save(stores[0], tmp_path, 22, 0, 2, keep=2)
+    assert not [p for p in tmp_path.rglob("*.tmp-*") if p.name.endswith(f"-{dead}")]
+
+
+def test_temporaries_are_removed_at_start_unless_their_writer_is_alive(tmp_path):
+    stores = make_stores(1)
+    final = checkpoint.save(stores[0], tmp_path, 1, 0, 1, keep=3)
+    dead = final.parent / f".{final.name}.tmp-{_dead_pid()}"
+    ours = final.parent / f".{final.name}.tmp-{os.getpid()}"
+    orphan_dir = tmp_path / "step-000000000002"
+    orphan_dir.mkdir()
+    orphan = orphan_dir / f".{final.name}.tmp-{_dead_pid()}"
+    for p in (dead, ours, orphan):
+        shutil.copy(final, p)
+    checkpoint.prune(tmp_path, keep=3)  # a running save of this process keeps its temporary
+    assert ours.exists() and not dead.exists() and not orphan_dir.exists()
+    ParameterServerCore(0, 1, checkpoint_dir=tmp_path)  # at start no save of ours is in flight
+    assert not ours.exists() and final.exists()
+    assert checkpoint.restore(VariableStore(), tmp_path, 0, 1).step == 1

@@ -35,3 +35,24 @@ def test_status_tables_never_cut_an_address_or_a_worker_id():
     out = io.StringIO()
     render(status, Console(file=out, width=40))
     assert worker_id in out.getvalue() and out.getvalue().count(address) == 2
+
+
+def test_status_when_no_task_answers_is_one_line_per_problem():
+    status = ClusterStatus(ps=[("127.0.0.1:7001", None, []), ("127.0.0.1:7002", None, [])],
+                           ps_problems=["unreachable", "unreachable"], coordinator_error="unreachable",
+                           coordinator_address="127.0.0.1:7000")
+    out = io.StringIO()
+    render(status, Console(file=out, width=80))
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 1, lines
+    assert "no task answered" in lines[0] and "127.0.0.1:7000" in lines[0] and "127.0.0.1:7002" in lines[0]
+
+
+def test_status_with_the_wrong_token_names_the_problem_once():
+    problem = "unauthenticated: wrong or missing token (PSCLUSTER_TOKEN, --token-file)"
+    status = ClusterStatus(ps=[("127.0.0.1:7001", None, []), ("127.0.0.1:7002", None, [])],
+                           ps_problems=[problem, problem], coordinator_error=problem,
+                           coordinator_address="127.0.0.1:7000")
+    out = io.StringIO()
+    render(status, Console(file=out, width=80))
+    assert out.getvalue().count("unauthenticated") == 1

@@ -3,7 +3,7 @@
 import threading
 import types
 
-from pscluster.coordinator.ps_monitor import PsMonitor
+from pscluster.coordinator.ps_monitor import PsMonitor, VersionRanges
 from pscluster.errors import InternalError
 from pscluster.proto import pscluster_pb2 as pb
 
@@ -24,6 +24,9 @@ class FakeClient:
     def status(self):
         return [s.Status(None, 1.0) for s in self.stubs]
 
+    def recreate_missing(self, ps):
+        return 0
+
 
 def run_until(monitor, event):
     monitor.start()
@@ -43,12 +46,39 @@ def test_a_restart_is_accounted_from_reports_of_the_old_incarnation():
     client = FakeClient([1, 2])
     ups = threading.Event()
     monitor = PsMonitor(client, on_down=lambda: None, on_up=ups.set, interval=0.01)
-    monitor.record([pb.ShardVersion(variable="w", shard_index=0, version=8, incarnation=1)])
+    monitor.record([pb.ShardVersion(variable="w", shard_index=0, version=v, incarnation=1) for v in range(1, 9)])
     client.incarnations[0] = 5  # PS 0 came back from a checkpoint at version 3
     run_until(monitor, ups)
-    assert monitor.lost_updates == 5
+    assert monitor.lost_updates == 5  # versions 4..8
     monitor.record([pb.ShardVersion(variable="w", shard_index=0, version=10, incarnation=1)])  # a late report
-    assert monitor.lost_updates == 7
+    assert monitor.lost_updates == 6  # version 9 was applied by an attempt that failed: its closure re-ran
+    assert monitor.lost_updates_by_variable() == {"w": 6}
+
+
+def test_versions_applied_by_failed_attempts_are_not_lost():
+    """The issue's scenario: A pushes (v1) and dies, B pushes (v2) and completes, the PS restores v0."""
+    client = FakeClient([1])
+    client.restored = 0
+    ups = threading.Event()
+    monitor = PsMonitor(client, on_down=lambda: None, on_up=ups.set, interval=0.01)
+    monitor.record([pb.ShardVersion(variable="w", shard_index=0, version=2, incarnation=1)])  # B
+    client.incarnations[0] = 2
+    run_until(monitor, ups)
+    monitor.record([pb.ShardVersion(variable="w", shard_index=0, version=1, incarnation=2)])  # A, re-run
+    assert monitor.lost_updates == 1  # completed 2, counter 1
+
+
+def test_version_ranges_merge_and_count():
+    r = VersionRanges()
+    for v in [5, 1, 2, 3, 9, 4, 7, 3]:
+        r.add(v)
+    assert len(r) == 3  # 1..5, 7, 9
+    assert r.count_above(0) == 7 and r.count_above(4) == 3 and r.count_above(9) == 0
+    r.drop_through(6)
+    assert r.count_above(0) == 2
+    for v in range(10, 10_000):
+        r.add(v)
+    assert len(r) == 2  # consecutive reports stay one range
 
 
 class GarbageClient(FakeClient):

@@ -305,3 +305,13 @@ def test_the_main_job_never_idles_out():
     sch.decide(state, sch.Submit(1), 0.0)
     assert kinds(sch.decide(state, sch.Tick(), 100.0), sch.JobEnded) == []
     assert list(state.queue) == [1]
+
+
+def test_ended_jobs_are_remembered_for_status_up_to_a_bound():
+    state = fresh()
+    for n in range(sch.ENDED_JOBS_SHOWN + 3):
+        sch.decide(state, sch.OpenJob(f"j{n}"), 0.0)
+        sch.decide(state, sch.EndJob(f"j{n}", f"reason {n}"), 0.1)
+    assert len(state.ended_jobs) == sch.ENDED_JOBS_SHOWN
+    assert state.ended_jobs[-1] == sch.EndedJob(f"j{sch.ENDED_JOBS_SHOWN + 2}", 0, 0, f"reason {sch.ENDED_JOBS_SHOWN + 2}")
+    assert set(state.queue.jobs) == {MAIN}

@@ -1,0 +1,236 @@
+"""`PSModule`: a torch.nn.Module whose parameters and buffers live on the PS tasks.
+
+Driver side, `PSModule(coord, net, optimizer)` creates one PS variable per entry of
+`net.named_parameters()` (same names, `prefix` prepended) and per persistent buffer; sparse
+Embedding/EmbeddingBag weights become sparse tables (see tables.py). Captured in a closure, it
+pickles a skeleton of `net` (tables emptied), never the tables.
+
+Worker side, one thread's replica of the module is reused across closures:
+`pull(ids=...)` fills every dense parameter and buffer in place (one request per PS task, received
+straight into the parameters' memory) and the rows of each table the batch touches; after
+`loss.backward()`, `push()` sends every gradient, the tables' touched rows and the buffers' changes
+under one push id, one request per PS task.
+
+Buffers (BatchNorm's running statistics and batch count) are PS variables updated by SGD(lr=1.0):
+a step pushes `pulled - after_forward` as their gradient, so the PS adds each step's change to its
+value. Asynchronously the changes of all workers' batches accumulate (as if one module saw every
+batch, in arrival order); in sync mode the replicas' changes of a step are averaged.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any, cast
+
+import numpy as np
+import torch
+from torch import nn
+
+from pscluster import context, optimizers
+from pscluster.errors import InvalidArgumentError
+from pscluster.optimizers import OptimizerConfig
+from pscluster.placement import Partitioner
+from pscluster.torch.tables import LocalTable, TableModule, sparse_tables, unique_ids
+from pscluster.variables import Variable
+
+MAX_MODELS = 16  # models whose replicas a worker keeps (least recently unpickled dropped first)
+_serials = itertools.count()
+_DTYPES = (torch.float16, torch.float32, torch.float64, torch.int64, torch.int32, torch.uint8, torch.bool)
+
+
+def _numpy(name: str, tensor: torch.Tensor) -> np.ndarray:
+    if tensor.dtype not in _DTYPES:
+        raise InvalidArgumentError(f"{name}: dtype {tensor.dtype} has no PS equivalent; use float16/32/64 or an "
+                                   "integer dtype (cast the module, e.g. net.float())")
+    return tensor.detach().cpu().numpy()
+
+
+class _Replicas:
+    """Per process: model uid -> its thread-local replicas, so that a PSModule unpickled once per
+    closure (passed as an argument) still reuses its replicas. Bounded by MAX_MODELS."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_uid: OrderedDict[str, threading.local] = OrderedDict()
+
+    def for_model(self, uid: str) -> threading.local:
+        with self._lock:
+            local = self._by_uid.get(uid)
+            if local is None:
+                local = self._by_uid[uid] = threading.local()
+                while len(self._by_uid) > MAX_MODELS:
+                    self._by_uid.popitem(last=False)
+            self._by_uid.move_to_end(uid)
+            return local
+
+
+_REPLICAS = _Replicas()
+
+
+class _Replica:
+    """One thread's copy of the module on a worker, with its tables and the buffers as pulled."""
+
+    def __init__(self, skeleton: nn.Module, tables: Mapping[str, str], buffers: list[str]) -> None:
+        self.serial = next(_serials)  # tells replicas apart in tests
+        self.module = copy.deepcopy(skeleton)
+        self.params = dict(self.module.named_parameters())
+        self.buffers = {name: self.module.get_buffer(name) for name in buffers}
+        self.pulled: dict[str, np.ndarray] = {}
+        self.tables = {param: LocalTable(path, cast(TableModule, self.module.get_submodule(path)))
+                       for param, path in tables.items()}
+
+
+class PSModule:
+    """A torch.nn.Module trained on the PS tasks: pull() it in a closure, push() its gradients."""
+
+    def __init__(self, coord: Any, module: nn.Module, optimizer: OptimizerConfig | None = None, *,
+                 partitioner: Partitioner | None = None, prefix: str = "", seed: int = 0,
+                 table_init: float = 1.0, worker_threads: int | None = 1) -> None:
+        """Create the module's variables on the cluster (idempotent: the same call again reuses them).
+
+        Args:
+            coord: a ClusterCoordinator, RemoteCoordinator or PSClient (anything with create_variable).
+            module: the model; a sparse table's weight may live on the meta device: then the PS
+                initialises it, N(0, table_init**2) seeded by `seed` and the shard (torch's default is
+                N(0, 1)), and the driver never holds the table.
+            optimizer: the PS optimizer of every parameter (pscluster.torch.SGD/Adagrad/Adam or
+                from_torch(...)); default SGD(lr=1e-3).
+            partitioner: applied to every parameter with at least one axis (Min/MaxSizePartitioner
+                split only the large ones).
+            prefix: prepended to every variable name (two models on one cluster).
+            worker_threads: torch.set_num_threads on the workers (None leaves torch's default).
+
+        Raises:
+            InvalidArgumentError: a dtype without a PS equivalent, or a table with max_norm.
+            AlreadyExistsError: a variable of the same name exists with another shape or dtype.
+        """
+        optimizer = optimizer or optimizers.SGD(1e-3)
+        self.prefix = prefix
+        self.worker_threads = worker_threads
+        self.tables = sparse_tables(module)
+        # state_dict keys in the module's order; a tied tensor's aliases name its one variable
+        canonical = {id(t): n for n, t in [*module.named_parameters(), *module.named_buffers()]}
+        self.keys = {key: canonical[id(t)] for key, t in module.state_dict(keep_vars=True).items()}
+        self.buffers = [name for name, _ in module.named_buffers() if name in self.keys.values()]
+        # every definition is checked before the first variable is created: bad input creates nothing
+        definitions: list[tuple[str, dict[str, Any]]] = []
+        for name, param in module.named_parameters():
+            sparse = name in self.tables
+            split = partitioner if param.dim() >= 1 else None
+            if not param.is_meta:
+                definitions.append((name, dict(initial_value=_numpy(name, param), partitioner=split,
+                                               optimizer=optimizer, sparse=sparse)))
+            elif sparse:
+                dtype = _numpy(name, torch.empty(0, dtype=param.dtype)).dtype
+                definitions.append((name, dict(shape=tuple(param.shape), dtype=dtype, initializer="normal",
+                                               init_scale=table_init, seed=seed, partitioner=split,
+                                               optimizer=optimizer, sparse=True)))
+            else:
+                raise InvalidArgumentError(f"{name}: only a sparse table may live on the meta device; build the "
+                                           "other parameters on the CPU")
+        for name in self.buffers:
+            definitions.append((name, dict(initial_value=_numpy(name, module.get_buffer(name)),
+                                           optimizer=optimizers.SGD(1.0))))
+        self.variables: dict[str, Variable] = {name: coord.create_variable(prefix + name, **kwargs)
+                                               for name, kwargs in definitions}
+        # the tables' weights are left out of the skeleton that closures carry to the workers
+        memo: dict[int, Any] = {}
+        for name in self.tables:
+            weight = module.get_parameter(name)
+            memo[id(weight)] = nn.Parameter(torch.empty((0, *weight.shape[1:]), dtype=weight.dtype))
+        self.skeleton = copy.deepcopy(module, memo)
+        self.uid = uuid.uuid4().hex
+        self._local = _REPLICAS.for_model(self.uid)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        del state["_local"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._local = _REPLICAS.for_model(self.uid)
+
+    # -- worker side ------------------------------------------------------------------------------
+    def _replica(self) -> _Replica:
+        replica: _Replica | None = getattr(self._local, "replica", None)
+        if replica is None:
+            if self.worker_threads is not None:
+                torch.set_num_threads(self.worker_threads)
+            replica = self._local.replica = _Replica(self.skeleton, self.tables, self.buffers)
+        return replica
+
+    @property
+    def module(self) -> nn.Module:
+        """This thread's replica of the module (parameters as of its last pull)."""
+        return self._replica().module
+
+    def pull(self, ids: Mapping[str, Any] | None = None) -> nn.Module:
+        """Fill the module's parameters and buffers from the PS (one request per PS task) and, for each
+        sparse table, the rows `ids[module path]` touches; clears gradients. Returns the module.
+
+        Raises:
+            InvalidArgumentError: ids for a module that is not a sparse table, a table without ids,
+                non-integer or out-of-range ids.
+        """
+        replica = self._replica()
+        ids = dict(ids or {})
+        paths = {path: param for param, path in self.tables.items()}
+        unknown = sorted(set(ids) - set(paths))
+        missing = sorted(set(paths) - set(ids))
+        if unknown or missing:
+            raise InvalidArgumentError(f"pull(ids=...): sparse tables are {sorted(paths)}; got ids for unknown "
+                                       f"{unknown} and none for {missing}")
+        dense = []
+        for name, param in replica.params.items():
+            param.grad = None
+            if name not in self.tables:
+                dense.append((self.variables[name], param.detach().numpy()))
+        for name, buf in replica.buffers.items():
+            dense.append((self.variables[name], buf.numpy()))
+        rows = []
+        for path, id_values in ids.items():
+            table_var = self.variables[paths[path]]
+            wanted = unique_ids(path, id_values, table_var.shape[0])
+            rows.append((table_var, wanted, replica.tables[paths[path]].load(wanted)))
+        context.current_client().pull_into(dense, rows)
+        replica.pulled = {name: buf.numpy().copy() for name, buf in replica.buffers.items()}
+        return replica.module
+
+    def push(self) -> list[int]:
+        """Push every parameter's gradient, the tables' touched rows and the buffers' changes since
+        pull(), under one push id (one request per PS task). Returns the new shard versions.
+
+        A parameter without a gradient is skipped (as torch.optim does), except in sync mode, where
+        every replica must reach every shard of the step: it sends zeros there.
+        """
+        replica = self._replica()
+        scope = context.current_scope()
+        zeros_for_none = scope is not None and scope.sync_mode == "sync"
+        grads = []
+        for name, param in replica.params.items():
+            if name in self.tables:
+                continue
+            if param.grad is not None:
+                grads.append((self.variables[name], param.grad.detach().contiguous().numpy()))
+            elif zeros_for_none:
+                grads.append((self.variables[name], np.zeros(tuple(param.shape), self.variables[name].dtype)))
+        for name, buf in replica.buffers.items():
+            before = replica.pulled.get(name)
+            if before is None:
+                raise InvalidArgumentError("push() before pull(): pull the module in the same closure first")
+            grads.append((self.variables[name], before - buf.numpy()))
+        rows = [(self.variables[param], *table.row_grads()) for param, table in replica.tables.items()]
+        return context.current_client().push(grads, rows=rows)
+
+    # -- driver side ------------------------------------------------------------------------------
+    def state_dict(self) -> OrderedDict[str, torch.Tensor]:
+        """The trained parameters and buffers, whole (tables included), keyed as module.state_dict()."""
+        names = list(self.variables)
+        values = dict(zip(names, context.current_client().pull([self.variables[n] for n in names])))
+        return OrderedDict((key, torch.from_numpy(values[name])) for key, name in self.keys.items())

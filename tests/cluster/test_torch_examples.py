@@ -1,0 +1,32 @@
+"""The PyTorch examples run as a user runs them, and reach their quality bars."""
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.cluster
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
+
+
+def run_example(name, *args, timeout=240):
+    out = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True,
+                         timeout=timeout)
+    assert out.returncode in (0, 1), out.stdout + out.stderr  # 1: below the bar, reported by the asserts below
+    return out.stdout + out.stderr
+
+
+def test_torch_mnist_cnn_reaches_095_held_out_accuracy_on_2_ps_and_2_workers():
+    out = run_example("torch_mnist.py", "--steps", "1000", "--ps", "2", "--workers", "2", "--min-accuracy", "0")
+    assert "cluster: 2 PS, 2 workers" in out, out
+    acc = float(re.search(r"held-out test accuracy: ([0-9.]+)", out).group(1))
+    assert acc >= 0.95, out
+
+
+def test_torch_recsys_with_two_1m_row_tables_reaches_auc_060():
+    out = run_example("torch_recsys.py", "--steps", "1000", "--rows", "1000000", "--min-auc", "0")
+    assert "tables: 2 x 1,000,000 rows" in out, out
+    score = float(re.search(r"held-out AUC: ([0-9.]+)", out).group(1))
+    assert score >= 0.6, out

@@ -1,0 +1,64 @@
+"""pscluster.torch without a cluster: the core never imports torch; torch optimizers map onto PS ones."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import pscluster.torch as ps_torch
+from pscluster.errors import InvalidArgumentError
+from pscluster.torch.tables import sparse_tables
+
+
+def test_core_modules_never_import_torch():
+    code = ("import sys, pscluster, pscluster.client, pscluster.launcher, pscluster.coordinator.coordinator, "
+            "pscluster.server.main, pscluster.worker.main, pscluster.cli; "
+            "assert pscluster.ClusterCoordinator; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("make, kind, fields", [
+    (lambda p: torch.optim.SGD(p, lr=0.1), "sgd", {"learning_rate": 0.1}),
+    (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True), "momentum",
+     {"learning_rate": 0.1, "momentum": 0.9, "nesterov": True}),
+    (lambda p: torch.optim.Adagrad(p, lr=0.05), "adagrad",
+     {"learning_rate": 0.05, "initial_accumulator_value": 0.0, "epsilon": 1e-10}),
+    (lambda p: torch.optim.Adam(p, lr=1e-3, betas=(0.8, 0.99), eps=1e-6), "adam",
+     {"beta1": 0.8, "beta2": 0.99, "epsilon": 1e-6}),
+    (lambda p: torch.optim.SparseAdam(p, lr=1e-2), "adam", {"learning_rate": 1e-2, "epsilon": 1e-8}),
+])
+def test_torch_optimizers_map_onto_ps_optimizers_with_their_hyperparameters(make, kind, fields):
+    cfg = ps_torch.from_torch(make(nn.Linear(2, 2).parameters()))
+    assert cfg.kind == kind
+    for name, value in fields.items():
+        assert getattr(cfg, name) == pytest.approx(value), name
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda p: torch.optim.SGD(p, lr=0.1, weight_decay=1e-4), r"SGD\(weight_decay=0.0001\) is not supported"),
+    (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, dampening=0.1), r"SGD\(dampening=0.1\)"),
+    (lambda p: torch.optim.Adam(p, amsgrad=True), r"Adam\(amsgrad=True\)"),
+    (lambda p: torch.optim.AdamW(p), "AdamW has no PS equivalent"),
+    (lambda p: torch.optim.SGD([{"params": p, "lr": 0.1}, {"params": [nn.Parameter(torch.ones(1))], "lr": 0.2}]),
+     "2 parameter groups with different settings"),
+])
+def test_unsupported_torch_optimizer_settings_are_rejected_by_name(make, message):
+    with pytest.raises(InvalidArgumentError, match=message):
+        ps_torch.from_torch(make(list(nn.Linear(2, 2).parameters())))
+
+
+def test_torch_named_constructors_use_torch_defaults():
+    assert ps_torch.SGD().learning_rate == 1e-3 and ps_torch.SGD(momentum=0.5).kind == "momentum"
+    assert ps_torch.Adam().epsilon == 1e-8 and ps_torch.Adagrad().initial_accumulator_value == 0.0
+    with pytest.raises(InvalidArgumentError, match="nesterov needs momentum > 0"):
+        ps_torch.SGD(nesterov=True)
+
+
+def test_only_sparse_embeddings_are_tables():
+    net = nn.ModuleDict({"a": nn.Embedding(5, 2, sparse=True), "b": nn.Embedding(5, 2),
+                         "c": nn.EmbeddingBag(5, 2, sparse=True)})
+    assert sparse_tables(net) == {"a.weight": "a", "c.weight": "c"}
