@@ -9,7 +9,7 @@ import cloudpickle
 
 from pscluster.errors import ClosureError, DeadlineExceededError
 from pscluster.proto import pscluster_pb2 as pb
-from pscluster.worker.runner import load_error
+from pscluster.closures import load_error
 
 
 def reply_error(closure_id: int, err: pb.UserError) -> BaseException:

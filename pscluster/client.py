@@ -29,9 +29,7 @@ from pscluster.errors import AlreadyExistsError, InvalidArgumentError, NotFoundE
 from pscluster.placement import Partitioner, ps_for_ordinal, split_rows
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
-from pscluster.server.convert import spec_to_pb
-from pscluster.server.optimizers import OptimizerConfig
-from pscluster.server.store import ShardSpec
+from pscluster.specs import OptimizerConfig, ShardSpec, spec_to_pb
 from pscluster.variables import ShardPlacement, Variable
 
 Grads = Sequence[tuple[Variable, np.ndarray]]

@@ -19,6 +19,7 @@ import functools
 import hashlib
 import importlib.metadata
 import os
+import pickle
 import site
 import sys
 import sysconfig
@@ -140,3 +141,14 @@ class FunctionCache:
                     self._cache.popitem(last=False)
         args, kwargs = cloudpickle.loads(msg.arguments)
         return fn, args, kwargs
+
+
+def load_error(pickled: bytes) -> BaseException | None:
+    """The original exception from its pickle, if it survives the trip."""
+    if not pickled:
+        return None
+    try:
+        exc = pickle.loads(pickled)
+    except Exception:  # noqa: BLE001 - a class missing here: fall back to ClosureError only
+        return None
+    return exc if isinstance(exc, BaseException) else None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pscluster.server.optimizers import OptimizerConfig as OptimizerConfig  # re-exported for adapters
+from pscluster.specs import OptimizerConfig as OptimizerConfig  # re-exported for adapters
 
 
 def SGD(learning_rate: float = 0.01) -> OptimizerConfig:  # noqa: N802 - named as the optimizers users know

@@ -16,44 +16,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import numpy as np
 
-from pscluster.errors import InvalidArgumentError
+from pscluster.specs import OptimizerConfig as OptimizerConfig  # the PS applies what the spec says
 
 BLOCK_BYTES = 8 << 20
-
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    """Hyper-parameters of a PS-side optimizer (TF/Keras defaults)."""
-
-    kind: str = "sgd"
-    learning_rate: float = 0.01
-    momentum: float = 0.0
-    nesterov: bool = False
-    beta1: float = 0.9
-    beta2: float = 0.999
-    epsilon: float = 1e-7
-    initial_accumulator_value: float = 0.1
-
-    def slot_names(self) -> tuple[str, ...]:
-        """Names of the slot variables this optimizer keeps per shard."""
-        return {"sgd": (), "momentum": ("momentum",), "adagrad": ("accumulator",),
-                "adam": ("m", "v")}[self.kind]
-
-    def validate(self) -> OptimizerConfig:
-        """Self, or InvalidArgumentError naming the bad hyper-parameter."""
-        if self.kind not in ("sgd", "momentum", "adagrad", "adam"):
-            raise InvalidArgumentError(f"unknown optimizer {self.kind!r}; use sgd, momentum, adagrad or adam")
-        if not (math.isfinite(self.learning_rate) and self.learning_rate >= 0):
-            raise InvalidArgumentError(f"learning_rate must be finite and >= 0, got {self.learning_rate}")
-        if not 0 <= self.momentum < 1 + 1e-12 or not 0 <= self.beta1 < 1 or not 0 <= self.beta2 < 1:
-            raise InvalidArgumentError("momentum must be in [0, 1]; beta1 and beta2 in [0, 1)")
-        if self.epsilon < 0 or self.initial_accumulator_value < 0:
-            raise InvalidArgumentError("epsilon and initial_accumulator_value must be >= 0")
-        return self
 
 
 def init_slots(cfg: OptimizerConfig, shape: tuple[int, ...], dtype: np.dtype) -> dict[str, np.ndarray]:

@@ -12,7 +12,7 @@ from pscluster import codec
 from pscluster.errors import InvalidArgumentError
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
-from pscluster.server.convert import spec_from_pb, spec_to_pb
+from pscluster.specs import spec_from_pb, spec_to_pb
 from pscluster.server.ps import ParameterServerCore
 from pscluster.server.store import PushItem
 

@@ -9,7 +9,6 @@ touched, so bad input changes nothing.
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -17,59 +16,9 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from pscluster.codec import wire_dtype
 from pscluster.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError
 from pscluster.server import optimizers as opt
-
-Key = tuple[str, int]  # (variable name, shard index)
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """One shard of a variable: where it sits in the full variable and how it is updated."""
-
-    variable: str
-    shard_index: int
-    num_shards: int
-    full_shape: tuple[int, ...]
-    shape: tuple[int, ...]
-    row_offset: int
-    dtype: str
-    optimizer: opt.OptimizerConfig
-    sparse: bool = False
-    ordinal: int = 0
-
-    @property
-    def key(self) -> Key:
-        """(variable, shard_index)."""
-        return (self.variable, self.shard_index)
-
-    @property
-    def nbytes(self) -> int:
-        """Size of the shard's value in bytes."""
-        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
-
-    def validate(self) -> ShardSpec:
-        """Self, or InvalidArgumentError naming the inconsistency."""
-        if not self.variable or len(self.variable) > 256 or "\0" in self.variable:
-            raise InvalidArgumentError(f"variable name {self.variable!r} must be 1..256 characters without NUL")
-        if not 0 <= self.shard_index < self.num_shards:
-            raise InvalidArgumentError(
-                f"{self.variable}: shard_index {self.shard_index} not in [0, {self.num_shards})")
-        if any(d < 0 for d in self.full_shape) or any(d < 0 for d in self.shape):
-            raise InvalidArgumentError(f"{self.variable}: negative dimension in {self.full_shape}")
-        if self.num_shards > 1 or self.shape != self.full_shape:
-            if not self.full_shape or self.shape[1:] != self.full_shape[1:] or \
-                    self.row_offset + self.shape[0] > self.full_shape[0] or self.row_offset < 0:
-                raise InvalidArgumentError(
-                    f"{self.variable}: shard {self.shard_index} shape {self.shape} at row {self.row_offset} "
-                    f"does not fit full shape {self.full_shape}")
-        if self.sparse and len(self.shape) < 1:
-            raise InvalidArgumentError(f"{self.variable}: a sparse table needs at least one dimension")
-        wire_dtype(self.dtype)
-        self.optimizer.validate()
-        return self
-
+from pscluster.specs import Key as Key, ShardSpec as ShardSpec
 
 @dataclass
 class Shard:

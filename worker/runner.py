@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import logging
-import pickle
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any
 
 import cloudpickle
 
@@ -87,16 +85,5 @@ class ClosureRunner:
         return Outcome(error_type=type(exc).__name__, error_message=str(exc),
                        error_traceback="".join(traceback.format_exception(exc)), error_pickled=pickled,
                        seconds=time.perf_counter() - start)
-
-
-def load_error(pickled: bytes) -> BaseException | None:
-    """The original exception from its pickle, if it survives the trip."""
-    if not pickled:
-        return None
-    try:
-        exc = pickle.loads(pickled)
-    except Exception:  # noqa: BLE001 - a class missing here: fall back to ClosureError only
-        return None
-    return exc if isinstance(exc, BaseException) else None
 
 
