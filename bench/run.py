@@ -22,7 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # the benchmark process shares 2 cores with daemons
 
-from bench import chaos, closures, training, transfer  # noqa: E402
+from bench import chaos, closures, profile, training, transfer  # noqa: E402
 
 Row = tuple[str, str, str, str]  # id, what, measured, target and verdict
 
@@ -169,10 +169,49 @@ def bench_b12(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
                   f"{'met' if ps_['accuracy'] >= 0.95 else 'NOT met'})")]
 
 
+def bench_profile(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
+    r = profile.profile_w2()
+    cells = []
+    for name, ms in r["cpu_ms_per_step"].items():
+        top = ", ".join(f"{c} {100 * f:.0f}%" for c, f in list(r["components"].get(name, {}).items())[:4])
+        cells.append(f"{name} {ms:.2f} ms" + (f" ({top})" if top else ""))
+    return r, [("PROFILE", "W2 async (2 PS + 2 workers): CPU per step by process (/proc), GIL-holding samples by "
+                "component (py-spy --gil, if installed)",
+                f"{r['steps_per_s']:.0f} steps/s; total {r['total_cpu_ms_per_step']:.2f} ms of CPU per step: "
+                + "; ".join(cells), "measure first (issue 9)")]
+
+
 BENCHES = {"B1": bench_b1, "B9": bench_b9, "B2": bench_b2, "B3": bench_b3, "B4": bench_b4, "B5": bench_b5,
            "B6": bench_b6, "B7": bench_b7, "B8": bench_b8,
-           "B10": bench_b10, "B11": bench_b11, "B12": bench_b12}
+           "B10": bench_b10, "B11": bench_b11, "B12": bench_b12, "PROFILE": bench_profile}
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+
+
+def _write_table(path: pathlib.Path, rows: list[Row], kept_ids: set[str]) -> None:
+    """Rewrite the table between the bench markers: new rows replace their ids, other ids' rows stay.
+
+    A subset run (`--only B11`) so updates its own rows and says which command produced them,
+    without wiping the figures of the full run.
+    """
+    command = "python bench/run.py " + " ".join(sys.argv[1:])
+    text = path.read_text() if path.exists() else f"# Benchmarks\n\n{BEGIN}\n{END}\n"
+    head, _, rest = text.partition(BEGIN)
+    old, _, tail = rest.partition(END)
+    old_lines = old.strip("\n").splitlines()
+    kept = [line for line in old_lines if line.startswith("| ") and line.split("|")[1].strip() in kept_ids]
+    if kept:
+        intro = [line for line in old_lines if not line.startswith("|")]
+        stamp = f"; a separate run {datetime.date.today()}: `{command}`"
+        rows = [(a, b if "separate run" in b else b + stamp, c, d) for a, b, c, d in rows]
+    else:
+        intro = [f"Measured {datetime.date.today()} on this machine ({os.cpu_count()} cores, Python "
+                 f"{platform.python_version()}), medians; command: `{command}`", ""]
+    order = list(BENCHES)
+    lines = kept + [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
+    lines.sort(key=lambda line: order.index(line.split("|")[1].strip()) if line.split("|")[1].strip() in order
+               else len(order))
+    table = intro + ["| id | what | measured (same run) | target |", "|---|---|---|---|"] + lines
+    path.write_text(f"{head}{BEGIN}\n" + "\n".join(table).replace("\n\n\n", "\n\n") + f"\n{END}{tail}")
 
 
 def main() -> int:
@@ -198,16 +237,7 @@ def main() -> int:
     results.mkdir(exist_ok=True)
     (results / "latest.json").write_text(json.dumps(raw, indent=1, default=str))
     if args.write:
-        command = "python bench/run.py " + " ".join(a for a in sys.argv[1:])
-        table = [f"Measured {datetime.date.today()} on {platform.node() and 'this machine'} "
-                 f"({os.cpu_count()} cores, Python {platform.python_version()}), medians; command: `{command}`",
-                 "", "| id | what | measured (same run) | target |", "|---|---|---|---|"]
-        table += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
-        path = ROOT / args.write
-        text = path.read_text() if path.exists() else f"# Benchmarks\n\n{BEGIN}\n{END}\n"
-        head, _, rest = text.partition(BEGIN)
-        _, _, tail = rest.partition(END)
-        path.write_text(f"{head}{BEGIN}\n" + "\n".join(table) + f"\n{END}{tail}")
+        _write_table(ROOT / args.write, rows, set(BENCHES) - {k.strip() for k in args.only.split(",")})
     return 0
 
 

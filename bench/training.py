@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import pathlib
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from typing import ContextManager
 
 import cloudpickle
 import numpy as np
@@ -14,6 +17,7 @@ import numpy as np
 import pscluster as ps
 from pscluster.launcher import LocalCluster
 
+Probe = Callable[[LocalCluster], ContextManager[object]]
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("pscluster_mnist_example", ROOT / "examples" / "mnist.py")
 mnist = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
@@ -42,8 +46,12 @@ def numpy_baseline(steps: int = 2000) -> dict[str, float]:
 
 
 def w2(num_ps: int = 2, num_workers: int = 2, steps: int = 2000, warmup: int = 100, mode: str = "async",
-       steps_per_closure: int = 1, **sync: int) -> dict[str, float]:
-    """W2 on a fresh local cluster: steps/s over `steps` timed steps after `warmup`, and test accuracy."""
+       steps_per_closure: int = 1, probe: Probe | None = None, **sync: int) -> dict[str, float]:
+    """W2 on a fresh local cluster: steps/s over `steps` timed steps after `warmup`, and test accuracy.
+
+    `probe(cluster)`, if given, is a context manager wrapped around the timed steps (bench/profile.py
+    measures each process's CPU inside it).
+    """
     x, y, xt, yt = mnist.load_mnist()
     with tempfile.TemporaryDirectory() as tmp:
         train_path = f"{tmp}/train.npz"
@@ -61,11 +69,12 @@ def w2(num_ps: int = 2, num_workers: int = 2, steps: int = 2000, warmup: int = 1
                 for _ in range(warmup // steps_per_closure):
                     coord.schedule(step, args=(it,))
                 coord.join()
-                start = time.perf_counter()
-                for _ in range(steps // steps_per_closure):
-                    coord.schedule(step, args=(it,))
-                coord.join()
-                seconds = time.perf_counter() - start
+                with probe(cluster) if probe is not None else contextlib.nullcontext():
+                    start = time.perf_counter()
+                    for _ in range(steps // steps_per_closure):
+                        coord.schedule(step, args=(it,))
+                    coord.join()
+                    seconds = time.perf_counter() - start
                 acc = mnist.accuracy(ps.pull(params), xt, yt)
                 extra = coord.sync_stats() if mode != "async" else {}
             finally:
