@@ -42,12 +42,20 @@ class PsMetrics:
                               ("pscluster_ps_global_step", "Global step known to this PS", step),
                               ("pscluster_ps_dropped_stale_gradients", "Stale sync gradients dropped", dropped)]:
             Gauge(name, doc, registry=self.registry).set_function(fn)
+        self._children: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
 
     def observe(self, op: str, transport: str, nbytes: int, started: float) -> None:
         """Count one request that started at perf_counter() `started`."""
-        self.requests.labels(op, transport).inc()
-        self.bytes.labels(op).inc(nbytes)
-        self.latency.labels(op).observe(time.perf_counter() - started)
+        # labels() validates and locks on every call; a PS serves a handful of (op, transport)
+        # pairs, so their children are looked up once (a benign race only builds a pair twice).
+        children = self._children.get((op, transport))
+        if children is None:
+            children = (self.requests.labels(op, transport), self.bytes.labels(op), self.latency.labels(op))
+            self._children[(op, transport)] = children
+        requests, moved, latency = children
+        requests.inc()
+        moved.inc(nbytes)
+        latency.observe(time.perf_counter() - started)
 
 
 class WorkerMetrics:
