@@ -41,7 +41,8 @@ class JoinState:
             if error is not None and self._error is None:
                 self._error = error
             self.outstanding -= finished
-            self._cond.notify_all()
+            if self.outstanding == 0:  # the only condition a join waits for (besides fail)
+                self._cond.notify_all()
 
     def fail(self, error: BaseException) -> None:
         """A background thread died: every join()/done()/schedule() raises error from now on."""

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -47,7 +48,7 @@ class Variable:
     @property
     def nbytes(self) -> int:
         """Size of the whole variable in bytes."""
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
     def shard_shape(self, placement: ShardPlacement) -> tuple[int, ...]:
         """Shape of one shard."""

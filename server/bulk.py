@@ -16,6 +16,7 @@ Pushes are received into one buffer, validated completely, then applied by the s
 
 from __future__ import annotations
 
+import math
 import socket
 import time
 from typing import Any
@@ -85,7 +86,7 @@ class BulkHandlers:
                 shape = tuple(item.grad.shape)
                 if any(d < 0 for d in shape):
                     raise InvalidArgumentError(f"{item.ref.variable}: negative dimension in {shape}")
-                n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+                n = math.prod(shape) * dt.itemsize
                 if offset + n > payload_len:
                     raise InvalidArgumentError(f"{item.ref.variable}: payload holds fewer bytes than the shapes announce")
                 grad = buf[offset:offset + n].view(dt).reshape(shape)
@@ -132,7 +133,7 @@ class BulkHandlers:
         except PsclusterError as err:
             reply_error(conn, err)
             return
-        total = sum(int(np.prod(t.shape, dtype=np.int64)) * np.dtype(t.dtype).itemsize for t in tensors)
+        total = sum(math.prod(t.shape) * np.dtype(t.dtype).itemsize for t in tensors)
         reply = pb.BulkReply(pull=pb.PullReply(tensors=tensors, versions=versions))
         send_frame(conn, reply.SerializeToString(), total)
         for rows, shard in parts:
