@@ -3,7 +3,8 @@
 A frame is `<u32 header length><u64 payload length><header><payload>`; headers are BulkRequest /
 BulkReply messages. `FrameServer` owns the listener and one named thread per connection, enforces the
 size limits, and authenticates the first frame of each connection with the cluster token; a handler
-serves each request (reading its payload and writing the reply).
+serves each request (reading its payload and writing the reply) and raises PsclusterError for bad
+input, which the server maps onto the reply's status code.
 
 Timeouts: every accepted socket has `io_timeout_s` on each send and receive, so a peer that stops
 reading or writing mid-frame loses its connection instead of holding a thread (and whatever it
@@ -25,8 +26,8 @@ from typing import Any
 
 import grpc
 
-from pscluster.errors import (ConfigError, InvalidArgumentError, PsclusterError, ResourceExhaustedError,
-                              UnauthenticatedError)
+from pscluster.errors import (ConfigError, InternalError, InvalidArgumentError, PsclusterError,
+                              ResourceExhaustedError, UnauthenticatedError)
 from pscluster.proto import pscluster_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,17 @@ def read_reply(conn: socket.socket) -> tuple[pb.BulkReply, int]:
     reply = pb.BulkReply()
     reply.ParseFromString(recv_exact(conn, header_len))
     return reply, payload_len
+
+
+def refuse_payload(conn: socket.socket, payload_len: int, what: str) -> None:
+    """For requests that carry none: drain a payload sent anyway (the stream stays in step) and refuse it.
+
+    Raises:
+        InvalidArgumentError: payload_len > 0.
+    """
+    if payload_len:
+        recv_exact(conn, payload_len)
+        raise InvalidArgumentError(f"a {what} request carries no payload")
 
 
 def reply_error(conn: socket.socket, err: PsclusterError) -> None:
@@ -163,6 +175,24 @@ class FrameServer:
                 self._conns.add(conn)
             threading.Thread(target=self._serve, args=(conn,), name=f"{self._name}-conn", daemon=True).start()
 
+    def _dispatch(self, conn: socket.socket, kind: str, request: pb.BulkRequest, payload_len: int,
+                  state: dict[str, Any]) -> None:
+        """Run one handler; its errors become the reply's status here, once, as the gRPC interceptor does.
+
+        A handler reads its payload before it can fail, so after an error the stream is in step and
+        the connection stays: PsclusterError keeps its code, anything else is INTERNAL with its message.
+        A handler that fails mid-reply raises ConnectionError instead (the stream cannot be repaired).
+        """
+        try:
+            self._handlers[kind](conn, request, payload_len, state)
+        except (ConnectionError, OSError):
+            raise
+        except PsclusterError as err:
+            reply_error(conn, err)
+        except Exception as exc:  # noqa: BLE001 - a bug in a handler is answered, never a silent hang-up
+            log.exception("%s %s request failed", self._name, kind)
+            reply_error(conn, InternalError(f"{self._name} {kind}: {type(exc).__name__}: {exc}"))
+
     def _serve(self, conn: socket.socket) -> None:
         authed = self._token is None
         state: dict[str, Any] = {}
@@ -192,7 +222,7 @@ class FrameServer:
                     reply_error(conn, InvalidArgumentError(
                         f"request carries none of {sorted(self._handlers)} (this is a {self._name} port)"))
                     return
-                self._handlers[kind](conn, request, payload_len, state)
+                self._dispatch(conn, kind, request, payload_len, state)
         except (ConnectionError, OSError):
             pass
         finally:

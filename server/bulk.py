@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 
 from pscluster import codec
-from pscluster.errors import InvalidArgumentError, PsclusterError
-from pscluster.framing import FrameServer, recv_exact, recv_into, reply_error, send_buffer, send_frame
+from pscluster.errors import InvalidArgumentError
+from pscluster.framing import FrameServer, recv_into, refuse_payload, send_buffer, send_frame
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.server.ps import ParameterServerCore
 from pscluster.server.store import PushItem
@@ -50,17 +50,15 @@ class BulkHandlers:
     def take_token(self, conn: socket.socket, request: pb.BulkRequest, payload_len: int,
                    state: dict[str, Any]) -> None:
         """A sync/bounded token from this PS's queue (PS 0), as the TakeToken RPC."""
+        refuse_payload(conn, payload_len, "take_token")
         req = request.take_token
-        try:
-            step, replica = self.core.sync.take_token(req.closure_id, req.worker, req.timeout_s or 30.0)
-        except PsclusterError as err:
-            reply_error(conn, err)
-            return
+        step, replica = self.core.sync.take_token(req.closure_id, req.worker, req.timeout_s or 30.0)
         send_frame(conn, pb.BulkReply(token=pb.TokenReply(step=step, replica=replica)).SerializeToString())
 
     def step_done(self, conn: socket.socket, request: pb.BulkRequest, payload_len: int,
                   state: dict[str, Any]) -> None:
         """A closure's step report, as the StepDone RPC."""
+        refuse_payload(conn, payload_len, "step_done")
         req = request.step_done
         self.core.sync.step_done(req.closure_id, req.step, req.worker)
         send_frame(conn, pb.BulkReply(step=pb.StepReply(global_step=self.core.global_step)).SerializeToString())
@@ -96,9 +94,6 @@ class BulkHandlers:
             if offset != payload_len:
                 raise InvalidArgumentError(f"payload of {payload_len} bytes, shapes announce {offset}")
             results = self.core.push(req.push_id, req.step, items)
-        except PsclusterError as err:
-            reply_error(conn, err)
-            return
         finally:
             items = []
             del buf  # a large one-off buffer goes back to the OS before the reply, not after
@@ -111,31 +106,34 @@ class BulkHandlers:
     def pull(self, conn: socket.socket, request: pb.BulkRequest, payload_len: int, state: dict[str, Any]) -> None:
         """Reply with the shards' dtype/shape/version, then their bytes straight from shard memory."""
         started = time.perf_counter()
-        if payload_len:
-            recv_exact(conn, payload_len)  # a pull carries no payload; drop it
-            reply_error(conn, InvalidArgumentError("a pull request carries no payload"))
-            return
-        try:
-            parts: list[tuple[np.ndarray | None, Any]] = []
-            tensors, versions = [], []
-            for item in request.pull.items:
-                key = (item.ref.variable, item.ref.shard_index)
-                if item.HasField("ids"):
-                    rows, version = self.core.store.pull(key, codec.decode_ids(item.ids))
-                    parts.append((rows, None))
-                    tensors.append(codec.header(rows.dtype, rows.shape))
-                else:
-                    shard = self.core.store.get(key)
-                    version = shard.version
-                    parts.append((None, shard))
-                    tensors.append(codec.header(shard.value.dtype, shard.value.shape))
-                versions.append(version)
-        except PsclusterError as err:
-            reply_error(conn, err)
-            return
+        refuse_payload(conn, payload_len, "pull")
+        parts: list[tuple[np.ndarray | None, Any]] = []
+        tensors, versions = [], []
+        for item in request.pull.items:
+            key = (item.ref.variable, item.ref.shard_index)
+            if item.HasField("ids"):
+                rows, version = self.core.store.pull(key, codec.decode_ids(item.ids))
+                parts.append((rows, None))
+                tensors.append(codec.header(rows.dtype, rows.shape))
+            else:
+                shard = self.core.store.get(key)
+                version = shard.version
+                parts.append((None, shard))
+                tensors.append(codec.header(shard.value.dtype, shard.value.shape))
+            versions.append(version)
         total = sum(math.prod(t.shape) * np.dtype(t.dtype).itemsize for t in tensors)
         reply = pb.BulkReply(pull=pb.PullReply(tensors=tensors, versions=versions))
         send_frame(conn, reply.SerializeToString(), total)
+        try:
+            self._send_parts(conn, parts, state)
+        except OSError:
+            raise
+        except Exception as exc:  # the header is out: an error frame now would be read as tensor bytes
+            raise ConnectionError(f"pull failed mid-reply: {type(exc).__name__}: {exc}") from exc
+        self._observe("pull", total, started)
+
+    def _send_parts(self, conn: socket.socket, parts: list[tuple[np.ndarray | None, Any]],
+                    state: dict[str, Any]) -> None:
         for rows, shard in parts:
             if rows is not None:
                 send_buffer(conn, memoryview(rows))
@@ -145,4 +143,3 @@ class BulkHandlers:
                 out = state["pull_chunk"] = np.empty(PULL_COPY_BYTES, np.uint8)
             for piece in self.core.store.copy_chunks(shard, out):
                 conn.sendall(piece)  # outside the shard lock: a stalled reader stalls only this thread
-        self._observe("pull", total, started)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import socket
 from typing import Any
 
-from pscluster.errors import InvalidArgumentError, UnavailableError
-from pscluster.framing import FrameServer, recv_exact, reply_error, send_frame
+from pscluster.framing import FrameServer, refuse_payload, send_frame
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.worker.servicer import WorkerServicer, outcome_to_pb
 
@@ -16,15 +15,8 @@ def closure_server(servicer: WorkerServicer, host: str, token: str | None, max_h
     """A FrameServer on port (0: any free port) that runs closures with servicer's runner and gate (not started)."""
 
     def run_closure(conn: socket.socket, request: pb.BulkRequest, payload_len: int, state: dict[str, Any]) -> None:
-        if payload_len:
-            recv_exact(conn, payload_len)
-            reply_error(conn, InvalidArgumentError("a closure request carries no payload"))
-            return
-        try:
-            servicer.gate.enter()
-        except UnavailableError as err:  # leaving: the coordinator reschedules the closure
-            reply_error(conn, err)
-            return
+        refuse_payload(conn, payload_len, "closure")
+        servicer.gate.enter()  # UnavailableError when leaving: the coordinator reschedules the closure
         try:
             req = request.closure
             outcome = servicer.runner.run(req.closure_id, req.payload, req.sync_mode, req.worker_index)
