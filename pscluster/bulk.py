@@ -18,9 +18,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pscluster import codec
 from pscluster.errors import InternalError, UnavailableError, from_status
-from pscluster.proto import pscluster_pb2 as pb
 from pscluster.framing import PREFIX, STATUS_BY_VALUE, recv_exact, recv_into, send_buffer, send_frame
+from pscluster.proto import pscluster_pb2 as pb
+from pscluster.tensors import PullPlan, PushPlan
 
 THREADED_BYTES = 2 << 20
 
@@ -162,3 +164,46 @@ class BulkClient:
             for _, conn in opened:
                 conn.close()
             raise
+
+
+class BulkTensors:
+    """The TensorTransport over the framed bulk ports: raw tensor bytes after a protobuf header."""
+
+    def __init__(self, client: BulkClient) -> None:
+        self._client = client
+
+    def pull(self, plan: PullPlan) -> None:
+        """Receive each item's tensor straight into its target; one request per PS task."""
+        self._client.run([BulkCall(ps, pb.BulkRequest(pull=pb.PullRequest(items=[i for i, _ in items])),
+                                   targets=[t for _, t in items]) for ps, items in plan.items()])
+
+    def push(self, plan: PushPlan, pid: str, step: int) -> list[pb.PushReply]:
+        """Send each item's gradient bytes after its header; one request per PS task, replies in plan order."""
+        calls = []
+        for ps, items in plan.items():
+            heads = []
+            for item, part in items:
+                head = pb.PushItem()
+                head.CopyFrom(item)
+                head.grad.CopyFrom(codec.header(part.dtype, part.shape))
+                heads.append(head)
+            calls.append(BulkCall(ps, pb.BulkRequest(push=pb.PushRequest(items=heads, push_id=pid, step=step)),
+                                  payloads=[np.ascontiguousarray(p).astype(p.dtype.newbyteorder("<"), copy=False)
+                                            for _, p in items]))
+        self._client.run(calls)
+        return [c.reply.push for c in calls if c.reply is not None]
+
+    def take_token(self, request: pb.TokenRequest) -> pb.TokenReply:
+        """A sync token from PS 0 (the PS holds the reply while none is free)."""
+        call = BulkCall(0, pb.BulkRequest(take_token=request), wait_s=request.timeout_s)
+        self._client.run([call])
+        assert call.reply is not None
+        return call.reply.token
+
+    def step_done(self, request: pb.StepDoneRequest) -> None:
+        """Report a closure's finished step to PS 0."""
+        self._client.run([BulkCall(0, pb.BulkRequest(step_done=request))])
+
+    def close(self) -> None:
+        """Close every pooled connection."""
+        self._client.close()

@@ -22,7 +22,7 @@ import grpc
 import numpy as np
 
 from pscluster import codec, context, rpc
-from pscluster.bulk import BulkCall, BulkClient
+from pscluster.bulk import BulkClient, BulkTensors
 from pscluster.grpc_tensors import GrpcTensors
 from pscluster.config import Settings
 from pscluster.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, PsclusterError, UnavailableError
@@ -30,6 +30,7 @@ from pscluster.placement import Partitioner, ps_for_ordinal, split_rows
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 from pscluster.specs import OptimizerConfig, ShardSpec, spec_to_pb
+from pscluster.tensors import PullPlan, PushPlan, TensorTransport
 from pscluster.variables import ShardPlacement, Variable
 
 Grads = Sequence[tuple[Variable, np.ndarray]]
@@ -77,11 +78,11 @@ class PSClient:
         # restarted from a checkpoint older than the variable: one entry per variable, not per step
         self._definitions: dict[str, list[tuple[int, str, Any]]] = {}
         self._timeout = settings.rpc_timeout_s
-        self._grpc = GrpcTensors(self)
-        self._bulk = BulkClient([a.rpartition(":")[0] for a in settings.cluster.ps], self._bulk_port,
-                                settings.token_value(), settings.rpc_timeout_s, self._pool,
-                                io_timeout=settings.socket_timeout_s) \
-            if settings.bulk_transport else None
+        self._tensors: TensorTransport = GrpcTensors(self)
+        if settings.bulk_transport:
+            self._tensors = BulkTensors(BulkClient(
+                [a.rpartition(":")[0] for a in settings.cluster.ps], self._bulk_port, settings.token_value(),
+                settings.rpc_timeout_s, self._pool, io_timeout=settings.socket_timeout_s))
 
     def _bulk_port(self, ps: int) -> int:
         return int(self._call(ps, "Status", pb.PsStatusRequest()).bulk_port)
@@ -93,8 +94,7 @@ class PSClient:
 
     def close(self) -> None:
         """Close channels, bulk connections and the stream pool."""
-        if self._bulk is not None:
-            self._bulk.close()
+        self._tensors.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         for ch in self._channels:
             ch.close()
@@ -283,7 +283,7 @@ class PSClient:
                 raise InvalidArgumentError(f"{var.name}: pull target {out.dtype}{list(out.shape)} must be a writable "
                                            f"C-contiguous {var.dtype}{list(want)}")
         _step_tag()
-        plan: dict[int, list[tuple[pb.PullItem, np.ndarray]]] = defaultdict(list)
+        plan: PullPlan = defaultdict(list)
         for var, out in dense:
             for pl in var.shards:
                 target = out[pl.row_offset:pl.row_offset + pl.rows] if var.shape else out
@@ -305,14 +305,9 @@ class PSClient:
         for out, sel, part in scatter:
             out[sel] = part
 
-    def _pull_plan(self, plan: dict[int, list[tuple[pb.PullItem, np.ndarray]]]) -> None:
+    def _pull_plan(self, plan: PullPlan) -> None:
         """Fill each target with its item's tensor, over the bulk path or gRPC."""
-        if self._bulk is not None:
-            calls = [BulkCall(ps, pb.BulkRequest(pull=pb.PullRequest(items=[i for i, _ in items])),
-                              targets=[t for _, t in items]) for ps, items in plan.items()]
-            self._retrying(lambda: self._bulk.run(calls))  # type: ignore[union-attr]
-            return
-        self._retrying(lambda: self._grpc.pull(plan))
+        self._retrying(lambda: self._tensors.pull(plan))
 
     def pull_rows(self, var: Variable, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Rows `ids` of a table, gathered from the shards that hold them."""
@@ -334,7 +329,7 @@ class PSClient:
         if not all(isinstance(pair, tuple) and len(pair) == 2 for pair in pairs):
             raise InvalidArgumentError("push: takes (Variable, gradient) pairs")
         _check_variables([var for var, _ in pairs], "push")
-        plan: dict[int, list[tuple[pb.PushItem, np.ndarray]]] = defaultdict(list)
+        plan: PushPlan = defaultdict(list)
         for var, grad in pairs:
             arr = _as_grad(var, grad, var.shape)
             for pl, part in var.dense_parts(arr):
@@ -352,24 +347,9 @@ class PSClient:
         """Row gradients of a table; only those rows change. Returns the new version of every shard."""
         return self.push((), push_id, step, rows=[(var, np.asarray(ids), grads)])
 
-    def _push_plan(self, plan: dict[int, list[tuple[pb.PushItem, np.ndarray]]], pid: str, step: int) -> list[int]:
+    def _push_plan(self, plan: PushPlan, pid: str, step: int) -> list[int]:
         refs = [item.ref for items in plan.values() for item, _ in items]
-        if self._bulk is not None:
-            calls = []
-            for ps, items in plan.items():
-                heads = []
-                for item, part in items:
-                    head = pb.PushItem()
-                    head.CopyFrom(item)
-                    head.grad.CopyFrom(codec.header(part.dtype, part.shape))
-                    heads.append(head)
-                calls.append(BulkCall(ps, pb.BulkRequest(push=pb.PushRequest(items=heads, push_id=pid, step=step)),
-                                      payloads=[np.ascontiguousarray(p).astype(p.dtype.newbyteorder("<"), copy=False)
-                                                for _, p in items]))
-            self._retrying(lambda: self._bulk.run(calls))  # type: ignore[union-attr]
-            replies = [c.reply.push for c in calls]  # type: ignore[union-attr]
-        else:
-            replies = self._retrying(lambda: self._grpc.push(plan, pid, step))
+        replies = self._retrying(lambda: self._tensors.push(plan, pid, step))
         self._record(refs, replies)
         return [v for r in replies for v in r.versions]
 
@@ -409,25 +389,14 @@ class PSClient:
 
     def take_token(self, closure_id: int, worker: str, timeout: float = 30.0) -> tuple[int, int]:
         """A sync token from PS 0's queue (blocks while none is free)."""
-        if self._bulk is not None:
-            call = BulkCall(0, pb.BulkRequest(take_token=pb.TokenRequest(closure_id=closure_id, worker=worker,
-                                                                          timeout_s=timeout)), wait_s=timeout)
-            self._retrying(lambda: self._bulk.run([call]))  # type: ignore[union-attr]
-            token = call.reply.token  # type: ignore[union-attr]
-            return int(token.step), int(token.replica)
-        reply = rpc.call(self.stubs[0].TakeToken,
-                         pb.TokenRequest(closure_id=closure_id, worker=worker, timeout_s=timeout),
-                         timeout=timeout + self._timeout, what="ps 0 TakeToken", retry_for=self.retry_for)
-        return int(reply.step), int(reply.replica)
+        request = pb.TokenRequest(closure_id=closure_id, worker=worker, timeout_s=timeout)
+        token = self._retrying(lambda: self._tensors.take_token(request))
+        return int(token.step), int(token.replica)
 
     def step_done(self, closure_id: int, step: int, worker: str) -> None:
         """Report that a closure finished its pushes for `step`."""
         request = pb.StepDoneRequest(closure_id=closure_id, step=step, worker=worker)
-        if self._bulk is not None:
-            call = BulkCall(0, pb.BulkRequest(step_done=request))
-            self._retrying(lambda: self._bulk.run([call]))  # type: ignore[union-attr]
-            return
-        self._call(0, "StepDone", request)
+        self._retrying(lambda: self._tensors.step_done(request))
 
     def sync_step(self) -> pb.StepReply:
         """PS 0's global step, mode and clocks, with stale drops summed over every PS."""

@@ -16,16 +16,15 @@ import numpy as np
 from pscluster import codec, rpc
 from pscluster.errors import PsclusterError
 from pscluster.proto import pscluster_pb2 as pb
+from pscluster.tensors import PullPlan, PushPlan
 
 if TYPE_CHECKING:
     from pscluster.client import PSClient
 
-PullPlan = dict[int, list[tuple[pb.PullItem, np.ndarray]]]
-PushPlan = dict[int, list[tuple[pb.PushItem, np.ndarray]]]
 
 
 class GrpcTensors:
-    """Pull and push plans of a PSClient over its gRPC stubs."""
+    """The TensorTransport over a PSClient's gRPC stubs."""
 
     def __init__(self, client: PSClient) -> None:
         self._client = client
@@ -98,3 +97,17 @@ class GrpcTensors:
 
         return rpc.call(once, None, timeout=self._client.settings.rpc_timeout_s,
                         what=f"ps {ps} PushStream {ref.variable}", retry_for=self._client.retry_for)
+
+    def take_token(self, request: pb.TokenRequest) -> pb.TokenReply:
+        """A sync token from PS 0's queue (blocks while none is free)."""
+        c = self._client
+        return rpc.call(c.stubs[0].TakeToken, request, timeout=request.timeout_s + c.settings.rpc_timeout_s,
+                        what="ps 0 TakeToken")
+
+    def step_done(self, request: pb.StepDoneRequest) -> None:
+        """Report a closure's finished step to PS 0."""
+        rpc.call(self._client.stubs[0].StepDone, request, timeout=self._client.settings.rpc_timeout_s,
+                 what="ps 0 StepDone")
+
+    def close(self) -> None:
+        """Nothing of its own: the client closes the channels."""

@@ -1,0 +1,37 @@
+"""The tensor transport seam: how a PSClient moves tensors and sync tokens to its PS tasks.
+
+Two implementations sit behind it: `bulk.BulkTensors` (framed TCP, raw bytes, the default) and
+`grpc_tensors.GrpcTensors` (`bulk_transport: false`, for networks where only gRPC ports are
+reachable). The client plans requests (which items go to which PS task), retries and records
+versions the same way over either; a transport performs one attempt and raises PsclusterError.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from pscluster.proto import pscluster_pb2 as pb
+
+PullPlan = dict[int, list[tuple[pb.PullItem, np.ndarray]]]  # PS task -> (item, array to fill)
+PushPlan = dict[int, list[tuple[pb.PushItem, np.ndarray]]]  # PS task -> (item without grad, gradient)
+
+
+class TensorTransport(Protocol):
+    """Pull and push plans, and the sync-token calls of PS 0."""
+
+    def pull(self, plan: PullPlan) -> None:
+        """Fill each target with its item's tensor."""
+
+    def push(self, plan: PushPlan, pid: str, step: int) -> list[pb.PushReply]:
+        """Send each item's gradient under push id pid; one reply per request."""
+
+    def take_token(self, request: pb.TokenRequest) -> pb.TokenReply:
+        """A sync token from PS 0's queue (blocks up to request.timeout_s while none is free)."""
+
+    def step_done(self, request: pb.StepDoneRequest) -> None:
+        """Report a closure's finished step to PS 0."""
+
+    def close(self) -> None:
+        """Release connections."""
