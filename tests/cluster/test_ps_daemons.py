@@ -9,7 +9,7 @@ import pytest
 
 import pscluster as ps
 from pscluster import codec
-from pscluster.errors import AlreadyExistsError, InvalidArgumentError, UnauthenticatedError
+from pscluster.errors import AlreadyExistsError, DeadlineExceededError, InvalidArgumentError, UnauthenticatedError
 from pscluster.launcher import LocalCluster
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
@@ -343,3 +343,16 @@ def test_sparse_adam_on_two_ps_equals_one_shard_over_both_transports(cluster, bu
                 c.push_rows(var, [row], np.ones((1, 1)))
         np.testing.assert_allclose(c.pull([two])[0], c.pull([one])[0], rtol=0, atol=1e-6)
         np.testing.assert_allclose(c.pull([two])[0][:, 0], [0.8, 1.0, 1.0, 0.936], atol=5e-4)
+
+
+@pytest.mark.parametrize("bulk", [True, False], ids=["bulk", "grpc"])
+def test_sync_tokens_travel_over_both_transports(cluster, bulk):
+    with ps.PSClient(cluster.settings(bulk_transport=bulk), retry_for=0.3) as c:
+        step = c.configure_sync("sync", replicas_to_aggregate=2, total_num_replicas=2)
+        try:
+            assert [c.take_token(cid, "w", 5.0) for cid in (101, 102)] == [(step, 0), (step, 1)]
+            with pytest.raises(DeadlineExceededError):  # both replicas of this step are out
+                c.take_token(103, "w", 0.2)
+            c.step_done(101, step, "w")
+        finally:
+            c.configure_sync("async")
