@@ -388,7 +388,7 @@ class ClusterCoordinator(CoordinatorAPI):
         elif isinstance(action, sch.WorkerGone):
             moved = list(action.rescheduled)
             log.warning("%s; %s", action.reason, f"closures {moved} rescheduled" if moved else "no closure to reschedule")
-            self._sender.forget(action.wid, action.address)
+            self._sender.forget(action.wid)
         elif isinstance(action, sch.Registered):
             if action.new:
                 log.info("worker %d (%s) joined", action.index, action.wid)

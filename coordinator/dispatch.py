@@ -1,8 +1,8 @@
-"""Closure dispatch to workers: framed TCP connections, gRPC RunClosure as the fallback.
+"""Closure dispatch to workers: the closure transport seam, framed TCP behind it, gRPC as the fallback.
 
 `ClosureSender` is what the coordinator loop calls: it sends a RunClosureRequest over the worker's
-framed closure port when it has one, else over gRPC, and turns every answer or failure into a
-scheduler event. `FramedDispatcher` keeps one connection per closure in flight, open and reused;
+framed closure port when it has one, else over gRPC (both are a `ClosureTransport`), and turns
+every answer or failure into a scheduler event. `FramedDispatcher` keeps one connection per closure in flight, open and reused;
 each has a reader thread blocked on its socket that hands the reply (or the failure) to callbacks.
 Abandoning an attempt shuts its connection down, so a hung worker costs nothing but the socket. A
 reader that meets anything unexpected reports the attempt failed (the closure is rescheduled) rather
@@ -18,7 +18,7 @@ import socket
 import threading
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -40,11 +40,30 @@ class _Conn:
         self.abandoned = False
 
 
-class FramedDispatcher:
-    """Sends RunClosureRequests to workers' closure ports and reports replies and failures."""
+OnReply = Callable[[int, str, pb.RunClosureReply], None]  # (closure id, worker id, the worker's answer)
+OnFailure = Callable[[int, str, str], None]  # (closure id, worker id, why the attempt failed)
 
-    def __init__(self, token: str | None, on_reply: Callable[[int, str, pb.BulkReply], None],
-                 on_failure: Callable[[int, str, str], None], connect_timeout: float = 2.0,
+
+class ClosureTransport(Protocol):
+    """One way to run closures on workers; answers and failures arrive through the callbacks."""
+
+    def dispatch(self, wid: str, address: str, request: pb.RunClosureRequest) -> None:
+        """Start one attempt of request on worker wid at address."""
+
+    def abandon(self, cid: int, wid: str) -> None:
+        """Stop waiting for an attempt (its answer, if any, is dropped)."""
+
+    def forget(self, wid: str) -> None:
+        """The worker is gone: close what leads to it."""
+
+    def close(self) -> None:
+        """Close everything."""
+
+
+class FramedDispatcher:
+    """The ClosureTransport over workers' framed closure ports (one connection per attempt in flight)."""
+
+    def __init__(self, token: str | None, on_reply: OnReply, on_failure: OnFailure, connect_timeout: float = 2.0,
                  io_timeout: float = 30.0) -> None:
         self._token = token or ""
         self._on_reply = on_reply
@@ -107,7 +126,11 @@ class FramedDispatcher:
                     self._idle[conn.wid].append(conn)
             if pending is not None and not conn.abandoned:
                 try:
-                    self._on_reply(pending[0], pending[1], reply)
+                    if reply.code:
+                        self._on_failure(pending[0], pending[1], f"refused a closure "
+                                         f"({STATUS_BY_VALUE.get(reply.code)}: {reply.message})")
+                    else:
+                        self._on_reply(pending[0], pending[1], reply.closure)
                 except Exception as exc:  # noqa: BLE001 - never leave the attempt unanswered
                     log.exception("closure %d: reply from %s could not be handled", pending[0], pending[1])
                     self._on_failure(pending[0], pending[1], f"its reply could not be handled ({exc})")
@@ -146,72 +169,97 @@ def _shutdown(sock: socket.socket) -> None:
         pass
 
 
-class ClosureSender:
-    """Sends closures to workers for the coordinator loop; answers come back through `post(event)`.
+class GrpcDispatcher:
+    """The ClosureTransport over workers' RunClosure RPC (workers without a framed closure port)."""
 
-    `post` receives `Finished`/`TransportFailed` events, or `(Finished, RunClosureReply)` for an
-    answer whose reply the loop must publish. Only the loop calls send/abandon/forget.
-    """
-
-    def __init__(self, settings: Settings, post: Callable[[Any], None]) -> None:
+    def __init__(self, settings: Settings, on_reply: OnReply, on_failure: OnFailure) -> None:
         self._settings = settings
-        self._post = post
-        self._framed = FramedDispatcher(settings.token_value(), self._framed_reply, self._failure,
-                                        io_timeout=settings.socket_timeout_s)
-        self._stubs: dict[str, tuple[grpc.Channel, pb_grpc.WorkerStub]] = {}
+        self._on_reply = on_reply
+        self._on_failure = on_failure
+        self._stubs: dict[str, tuple[grpc.Channel, pb_grpc.WorkerStub]] = {}  # by worker id
         self._rpcs: dict[tuple[int, str], grpc.Future] = {}
 
-    def send(self, action: sch.Dispatch, request: pb.RunClosureRequest) -> None:
-        """Start one attempt."""
-        if action.closure_address:
-            self._framed.dispatch(action.wid, action.closure_address, request)
-            return
-        entry = self._stubs.get(action.address)
-        if entry is None:
-            channel = rpc.open_channel(action.address, self._settings)
-            entry = (channel, pb_grpc.WorkerStub(channel))
-            self._stubs[action.address] = entry
+    def dispatch(self, wid: str, address: str, request: pb.RunClosureRequest) -> None:
+        """Start one attempt; the answer arrives on a grpc callback thread."""
+        entry = self._stubs.get(wid)
+        if entry is None or entry[2] != address:
+            if entry is not None:
+                entry[0].close()
+            channel = rpc.open_channel(address, self._settings)
+            entry = self._stubs[wid] = (channel, pb_grpc.WorkerStub(channel), address)
+        cid = request.closure_id
         fut = entry[1].RunClosure.future(request, timeout=self._settings.rpc_timeout_s * 100)
-        self._rpcs[(action.cid, action.wid)] = fut
-        fut.add_done_callback(lambda f, cid=action.cid, wid=action.wid: self._completed(cid, wid, f))
+        self._rpcs[(cid, wid)] = fut
+        fut.add_done_callback(lambda f: self._completed(cid, wid, f))
 
     def abandon(self, cid: int, wid: str) -> None:
-        """Stop waiting for an attempt."""
+        """Cancel the attempt's RPC."""
         fut = self._rpcs.pop((cid, wid), None)
         if fut is not None:
             fut.cancel()
-        self._framed.abandon(cid, wid)
 
-    def forget(self, wid: str, address: str) -> None:
-        """The worker is gone: close its connections."""
-        entry = self._stubs.pop(address, None)
+    def forget(self, wid: str) -> None:
+        """Close the worker's channel."""
+        entry = self._stubs.pop(wid, None)
         if entry is not None:
             entry[0].close()
-        self._framed.forget(wid)
 
     def close(self) -> None:
-        """Close every connection."""
-        for channel, _ in list(self._stubs.values()):
-            channel.close()
-        self._framed.close()
+        """Close every channel."""
+        for entry in list(self._stubs.values()):
+            entry[0].close()
+        self._stubs.clear()
 
     def _completed(self, cid: int, wid: str, fut: grpc.Future) -> None:
         self._rpcs.pop((cid, wid), None)
         if fut.cancelled():
             return  # abandoned by the scheduler
         try:
-            self._reply(cid, wid, fut.result())
+            self._on_reply(cid, wid, fut.result())
         except grpc.RpcError as exc:
-            self._failure(cid, wid, f"failed a closure RPC ({rpc.translate(exc, 'RunClosure')})")
+            self._on_failure(cid, wid, f"failed a closure RPC ({rpc.translate(exc, 'RunClosure')})")
         except Exception as exc:  # noqa: BLE001 - grpc would swallow it and the attempt would hang
             log.exception("closure %d: reply from %s could not be handled", cid, wid)
-            self._failure(cid, wid, f"its reply could not be handled ({exc})")
+            self._on_failure(cid, wid, f"its reply could not be handled ({exc})")
 
-    def _framed_reply(self, cid: int, wid: str, reply: pb.BulkReply) -> None:
-        if reply.code:
-            self._failure(cid, wid, f"refused a closure ({STATUS_BY_VALUE.get(reply.code)}: {reply.message})")
+
+class ClosureSender:
+    """Sends closures to workers for the coordinator loop; answers come back through `post(event)`.
+
+    A worker with a framed closure port gets its closures over FramedDispatcher, others over
+    GrpcDispatcher; both answer through the same two callbacks, which become scheduler events:
+    `Finished`/`TransportFailed`, or `(Finished, RunClosureReply)` for an answer whose reply the loop
+    must publish. Only the loop calls send/abandon/forget.
+    """
+
+    def __init__(self, settings: Settings, post: Callable[[Any], None]) -> None:
+        self._post = post
+        self._framed = FramedDispatcher(settings.token_value(), self._reply, self._failure,
+                                        io_timeout=settings.socket_timeout_s)
+        self._grpc = GrpcDispatcher(settings, self._reply, self._failure)
+        self._transports: tuple[ClosureTransport, ...] = (self._framed, self._grpc)
+
+    def send(self, action: sch.Dispatch, request: pb.RunClosureRequest) -> None:
+        """Start one attempt."""
+        if action.closure_address:
+            self._framed.dispatch(action.wid, action.closure_address, request)
         else:
-            self._reply(cid, wid, reply.closure)
+            self._grpc.dispatch(action.wid, action.address, request)
+
+    def abandon(self, cid: int, wid: str) -> None:
+        """Stop waiting for an attempt."""
+        for transport in self._transports:
+            transport.abandon(cid, wid)
+
+    def forget(self, wid: str) -> None:
+        """The worker is gone: close its connections."""
+        for transport in self._transports:
+            transport.forget(wid)
+
+    def close(self) -> None:
+        """Close every connection."""
+        for transport in self._transports:
+            transport.close()
 
     def _failure(self, cid: int, wid: str, reason: str) -> None:
         self._post((sch.TransportFailed(cid, wid, reason), None))
