@@ -81,6 +81,7 @@ class ClusterCoordinator(CoordinatorAPI):
         self._sender = ClosureSender(self.settings, self._events.put)
         # Closure ids are unique across coordinator restarts: push ids derive from them.
         self._ids = itertools.count((int.from_bytes(os.urandom(3), "little") << 32) + 1)
+        self._submit_lock = threading.Lock()
         self._joins = JobJoins(on_error_reported=lambda job: self._events.put((sch.ErrorReported(job), None)))
         self._joins.open(MAIN)
         self.job = MAIN
@@ -133,14 +134,15 @@ class ClusterCoordinator(CoordinatorAPI):
             NotFoundError: job has ended (or never existed).
         """
         joins = self._joins.get(job)
-        cid = next(self._ids)
-        value = RemoteValue(cid)
-        joins.add()
-        self._values[cid] = value
-        self._payloads[cid] = (job, payload)
-        if retain:
-            self._retained.add(value)
-        self._events.put((sch.Submit(cid, job), None))
+        with self._submit_lock:  # ids reach the loop in increasing order (SchedulerState.final_below)
+            cid = next(self._ids)
+            value = RemoteValue(cid)
+            joins.add()
+            self._values[cid] = value
+            self._payloads[cid] = (job, payload)
+            if retain:
+                self._retained.add(value)
+            self._events.put((sch.Submit(cid, job), None))
         return value
 
     def remote_value(self, closure_id: int) -> RemoteValue:
@@ -414,5 +416,6 @@ class ClusterCoordinator(CoordinatorAPI):
     def _dispatch(self, action: sch.Dispatch) -> None:
         request = pb.RunClosureRequest(closure_id=action.cid, attempt=action.attempt,
                                        payload=self._payloads[action.cid][1], sync_mode=self.sync_mode,
-                                       worker_index=self._state.workers[action.wid].index)
+                                       worker_index=self._state.workers[action.wid].index,
+                                       final_below=self._state.final_below())
         self._sender.send(action, request)

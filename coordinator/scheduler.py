@@ -88,6 +88,7 @@ class SchedulerState:
     failed: int = 0
     completed: int = 0
     num_running: int = 0  # closures in state "running", kept by _move
+    next_cid: int = 0  # one past the highest closure id submitted
     ended_jobs: deque[EndedJob] = field(default_factory=lambda: deque(maxlen=ENDED_JOBS_SHOWN))
 
     def __post_init__(self) -> None:
@@ -101,12 +102,20 @@ class SchedulerState:
         """Closures queued or running."""
         return len(self.queue) + self.running()
 
+    def final_below(self) -> int:
+        """The lowest id of a closure that is not final (every closure below it is), for the PS's record.
+
+        Ids are submitted in increasing order (the coordinator allocates and enqueues under one lock),
+        so `closures`, which holds exactly the closures not final yet, is ordered by id.
+        """
+        return next(iter(self.closures), self.next_cid)
 
 
 def decide(state: SchedulerState, event: Event, now: float) -> list[Action]:
     """Apply one event to state; return the actions to perform, dispatches last."""
     actions: list[Action] = []
     if isinstance(event, Submit):
+        state.next_cid = max(state.next_cid, event.cid + 1)
         job = state.queue.jobs.get(event.job)
         if job is None:
             actions.append(Cancel(event.cid, f"cancelled: job {event.job} has ended"))

@@ -143,14 +143,16 @@ class PushItem(_message.Message):
     def __init__(self, ref: _Optional[_Union[ShardRef, _Mapping]] = ..., grad: _Optional[_Union[Tensor, _Mapping]] = ..., ids: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("items", "push_id", "step")
+    __slots__ = ("items", "push_id", "step", "final_below")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     PUSH_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    FINAL_BELOW_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[PushItem]
     push_id: str
     step: int
-    def __init__(self, items: _Optional[_Iterable[_Union[PushItem, _Mapping]]] = ..., push_id: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+    final_below: int
+    def __init__(self, items: _Optional[_Iterable[_Union[PushItem, _Mapping]]] = ..., push_id: _Optional[str] = ..., step: _Optional[int] = ..., final_below: _Optional[int] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("versions", "applied", "incarnation")
@@ -334,18 +336,20 @@ class ClosurePayload(_message.Message):
     def __init__(self, digest: _Optional[str] = ..., function: _Optional[bytes] = ..., arguments: _Optional[bytes] = ...) -> None: ...
 
 class RunClosureRequest(_message.Message):
-    __slots__ = ("closure_id", "attempt", "payload", "sync_mode", "worker_index")
+    __slots__ = ("closure_id", "attempt", "payload", "sync_mode", "worker_index", "final_below")
     CLOSURE_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     SYNC_MODE_FIELD_NUMBER: _ClassVar[int]
     WORKER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    FINAL_BELOW_FIELD_NUMBER: _ClassVar[int]
     closure_id: int
     attempt: int
     payload: bytes
     sync_mode: str
     worker_index: int
-    def __init__(self, closure_id: _Optional[int] = ..., attempt: _Optional[int] = ..., payload: _Optional[bytes] = ..., sync_mode: _Optional[str] = ..., worker_index: _Optional[int] = ...) -> None: ...
+    final_below: int
+    def __init__(self, closure_id: _Optional[int] = ..., attempt: _Optional[int] = ..., payload: _Optional[bytes] = ..., sync_mode: _Optional[str] = ..., worker_index: _Optional[int] = ..., final_below: _Optional[int] = ...) -> None: ...
 
 class UserError(_message.Message):
     __slots__ = ("type_name", "message", "traceback", "pickled")

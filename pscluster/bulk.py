@@ -177,17 +177,18 @@ class BulkTensors:
         self._client.run([BulkCall(ps, pb.BulkRequest(pull=pb.PullRequest(items=[i for i, _ in items])),
                                    targets=[t for _, t in items]) for ps, items in plan.items()])
 
-    def push(self, plan: PushPlan, pid: str, step: int) -> list[pb.PushReply]:
+    def push(self, plan: PushPlan, head: pb.PushRequest) -> list[pb.PushReply]:
         """Send each item's gradient bytes after its header; one request per PS task, replies in plan order."""
         calls = []
         for ps, items in plan.items():
             heads = []
             for item, part in items:
-                head = pb.PushItem()
-                head.CopyFrom(item)
-                head.grad.CopyFrom(codec.header(part.dtype, part.shape))
-                heads.append(head)
-            calls.append(BulkCall(ps, pb.BulkRequest(push=pb.PushRequest(items=heads, push_id=pid, step=step)),
+                described = pb.PushItem()
+                described.CopyFrom(item)
+                described.grad.CopyFrom(codec.header(part.dtype, part.shape))
+                heads.append(described)
+            request = pb.PushRequest(items=heads, push_id=head.push_id, step=head.step, final_below=head.final_below)
+            calls.append(BulkCall(ps, pb.BulkRequest(push=request),
                                   payloads=[np.ascontiguousarray(p).astype(p.dtype.newbyteorder("<"), copy=False)
                                             for _, p in items]))
         self._client.run(calls)

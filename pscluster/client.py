@@ -349,7 +349,9 @@ class PSClient:
 
     def _push_plan(self, plan: PushPlan, pid: str, step: int) -> list[int]:
         refs = [item.ref for items in plan.values() for item, _ in items]
-        replies = self._retrying(lambda: self._tensors.push(plan, pid, step))
+        scope = context.current_scope()
+        head = pb.PushRequest(push_id=pid, step=step, final_below=scope.final_below if scope is not None else 0)
+        replies = self._retrying(lambda: self._tensors.push(plan, head))
         self._record(refs, replies)
         return [v for r in replies for v in r.versions]
 

@@ -48,8 +48,10 @@ class Token:
 class ClosureScope:
     """Identity of the closure running on this thread: ids for its pushes, its worker, its datasets."""
 
-    def __init__(self, closure_id: int, client: PSClient, worker: Any = None, sync_mode: str = "async") -> None:
+    def __init__(self, closure_id: int, client: PSClient, worker: Any = None, sync_mode: str = "async",
+                 final_below: int = 0) -> None:
         self.closure_id = closure_id
+        self.final_below = final_below  # the coordinator's mark at dispatch, sent with every push
         self.client = client
         self.worker = worker
         self.sync_mode = sync_mode or "async"

@@ -64,7 +64,7 @@ class GrpcTensors:
         if pos != flat.size:
             raise PsclusterError(f"ps {ps} PullStream {item.ref.variable}: got {pos} of {flat.size} bytes")
 
-    def push(self, plan: PushPlan, pid: str, step: int) -> list[pb.PushReply]:
+    def push(self, plan: PushPlan, head: pb.PushRequest) -> list[pb.PushReply]:
         """Send a push plan; replies in plan order (unary items per PS first, then streamed ones)."""
         c = self._client
         unary: dict[int, list[pb.PushItem]] = defaultdict(list)
@@ -72,23 +72,25 @@ class GrpcTensors:
         for ps, items in plan.items():
             for item, part in items:
                 if self._streams(part.nbytes, item):
-                    streams.append(c._pool.submit(self._push_stream, ps, pid, step, item.ref, part))  # noqa: SLF001
+                    streams.append(c._pool.submit(self._push_stream, ps, head, item.ref, part))  # noqa: SLF001
                 else:
                     full = pb.PushItem()
                     full.CopyFrom(item)
                     full.grad.CopyFrom(codec.encode(part))
                     unary[ps].append(full)
-        calls = [(ps, "Push", pb.PushRequest(items=items, push_id=pid, step=step)) for ps, items in unary.items()]
+        calls = [(ps, "Push", pb.PushRequest(items=items, push_id=head.push_id, step=head.step,
+                                             final_below=head.final_below)) for ps, items in unary.items()]
         return list(c._gather(calls)) + [fut.result() for fut in streams]  # noqa: SLF001
 
-    def _push_stream(self, ps: int, pid: str, step: int, ref: pb.ShardRef, grad: np.ndarray) -> pb.PushReply:
+    def _push_stream(self, ps: int, head: pb.PushRequest, ref: pb.ShardRef, grad: np.ndarray) -> pb.PushReply:
         grad = np.ascontiguousarray(grad, dtype=grad.dtype.newbyteorder("<"))
         flat = grad.reshape(-1).view(np.uint8)
         chunk = self._client.settings.chunk_bytes
 
         def messages() -> Iterator[pb.PushChunk]:
             item = pb.PushItem(ref=ref, grad=codec.header(grad.dtype, grad.shape))
-            yield pb.PushChunk(header=pb.PushRequest(items=[item], push_id=pid, step=step))
+            yield pb.PushChunk(header=pb.PushRequest(items=[item], push_id=head.push_id, step=head.step,
+                                                     final_below=head.final_below))
             for start in range(0, flat.size, chunk):
                 yield pb.PushChunk(data=flat[start:start + chunk].tobytes())
 

@@ -24,8 +24,8 @@ class TensorTransport(Protocol):
     def pull(self, plan: PullPlan) -> None:
         """Fill each target with its item's tensor."""
 
-    def push(self, plan: PushPlan, pid: str, step: int) -> list[pb.PushReply]:
-        """Send each item's gradient under push id pid; one reply per request."""
+    def push(self, plan: PushPlan, head: pb.PushRequest) -> list[pb.PushReply]:
+        """Send each item's gradient with head's push id, step and mark; one reply per request."""
 
     def take_token(self, request: pb.TokenRequest) -> pb.TokenReply:
         """A sync token from PS 0's queue (blocks up to request.timeout_s while none is free)."""

@@ -93,7 +93,7 @@ class BulkHandlers:
                 items.append(PushItem((item.ref.variable, item.ref.shard_index), grad, ids))
             if offset != payload_len:
                 raise InvalidArgumentError(f"payload of {payload_len} bytes, shapes announce {offset}")
-            results = self.core.push(req.push_id, req.step, items)
+            results = self.core.push(req.push_id, req.step, items, req.final_below)
         finally:
             items = []
             del buf  # a large one-off buffer goes back to the OS before the reply, not after

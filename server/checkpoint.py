@@ -21,7 +21,6 @@ import os
 import pathlib
 import re
 import shutil
-from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -30,6 +29,7 @@ from safetensors.numpy import save_file
 
 from pscluster.placement import PLACEMENT_VERSION, ps_for_ordinal
 from pscluster.server import optimizers as opt
+from pscluster.server.push_record import PushRecord
 from pscluster.server.store import Shard, ShardSpec, VariableStore
 
 _FILE = re.compile(r"ps-(\d+)-of-(\d+)\.safetensors$")
@@ -74,7 +74,7 @@ def save(store: VariableStore, root: pathlib.Path, step: int, ps_index: int, num
             for name, slot in shard.slots.items():
                 tensors[f"{base}/slot/{name}"] = slot
             spec = asdict(shard.spec)
-            meta.append({"spec": spec, "version": shard.version, "applied": list(shard.applied)})
+            meta.append({"spec": spec, "version": shard.version, "applied": shard.record.state()})
         header = {"placement_version": str(PLACEMENT_VERSION), "step": str(step),
                   "shards": json.dumps(meta), "extra": json.dumps(extra or {})}
         save_file(tensors, str(tmp), metadata=header)
@@ -184,7 +184,7 @@ def restore(store: VariableStore, root: pathlib.Path, ps_index: int, num_ps: int
                 base = f"{spec.variable}/{spec.shard_index}"
                 value = _writable(fh.get_tensor(f"{base}/value"))
                 slots = {name: _writable(fh.get_tensor(f"{base}/slot/{name}")) for name in spec.optimizer.slot_names()}
-                applied = OrderedDict((pid, None) for pid in entry["applied"])
-                store.install(Shard(spec, value, slots, entry["version"], entry["version"], applied))
+                record = PushRecord.from_state(entry["applied"], store.dedup_window)
+                store.install(Shard(spec, value, slots, entry["version"], entry["version"], record))
                 loaded += 1
     return Restored(step, loaded, extra)

@@ -71,14 +71,15 @@ class ParameterServerCore:
         """Pull several shards (or rows of them)."""
         return [self.store.pull(key, ids) for key, ids in items]
 
-    def push(self, push_id: str, step: int, items: Sequence[PushItem]) -> list[PushResult]:
-        """Apply (async) or accumulate (sync) a push."""
+    def push(self, push_id: str, step: int, items: Sequence[PushItem], final_below: int = 0) -> list[PushResult]:
+        """Apply (async) or accumulate (sync) a push; final_below: see VariableStore.push."""
         if self.sync is not None and self.sync.accumulates:
             return self.sync.push(push_id, step, items)
-        return self.store.push(push_id, items)
+        return self.store.push(push_id, items, final_below)
 
     def push_stream(self, push_id: str, step: int, key: tuple[str, int], dtype: np.dtype,
-                    shape: tuple[int, ...], ids: np.ndarray | None, chunks: Iterable[bytes]) -> PushResult:
+                    shape: tuple[int, ...], ids: np.ndarray | None, chunks: Iterable[bytes],
+                    final_below: int = 0) -> PushResult:
         """Assemble a streamed gradient into one buffer, then push it like a unary one."""
         shard = self.store.get(key)
         expected = math.prod(shape) * dtype.itemsize
@@ -95,7 +96,7 @@ class ParameterServerCore:
         if filled != expected:
             raise InvalidArgumentError(f"{key[0]}[{key[1]}]: stream ended after {filled} of {expected} bytes")
         grad = buf.view(dtype).reshape(shape)
-        return self.push(push_id, step, [PushItem(key, grad, ids)])[0]
+        return self.push(push_id, step, [PushItem(key, grad, ids)], final_below)[0]
 
     def pull_stream(self, key: tuple[str, int], chunk_bytes: int) -> tuple[ShardSpec, int, Iterator[bytes]]:
         """Spec, version and byte chunks of one shard."""

@@ -59,7 +59,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         started = time.perf_counter()
         items = [PushItem(_key(i.ref), codec.decode(i.grad, i.ref.variable), _ids(i.ids, i.HasField("ids")))
                  for i in request.items]
-        results = self.core.push(request.push_id, request.step, items)
+        results = self.core.push(request.push_id, request.step, items, request.final_below)
         self._observe("push", sum(i.grad.nbytes for i in items), started)
         return pb.PushReply(versions=[r.version for r in results], applied=[r.applied for r in results],
                             incarnation=self.core.incarnation)
@@ -80,7 +80,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         ids = _ids(item.ids, item.HasField("ids"))
         chunks = (m.data for m in request_iterator)
         result = self.core.push_stream(req.push_id, req.step, _key(item.ref), dtype, tuple(item.grad.shape), ids,
-                                       _prepend(first.data, chunks))
+                                       _prepend(first.data, chunks), req.final_below)
         return pb.PushReply(versions=[result.version], applied=[result.applied], incarnation=self.core.incarnation)
 
     def Save(self, request: pb.SaveRequest, context: grpc.ServicerContext) -> pb.SaveReply:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -18,18 +17,20 @@ import numpy as np
 
 from pscluster.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError
 from pscluster.server import optimizers as opt
+from pscluster.server.push_record import PushRecord
 from pscluster.specs import Key as Key, ShardSpec as ShardSpec
+
 
 @dataclass
 class Shard:
-    """A shard's state: value, optimizer slots, version, and the push ids it has applied."""
+    """A shard's state: value, optimizer slots, version, and the push ids it has applied (bounded)."""
 
     spec: ShardSpec
     value: np.ndarray
     slots: dict[str, np.ndarray]
     version: int = 0
     restored_version: int = -1
-    applied: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    record: PushRecord = field(default_factory=PushRecord)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
@@ -75,7 +76,7 @@ class VariableStore:
         self._shards: dict[Key, Shard] = {}
         self._create_lock = threading.Lock()
         self._nan_policy = nan_policy
-        self._dedup_window = dedup_window
+        self.dedup_window = dedup_window
 
     # -- structure -------------------------------------------------------------------------------
     def create(self, spec: ShardSpec, value: np.ndarray) -> tuple[Shard, bool]:
@@ -103,7 +104,8 @@ class VariableStore:
                 return existing, False
             owned = value.flags.writeable and value.flags.c_contiguous and value.flags.owndata
             arr = value if owned else np.array(value, dtype=np.dtype(spec.dtype), copy=True, order="C")
-            shard = Shard(spec, arr, opt.init_slots(spec.optimizer, spec.shape, arr.dtype))
+            shard = Shard(spec, arr, opt.init_slots(spec.optimizer, spec.shape, arr.dtype),
+                          record=PushRecord(self.dedup_window))
             self._shards[spec.key] = shard
             return shard, True
 
@@ -209,15 +211,21 @@ class VariableStore:
             checked.append((shard, item, local))
         return checked
 
-    def push(self, push_id: str, items: Sequence[PushItem]) -> list[PushResult]:
-        """Apply a push to its shards, at most once per push_id per shard (empty id: always)."""
-        checked = self.validate_push(items)
-        return [self.apply(shard, item.grad, local, push_id) for shard, item, local in checked]
+    def push(self, push_id: str, items: Sequence[PushItem], final_below: int = 0) -> list[PushResult]:
+        """Apply a push to its shards, at most once per push_id per shard (empty id: always).
 
-    def apply(self, shard: Shard, grad: np.ndarray, local: np.ndarray | None, push_id: str) -> PushResult:
+        final_below: the pushing coordinator's mark (server/push_record.py): its closures below it are
+        final, so their ids are forgotten and a late copy of their pushes is refused.
+        """
+        checked = self.validate_push(items)
+        return [self.apply(shard, item.grad, local, push_id, final_below) for shard, item, local in checked]
+
+    def apply(self, shard: Shard, grad: np.ndarray, local: np.ndarray | None, push_id: str,
+              final_below: int = 0) -> PushResult:
         """Apply one validated gradient under the shard's lock, unless push_id was applied already."""
         with shard.lock:
-            if push_id and push_id in shard.applied:
+            shard.record.advance(final_below)
+            if push_id and shard.record.seen(push_id):
                 return PushResult(shard.version, False)
             t = shard.version + 1
             if local is None:
@@ -226,13 +234,8 @@ class VariableStore:
                 opt.apply_sparse(shard.spec.optimizer, shard.value, local, grad, shard.slots, t)
             shard.version = t
             if push_id:
-                self._remember(shard, push_id)
+                shard.record.add(push_id)
             return PushResult(shard.version, True)
-
-    def _remember(self, shard: Shard, push_id: str) -> None:
-        shard.applied[push_id] = None
-        while len(shard.applied) > self._dedup_window:
-            shard.applied.popitem(last=False)
 
     @staticmethod
     def _local_rows(shard: Shard, ids: np.ndarray) -> np.ndarray:

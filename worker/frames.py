@@ -19,7 +19,8 @@ def closure_server(servicer: WorkerServicer, host: str, token: str | None, max_h
         servicer.gate.enter()  # UnavailableError when leaving: the coordinator reschedules the closure
         try:
             req = request.closure
-            outcome = servicer.runner.run(req.closure_id, req.payload, req.sync_mode, req.worker_index)
+            outcome = servicer.runner.run(req.closure_id, req.payload, req.sync_mode, req.worker_index,
+                                          req.final_below)
         finally:
             servicer.gate.exit()
         send_frame(conn, pb.BulkReply(closure=outcome_to_pb(outcome)).SerializeToString())

@@ -59,7 +59,7 @@ def test_dedup_window_is_bounded():
     store.create(spec(), np.zeros((4, 2), np.float32))
     for i in range(1500):
         store.push(f"p{i}", [PushItem(("w", 0), np.zeros((4, 2), np.float32))])
-    assert len(store.get(("w", 0)).applied) == 1000
+    assert len(store.get(("w", 0)).record) == 1000
 
 
 BAD_PUSHES = [
@@ -83,7 +83,7 @@ def test_bad_push_is_rejected_and_changes_nothing(bad, match):
     for key in [("w", 0), ("emb", 0), ("v", 0)]:
         value, version = store.pull(key)
         assert version == 0 and not value.any()
-    assert not store.get(("v", 0)).applied
+    assert len(store.get(("v", 0)).record) == 0
 
 
 def test_nan_policy_allow_applies_nan():
