@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pscluster import context
+from pscluster.errors import InvalidArgumentError
 
 
 @dataclass(frozen=True)
@@ -104,3 +105,19 @@ def pull(variables: Sequence[Variable]) -> list[np.ndarray]:
 def push(grads: Sequence[tuple[Variable, np.ndarray]]) -> list[int]:
     """Push gradients of several variables at once (one push id, one request per PS task)."""
     return context.current_client().push(grads)
+
+
+def unique_rows(name: str, ids: np.ndarray, rows: int) -> np.ndarray:
+    """Sorted unique int64 ids of a batch for table `name` of `rows` rows (the rows a step pulls).
+
+    Raises:
+        InvalidArgumentError: non-integer ids, or ids outside [0, rows).
+    """
+    arr = np.asarray(ids)
+    if arr.size and arr.dtype.kind not in "iu":
+        raise InvalidArgumentError(f"{name}: ids must be integers, got {arr.dtype}")
+    arr = np.unique(arr.astype(np.int64, copy=False).reshape(-1))
+    if arr.size and (arr[0] < 0 or arr[-1] >= rows):
+        bad = arr[0] if arr[0] < 0 else arr[-1]
+        raise InvalidArgumentError(f"{name}: id {bad} outside the table's rows [0, {rows})")
+    return arr

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from pscluster.errors import InvalidArgumentError
+from pscluster.variables import unique_rows
 
 TABLE_TYPES = (nn.Embedding, nn.EmbeddingBag)
 TableModule = nn.Embedding | nn.EmbeddingBag
@@ -39,19 +40,12 @@ def sparse_tables(module: nn.Module) -> dict[str, str]:
 
 
 def unique_ids(name: str, ids: Any, rows: int) -> np.ndarray:
-    """Sorted unique int64 ids of a batch for table `name` of `rows` rows.
+    """Sorted unique int64 ids of a batch (a tensor or array-like) for table `name` of `rows` rows.
 
     Raises:
         InvalidArgumentError: non-integer ids, or ids outside [0, rows).
     """
-    arr = ids.detach().cpu().numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
-    if arr.size and arr.dtype.kind not in "iu":
-        raise InvalidArgumentError(f"{name}: ids must be integers, got {arr.dtype}")
-    arr = np.unique(arr.astype(np.int64, copy=False).reshape(-1))
-    if arr.size and (arr[0] < 0 or arr[-1] >= rows):
-        bad = arr[0] if arr[0] < 0 else arr[-1]
-        raise InvalidArgumentError(f"{name}: id {bad} outside the table's rows [0, {rows})")
-    return arr
+    return unique_rows(name, ids.detach().cpu().numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids), rows)
 
 
 class LocalTable:

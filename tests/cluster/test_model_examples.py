@@ -1,4 +1,4 @@
-"""The PyTorch examples run as a user runs them, and reach their quality bars."""
+"""The PyTorch and JAX examples run as a user runs them, and reach their quality bars."""
 
 import pathlib
 import re
@@ -30,3 +30,12 @@ def test_torch_recsys_with_two_1m_row_tables_reaches_auc_060():
     assert "tables: 2 x 1,000,000 rows" in out, out
     score = float(re.search(r"held-out AUC: ([0-9.]+)", out).group(1))
     assert score >= 0.6, out
+
+
+def test_jax_mnist_mlp_trains_on_2_ps_and_2_workers():
+    out = run_example("jax_mnist.py", "--steps", "1000", "--ps", "2", "--workers", "2", "--min-accuracy", "0")
+    assert "cluster: 2 PS, 2 workers" in out, out
+    losses = re.search(r"loss ([0-9.]+) -> ([0-9.]+)", out)
+    assert float(losses.group(2)) < float(losses.group(1)) / 4, out
+    acc = float(re.search(r"held-out test accuracy: ([0-9.]+)", out).group(1))
+    assert acc >= 0.92, out

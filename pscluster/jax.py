@@ -1,0 +1,200 @@
+"""JAX models on pscluster (`pip install pscluster[jax]`): a pytree of parameters on the PS, `jax.grad` on workers.
+
+    import pscluster.jax as ps_jax
+    model = ps_jax.PSParams(coord, params, ps.Adam(1e-3))          # params: any pytree of arrays
+
+    def step(iterator):
+        x, y = next(iterator)
+        pulled = model.pull()                        # every leaf, one request per PS task
+        loss, grads = jax.value_and_grad(loss_fn)(pulled.params, x, y)
+        model.push(grads)                            # every gradient, one push id
+        return float(loss)
+
+    coord.schedule(step, args=(per_worker_iter,)); coord.join()
+    trained = model.state()                          # the pytree, whole, as numpy arrays
+
+Each leaf is a PS variable named by its path in the tree (`dense/w`, `layers/0/b`, ...), so the
+partitioners, the four PS optimizers, sync and bounded modes and checkpoints apply unchanged. A leaf
+named in `sparse=` is a sparse table: `pull(ids={"emb": batch_ids})` pulls only the rows the batch
+touches and puts them in the tree in the table's place; `pulled.ids["emb"]` gives each batch id's
+row in them, so the model indexes `params["emb"][ids]` and `jax.grad` yields the gradient of just
+those rows, which `push` sends. A table far larger than a worker's memory trains this way. The core
+never imports jax; only this module does.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax import tree_util
+
+from pscluster import context, optimizers
+from pscluster.errors import InvalidArgumentError
+from pscluster.optimizers import OptimizerConfig
+from pscluster.placement import Partitioner
+from pscluster.variables import Variable, unique_rows
+
+
+class Pulled(NamedTuple):
+    """What a closure's pull returns."""
+
+    params: Any  # the pytree: dense leaves whole, each sparse leaf as the rows the batch touches
+    ids: dict[str, np.ndarray]  # per sparse leaf: each batch id's row in params' leaf (the batch's shape)
+
+
+def leaf_name(path: tuple[Any, ...]) -> str:
+    """A pytree path as a variable name: dict keys, sequence indices and attribute names joined by '/'."""
+    parts = []
+    for entry in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(entry, attr):
+                parts.append(str(getattr(entry, attr)))
+                break
+        else:
+            parts.append(str(entry))
+    return "/".join(parts) or "value"
+
+
+def _definition(name: str, leaf: Any, sparse: bool, table_init: float, seed: int) -> dict[str, Any]:
+    """create_variable's arguments for one leaf (a ShapeDtypeStruct table is initialised on the PS)."""
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        if not sparse:
+            raise InvalidArgumentError(f"{name}: only a sparse table may be given as a ShapeDtypeStruct; give "
+                                       "other leaves their initial values")
+        kind = np.dtype(leaf.dtype).kind
+        fields: dict[str, Any] = dict(shape=tuple(leaf.shape), dtype=np.dtype(leaf.dtype), initializer="normal",
+                                      init_scale=table_init, seed=seed)
+    else:
+        arr = np.asarray(leaf)
+        kind = arr.dtype.kind
+        fields = dict(initial_value=arr)
+    if kind not in "iuf":
+        raise InvalidArgumentError(f"{name}: dtype {np.dtype(leaf.dtype)} has no PS equivalent; use a float or "
+                                   "integer dtype")
+    if sparse and len(leaf.shape) < 1:
+        raise InvalidArgumentError(f"{name}: a sparse table needs at least one axis, got a scalar")
+    return fields
+
+
+class PSParams:
+    """A pytree of parameters trained on the PS tasks: pull() in a closure, push(grads) after jax.grad."""
+
+    def __init__(self, coord: Any, params: Any, optimizer: OptimizerConfig | None = None, *,
+                 sparse: Iterable[str] = (), partitioner: Partitioner | None = None, prefix: str = "",
+                 table_init: float = 1.0, seed: int = 0) -> None:
+        """Create one variable per leaf (idempotent: the same call again reuses them).
+
+        Args:
+            coord: a ClusterCoordinator, RemoteCoordinator or PSClient (anything with create_variable).
+            params: the initial parameters, any pytree of arrays (jax or numpy); a sparse table may be a
+                `jax.ShapeDtypeStruct`: then the PS initialises it, N(0, table_init**2) seeded by `seed`
+                and the shard, and the driver never holds the table.
+            optimizer: the PS optimizer of every leaf (pscluster.SGD/Momentum/Adagrad/Adam); default SGD(1e-3).
+            sparse: names of leaves (see leaf_name) that are embedding tables, pulled and pushed by rows.
+            partitioner: applied to every leaf with at least one axis.
+            prefix: prepended to every variable name (two models on one cluster).
+
+        Raises:
+            InvalidArgumentError: a non-numeric leaf, two leaves with one name, an unknown or scalar table.
+            AlreadyExistsError: a variable of the same name exists with another shape or dtype.
+        """
+        optimizer = optimizer or optimizers.SGD(1e-3)
+        flat, self.treedef = tree_util.tree_flatten_with_path(params)
+        self.names = [leaf_name(path) for path, _ in flat]
+        duplicated = sorted({n for n in self.names if self.names.count(n) > 1})
+        if duplicated:
+            raise InvalidArgumentError(f"leaves {duplicated} have the same name; give them distinct keys")
+        self.sparse = tuple(sparse)
+        unknown = sorted(set(self.sparse) - set(self.names))
+        if unknown:
+            raise InvalidArgumentError(f"sparse={unknown}: no such leaf; leaves are {self.names}")
+        # every leaf is checked before the first variable is created: bad input creates nothing
+        definitions = [(name, leaf, _definition(name, leaf, name in self.sparse, table_init, seed))
+                       for name, (_, leaf) in zip(self.names, flat)]
+        self.prefix = prefix
+        self.variables: dict[str, Variable] = {
+            name: coord.create_variable(prefix + name, optimizer=optimizer, sparse=name in self.sparse,
+                                        partitioner=partitioner if len(np.shape(leaf)) >= 1 else None, **fields)
+            for name, leaf, fields in definitions}
+        self._local = threading.local()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        del state["_local"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._local = threading.local()
+
+    # -- worker side ------------------------------------------------------------------------------
+    def pull(self, ids: Mapping[str, Any] | None = None) -> Pulled:
+        """Every dense leaf, and for each sparse table the rows `ids[name]` touches; one request per PS task.
+
+        Raises:
+            InvalidArgumentError: ids for a leaf that is not a sparse table, a table without ids,
+                non-integer or out-of-range ids.
+        """
+        ids = dict(ids or {})
+        unknown, missing = sorted(set(ids) - set(self.sparse)), sorted(set(self.sparse) - set(ids))
+        if unknown or missing:
+            raise InvalidArgumentError(f"pull(ids=...): sparse tables are {sorted(self.sparse)}; got ids for unknown "
+                                       f"{unknown} and none for {missing}")
+        dense, rows, leaves, positions, wanted = [], [], {}, {}, {}
+        for name in self.names:
+            var = self.variables[name]
+            if name in ids:
+                batch = np.asarray(ids[name])
+                wanted[name] = unique_rows(name, batch, var.shape[0])
+                positions[name] = np.searchsorted(wanted[name], batch.astype(np.int64, copy=False))
+                leaves[name] = np.empty((wanted[name].size,) + var.shape[1:], var.dtype)
+                rows.append((var, wanted[name], leaves[name]))
+            else:
+                leaves[name] = np.empty(var.shape, var.dtype)
+                dense.append((var, leaves[name]))
+        context.current_client().pull_into(dense, rows)
+        self._local.wanted = wanted  # push sends the gradients of exactly these rows
+        params = tree_util.tree_unflatten(self.treedef, [jax.numpy.asarray(leaves[n]) for n in self.names])
+        return Pulled(params, positions)
+
+    def push(self, grads: Any) -> list[int]:
+        """Push a gradient pytree shaped like `pull().params` under one push id (one request per PS task).
+
+        Raises:
+            InvalidArgumentError: grads with another structure, or push() before pull() in this closure.
+        """
+        leaves, treedef = tree_util.tree_flatten(grads)
+        if treedef != self.treedef:
+            raise InvalidArgumentError(f"push: gradients have structure {treedef}, the parameters {self.treedef}")
+        wanted: dict[str, np.ndarray] | None = getattr(self._local, "wanted", None)
+        if wanted is None and self.sparse:
+            raise InvalidArgumentError("push() before pull(): pull the parameters in the same closure first")
+        dense, rows = [], []
+        for name, grad in zip(self.names, leaves):
+            var = self.variables[name]
+            arr = np.asarray(grad, dtype=var.dtype)
+            if name in self.sparse:
+                rows.append((var, wanted[name], arr))  # type: ignore[index]
+            else:
+                dense.append((var, arr))
+        return context.current_client().push(dense, rows=rows)
+
+    # -- driver side ------------------------------------------------------------------------------
+    def state(self) -> Any:
+        """The trained parameters, whole (tables included), as a pytree of numpy arrays."""
+        values = context.current_client().pull([self.variables[n] for n in self.names])
+        return tree_util.tree_unflatten(self.treedef, values)
+
+
+def SGD(learning_rate: float = 1e-3) -> OptimizerConfig:  # noqa: N802 - optax's names
+    """optax.sgd without momentum, run on the PS."""
+    return optimizers.SGD(learning_rate)
+
+
+def Adam(learning_rate: float = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> OptimizerConfig:  # noqa: N802
+    """optax.adam's names and defaults, run on the PS (lazy on sparse tables)."""
+    return optimizers.Adam(learning_rate, b1, b2, eps)
