@@ -173,6 +173,18 @@ def bench_b12(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
                   f"{'met' if ps_['accuracy'] >= 0.95 else 'NOT met'})")]
 
 
+def bench_b13(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
+    from bench import sparse
+
+    r = _runs(sparse.b13, max(1, args.runs // 2))
+    return r, [("B13", "sparse table, 10 M rows x 64 float32 (2.4 GiB) on 2 PS, SGD; one worker pulls then pushes the "
+                "unique rows of batches of 4,096 random ids",
+                f"{r['rows_per_s'] / 1e3:.0f} k rows/s pulled + pushed ({r['batches_per_s']:.0f} batches/s); worker "
+                f"peak RSS {r['worker_peak_rss_mib']:.0f} MiB = {r['worker_peak_rss_mib'] / r['table_mib']:.3f} x the "
+                f"table ({r['table_mib']:.0f} MiB); largest PS RSS {r['ps_max_rss_mib']:.0f} MiB",
+                f"worker RSS far below the table: {'met' if r['worker_peak_rss_mib'] < 0.2 * r['table_mib'] else 'NOT met'}")]
+
+
 def bench_profile(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
     r = profile.profile_w2()
     cells = []
@@ -187,7 +199,7 @@ def bench_profile(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
 
 BENCHES = {"B1": bench_b1, "B9": bench_b9, "B2": bench_b2, "B3": bench_b3, "B4": bench_b4, "B5": bench_b5,
            "B6": bench_b6, "B7": bench_b7, "B8": bench_b8,
-           "B10": bench_b10, "B11": bench_b11, "B12": bench_b12, "PROFILE": bench_profile}
+           "B10": bench_b10, "B11": bench_b11, "B12": bench_b12, "B13": bench_b13, "PROFILE": bench_profile}
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 
