@@ -151,7 +151,7 @@ def bench_b11(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
                 f"{r['completed']} closures, {r['unresolved']} unresolved, {r['errors']} errors; "
                 f"{r['worker_kills']} worker SIGKILLs, {r['worker_stops']} SIGSTOPs, {r['ps_kills']} PS SIGKILLs, "
                 f"{r['retried']} retried; counter {r['counter']} = completed - lost ({r['lost_counter_updates']}): "
-                f"{r['exact']}; accuracy {r['accuracy']:.4f}; max per role, minute 2-3 -> 9.2-10: {flat}",
+                f"{r['exact']}; accuracy {r['accuracy']:.4f}; per role, max over minute 2-3 -> min over 9.2-10: {flat}",
                 "all resolved, exact, acc >= 0.92, no growth (RSS within 20 MiB): "
                 f"{'met' if r['ok'] else 'NOT met'}")]
 
