@@ -105,7 +105,7 @@ class ClusterCoordinator(CoordinatorAPI):
         self.metrics_port = 0
         if self.settings.metrics_port is not None:
             self.metrics_port = metrics.serve(metrics.coordinator_registry(self._metrics_snapshot),
-                                              self.settings.bind_host, self.settings.metrics_port)
+                                              self.settings.metrics_host, self.settings.metrics_port)
         self._server: grpc.Server | None = None
         self.port = 0
         if serve:

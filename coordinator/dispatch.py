@@ -25,7 +25,7 @@ import grpc
 from pscluster import rpc
 from pscluster.config import Settings
 from pscluster.coordinator import scheduler as sch
-from pscluster.framing import STATUS_BY_VALUE, read_reply, send_frame, wait_readable
+from pscluster.framing import STATUS_BY_VALUE, read_reply, send_frame, send_hello, wait_readable
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 
@@ -95,8 +95,10 @@ class FramedDispatcher:
             self._busy[key] = conn
         if fresh:
             threading.Thread(target=self._read, args=(conn,), name=f"dispatch-{wid}", daemon=True).start()
-        frame = pb.BulkRequest(closure=request, token=self._token if fresh else "")
+        frame = pb.BulkRequest(closure=request)
         try:
+            if fresh:
+                send_hello(conn.sock, self._token)
             send_frame(conn.sock, frame.SerializeToString())
         except OSError:
             _shutdown(conn.sock)  # wakes the reader, which reports the failure once and closes the socket

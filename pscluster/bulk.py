@@ -20,7 +20,7 @@ import numpy as np
 
 from pscluster import codec
 from pscluster.errors import InternalError, UnavailableError, from_status
-from pscluster.framing import PREFIX, STATUS_BY_VALUE, recv_exact, recv_into, send_buffer, send_frame
+from pscluster.framing import PREFIX, STATUS_BY_VALUE, recv_exact, recv_into, send_buffer, send_frame, send_hello
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.tensors import PullPlan, PushPlan
 
@@ -102,7 +102,7 @@ class BulkClient:
 
     def _send(self, call: BulkCall, conn: socket.socket, fresh: bool) -> None:
         if fresh:
-            call.request.token = self._token
+            send_hello(conn, self._token)
         conn.settimeout(self._io_timeout + call.wait_s)
         header = call.request.SerializeToString()
         send_frame(conn, header, sum(p.nbytes for p in call.payloads))

@@ -32,6 +32,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bind-host", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port to listen on instead of the cluster spec's")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: any free port)")
+    p.add_argument("--metrics-host", help="address of the metrics port (default 127.0.0.1: it serves without a token)")
     p.add_argument("--exit-with-parent", type=int, metavar="PID", dest="parent_pid",
                    help="stop when process PID (the program that started this daemon) has ended")
 
@@ -84,6 +85,7 @@ def settings_from_args(args: argparse.Namespace, task_type: str | None) -> Setti
         "keep_checkpoints": getattr(args, "keep_checkpoints", None),
         "restore": getattr(args, "restore", None) or None, "nan_policy": getattr(args, "nan_policy", None),
         "token_file": args.token_file, "metrics_port": getattr(args, "metrics_port", None),
+        "metrics_host": getattr(args, "metrics_host", None),
         "framed_port": getattr(args, "framed_port", None), "parent_pid": getattr(args, "parent_pid", None),
         "checkpoint_every_steps": getattr(args, "checkpoint_every_steps", None),
         "checkpoint_every_s": getattr(args, "checkpoint_every_s", None),

@@ -86,11 +86,22 @@ class Settings(_Frozen):
     # framed sockets (PS bulk port, worker closure port, their clients): a send or receive that makes no
     # progress for this long closes the connection; the client side sees a retryable UnavailableError
     socket_timeout_s: float = Field(default=30.0, gt=0)
+    # framed ports' admission (pscluster/admission.py, SECURITY.md): a peer has auth_timeout_s to send its
+    # token; an authenticated connection idle for idle_timeout_s is closed (clients reconnect)
+    auth_timeout_s: float = Field(default=10.0, gt=0)
+    idle_timeout_s: float = Field(default=600.0, gt=0)
+    max_connections: int = Field(default=128, ge=4, le=4096)  # per framed port
+    max_connections_per_peer: int = Field(default=64, ge=1, le=4096)
+    max_unauthenticated: int = Field(default=16, ge=1, le=1024)  # connections still authenticating, per port
+    # the largest tensor (a shard, a pushed gradient, a pull reply) a daemon accepts: bigger ones are refused
+    # with a precise error before anything is allocated
+    max_tensor_bytes: int = Field(default=4 * 1024 * MiB, ge=MiB)
     heartbeat_interval_s: float = Field(default=0.5, gt=0)
     heartbeat_timeout_s: float = Field(default=2.0, gt=0)
     server_threads: int = Field(default=16, ge=2, le=256)
     dedup_window: int = Field(default=1_000_000, ge=1000)
     metrics_port: int | None = Field(default=None, ge=0, lt=65536)  # serve Prometheus metrics (0: any port)
+    metrics_host: str = "127.0.0.1"  # the metrics port serves without a token: loopback unless told otherwise
     bulk_transport: bool = True  # pull/push tensors over the PS's raw TCP port; False: gRPC only
     max_inflight_per_worker: int = Field(default=2, ge=1, le=64)
     no_worker_timeout_s: float | None = Field(default=300.0, gt=0)
@@ -104,7 +115,7 @@ class Settings(_Frozen):
     # SIGKILL, instead of running on as an orphan that holds ports and checkpoints
     parent_pid: int | None = Field(default=None, ge=1)
 
-    @field_validator("bind_host")
+    @field_validator("bind_host", "metrics_host")
     @classmethod
     def _host(cls, value: str) -> str:
         if value in ("localhost", "0.0.0.0", "::"):
@@ -113,6 +124,13 @@ class Settings(_Frozen):
             ipaddress.ip_address(value)
         except ValueError as exc:
             raise ValueError(f"bind_host {value!r} is not an IP address") from exc
+        return value
+
+    @field_validator("token")
+    @classmethod
+    def _token(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not value.get_secret_value().strip():
+            raise ValueError("the token is empty, which would turn authentication off; set a real token or none")
         return value
 
     @model_validator(mode="after")
@@ -226,6 +244,10 @@ _ENV_FIELDS = {
     "PSCLUSTER_BIND_HOST": "bind_host",
     "PSCLUSTER_ADVERTISE_HOST": "advertise_host",
     "PSCLUSTER_METRICS_PORT": "metrics_port",
+    "PSCLUSTER_METRICS_HOST": "metrics_host",
+    "PSCLUSTER_AUTH_TIMEOUT_S": "auth_timeout_s",
+    "PSCLUSTER_IDLE_TIMEOUT_S": "idle_timeout_s",
+    "PSCLUSTER_MAX_TENSOR_BYTES": "max_tensor_bytes",
     "PSCLUSTER_TASK_INDEX": "task_index",
     "PSCLUSTER_CHECKPOINT_DIR": "checkpoint_dir",
     "PSCLUSTER_AUTO_CHECKPOINT": "auto_checkpoint",
@@ -251,10 +273,18 @@ def load_token(token_file: str | pathlib.Path | None = None, env: Mapping[str, s
     token_file = token_file or env.get("PSCLUSTER_TOKEN_FILE")
     if token_file:
         try:
-            return pathlib.Path(token_file).read_text().strip()
+            token = pathlib.Path(token_file).read_text().strip()
         except OSError as exc:
             raise ConfigError(f"token_file {token_file}: {exc.strerror}") from exc
-    return env.get("PSCLUSTER_TOKEN") or None
+        if not token:
+            # an empty token would turn authentication off, silently, on a cluster meant to have it
+            raise ConfigError(f"token_file {token_file} is empty; write the token into it "
+                              "(python -c \"import secrets; print(secrets.token_hex(16))\" > FILE)")
+        return token
+    token = env.get("PSCLUSTER_TOKEN")
+    if token is not None and not token.strip():
+        raise ConfigError("PSCLUSTER_TOKEN is set but empty; set it to the cluster's token or unset it")
+    return token.strip() if token is not None else None
 
 
 def load_settings(cluster_file: str | pathlib.Path | None = None,

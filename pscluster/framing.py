@@ -26,11 +26,15 @@ from typing import Any
 
 import grpc
 
+from pscluster.admission import HELLO_MAX_BYTES, ConnectionBudget
+from pscluster.config import Settings
 from pscluster.errors import (ConfigError, InternalError, InvalidArgumentError, PsclusterError,
-                              ResourceExhaustedError, UnauthenticatedError)
+                              ResourceExhaustedError, UnauthenticatedError, UnavailableError)
+from pscluster.refusals import RefusalLog
 from pscluster.proto import pscluster_pb2 as pb
 
 log = logging.getLogger(__name__)
+_refusals = RefusalLog(log)
 PREFIX = struct.Struct("<IQ")
 STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 CHUNK = 4 << 20  # bytes per send call of a payload: the unit of progress that io timeouts measure
@@ -39,11 +43,32 @@ CHUNK = 4 << 20  # bytes per send call of a payload: the unit of progress that i
 Handler = Callable[[socket.socket, pb.BulkRequest, int, dict[str, Any]], None]
 
 
+GROW_BYTES = 1 << 20  # above this, a buffer grows with the bytes that arrive instead of being allocated up front
+
+
 def recv_exact(conn: socket.socket, n: int) -> bytes:
-    """n bytes from conn, or ConnectionError at EOF."""
-    buf = bytearray(n)
-    recv_into(conn, memoryview(buf))
-    return bytes(buf)
+    """n bytes from conn, or ConnectionError at EOF; memory follows the bytes received, not the n announced."""
+    if n <= GROW_BYTES:
+        buf = bytearray(n)
+        recv_into(conn, memoryview(buf))
+        return bytes(buf)
+    grown = bytearray()
+    while len(grown) < n:
+        piece = conn.recv(min(GROW_BYTES, n - len(grown)))
+        if not piece:
+            raise ConnectionError("connection closed")
+        grown += piece
+    return bytes(grown)
+
+
+def drain(conn: socket.socket, n: int) -> None:
+    """Read and drop n bytes (a payload sent where none belongs) through a small buffer."""
+    scratch = memoryview(bytearray(min(n, 64 << 10)))
+    while n > 0:
+        k = conn.recv_into(scratch, min(n, len(scratch)))
+        if k == 0:
+            raise ConnectionError("connection closed")
+        n -= k
 
 
 def recv_into(conn: socket.socket, target: memoryview) -> None:
@@ -72,14 +97,22 @@ def send_buffer(conn: socket.socket, data: memoryview | bytes) -> None:
         conn.sendall(view[start:start + CHUNK])
 
 
-def wait_readable(conn: socket.socket) -> None:
-    """Block until conn has data, EOF or an error (an idle wait, not bounded by conn's timeout)."""
+def wait_readable(conn: socket.socket, timeout_s: float | None = None) -> bool:
+    """Block until conn has data, EOF or an error (True), or timeout_s passes first (False).
+
+    An idle wait: conn's own io timeout does not bound it, timeout_s does (None: forever).
+    """
     pending = getattr(conn, "pending", None)  # a TLS socket may hold decrypted bytes the kernel no longer has
     if pending is not None and pending():
-        return
+        return True
     poller = select.poll()
     poller.register(conn, select.POLLIN)
-    poller.poll()
+    return bool(poller.poll(None if timeout_s is None else max(0, int(timeout_s * 1000))))
+
+
+def send_hello(conn: socket.socket, token: str | None) -> None:
+    """Open a framed connection: the first frame carries the token and nothing else (at most HELLO_MAX_BYTES)."""
+    send_frame(conn, pb.BulkRequest(token=token or "").SerializeToString())
 
 
 def read_reply(conn: socket.socket) -> tuple[pb.BulkReply, int]:
@@ -97,7 +130,7 @@ def refuse_payload(conn: socket.socket, payload_len: int, what: str) -> None:
         InvalidArgumentError: payload_len > 0.
     """
     if payload_len:
-        recv_exact(conn, payload_len)
+        drain(conn, payload_len)
         raise InvalidArgumentError(f"a {what} request carries no payload")
 
 
@@ -114,13 +147,16 @@ class FrameServer:
 
     def __init__(self, host: str, token: str | None, handlers: dict[str, Handler], max_header_bytes: int,
                  max_payload_bytes: int = 1 << 36, max_connections: int = 128, name: str = "frames",
-                 port: int = 0, io_timeout_s: float = 30.0) -> None:
+                 port: int = 0, io_timeout_s: float = 30.0, budget: ConnectionBudget | None = None,
+                 auth_timeout_s: float = 10.0, idle_timeout_s: float | None = None) -> None:
         self._token = token.encode() if token else None
         self._handlers = handlers
         self._max_header = max_header_bytes
         self._max_payload = max_payload_bytes
         self._io_timeout = io_timeout_s
-        self._slots = threading.BoundedSemaphore(max_connections)
+        self._auth_timeout = auth_timeout_s
+        self._idle_timeout = idle_timeout_s
+        self.budget = budget or ConnectionBudget(max_connections)
         try:
             self._listener = socket.create_server((host, port))
         except OSError as exc:
@@ -162,18 +198,21 @@ class FrameServer:
     def _accept(self) -> None:
         while not self._stop.is_set():
             try:
-                conn, _ = self._listener.accept()
+                conn, addr = self._listener.accept()
             except OSError:
                 return
-            if not self._slots.acquire(blocking=False):
-                reply_error(conn, ResourceExhaustedError(f"too many {self._name} connections"))
+            peer = str(addr[0])
+            refused = self.budget.admit(peer)
+            if refused is not None:
+                conn.settimeout(1.0)  # the answer is best effort: a flood must not hold the accept loop
+                reply_error(conn, UnavailableError(f"{self._name} port: {refused}; retry later"))
                 conn.close()
                 continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(self._io_timeout)
+            conn.settimeout(min(self._io_timeout, self._auth_timeout))
             with self._lock:
                 self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name=f"{self._name}-conn", daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn, peer), name=f"{self._name}-conn", daemon=True).start()
 
     def _dispatch(self, conn: socket.socket, kind: str, request: pb.BulkRequest, payload_len: int,
                   state: dict[str, Any]) -> None:
@@ -193,43 +232,86 @@ class FrameServer:
             log.exception("%s %s request failed", self._name, kind)
             reply_error(conn, InternalError(f"{self._name} {kind}: {type(exc).__name__}: {exc}"))
 
-    def _serve(self, conn: socket.socket) -> None:
-        authed = self._token is None
+    def _serve(self, conn: socket.socket, peer: str = "") -> None:
+        authed = False
         state: dict[str, Any] = {}
         try:
+            # the first frame must come within auth_timeout_s and authenticate in a few KiB
+            if not wait_readable(conn, self._auth_timeout) or not self._authenticate(conn):
+                return
+            authed = True
+            self.budget.authenticated()
+            conn.settimeout(self._io_timeout)
             while not self._stop.is_set():
-                wait_readable(conn)
+                if not wait_readable(conn, self._idle_timeout):
+                    return  # idle for idle_timeout_s: the client reconnects when it needs the port again
                 header_len, payload_len = PREFIX.unpack(recv_exact(conn, PREFIX.size))
-                if header_len > self._max_header or payload_len > self._max_payload:
-                    # The stream cannot be resynchronised without reading it: answer, then hang up.
-                    reply_error(conn, ResourceExhaustedError(
-                        f"request of {header_len} header + {payload_len} payload bytes exceeds the limits "
-                        f"({self._max_header} / {self._max_payload})"))
+                request = self._read_request(conn, header_len, payload_len)
+                if request is None:
                     return
-                request = pb.BulkRequest()
-                try:
-                    request.ParseFromString(recv_exact(conn, header_len))
-                except Exception:  # noqa: BLE001 - protobuf's DecodeError: a malformed header
-                    reply_error(conn, InvalidArgumentError("malformed request header"))
-                    return
-                if not authed:
-                    if not hmac.compare_digest(request.token.encode(), self._token or b""):
-                        reply_error(conn, UnauthenticatedError(f"{self._name} connection: missing or wrong token"))
-                        return
-                    authed = True
-                kind = next((k for k in self._handlers if request.HasField(k)), None)
-                if kind is None:
-                    reply_error(conn, InvalidArgumentError(
-                        f"request carries none of {sorted(self._handlers)} (this is a {self._name} port)"))
-                    return
-                self._dispatch(conn, kind, request, payload_len, state)
+                self._run(conn, request, payload_len, state)
         except (ConnectionError, OSError):
             pass
         finally:
             with self._lock:
                 self._conns.discard(conn)
-            self._slots.release()
+            self.budget.release(peer, authed)
             conn.close()
+
+    def _authenticate(self, conn: socket.socket) -> bool:
+        """Read and check the first frame: a hello, or (small) a request carrying the token, then served."""
+        header_len, payload_len = PREFIX.unpack(recv_exact(conn, PREFIX.size))
+        if header_len > HELLO_MAX_BYTES:
+            reply_error(conn, UnauthenticatedError(
+                f"{self._name} connection: the first frame must authenticate within {HELLO_MAX_BYTES} header bytes"))
+            return False
+        request = self._read_request(conn, header_len, payload_len)
+        if request is None:
+            return False
+        if self._token is not None and not hmac.compare_digest(request.token.encode(), self._token):
+            _refusals.note(f"{self._name} connection", "missing or wrong token")
+            reply_error(conn, UnauthenticatedError(f"{self._name} connection: missing or wrong token"))
+            return False
+        if request.WhichOneof("op") is not None:
+            self._run(conn, request, payload_len, {})
+        elif payload_len:
+            reply_error(conn, InvalidArgumentError("a hello frame carries no payload"))
+            return False
+        return True
+
+    def _read_request(self, conn: socket.socket, header_len: int, payload_len: int) -> pb.BulkRequest | None:
+        """The request header, or None after answering why the connection ends."""
+        if header_len > self._max_header or payload_len > self._max_payload:
+            # The stream cannot be resynchronised without reading it: answer, then hang up.
+            reply_error(conn, ResourceExhaustedError(
+                f"request of {header_len} header + {payload_len} payload bytes exceeds the limits "
+                f"({self._max_header} / {self._max_payload})"))
+            return None
+        request = pb.BulkRequest()
+        try:
+            request.ParseFromString(recv_exact(conn, header_len))
+        except Exception:  # noqa: BLE001 - protobuf's DecodeError: a malformed header
+            reply_error(conn, InvalidArgumentError("malformed request header"))
+            return None
+        return request
+
+    def _run(self, conn: socket.socket, request: pb.BulkRequest, payload_len: int, state: dict[str, Any]) -> None:
+        kind = request.WhichOneof("op")
+        if kind not in self._handlers:
+            # a stray frame (a hello, another port's request): its payload is drained, the stream stays
+            refuse_payload(conn, payload_len, "hello" if kind is None else kind)
+            reply_error(conn, InvalidArgumentError(
+                f"request carries none of {sorted(self._handlers)} (this is a {self._name} port)"))
+            return
+        self._dispatch(conn, kind, request, payload_len, state)
+
+
+def limits(settings: Settings) -> dict[str, Any]:
+    """FrameServer keyword arguments from settings: timeouts, connection budget, payload limit."""
+    return {"io_timeout_s": settings.socket_timeout_s, "auth_timeout_s": settings.auth_timeout_s,
+            "idle_timeout_s": settings.idle_timeout_s, "max_payload_bytes": settings.max_tensor_bytes,
+            "budget": ConnectionBudget(settings.max_connections, settings.max_connections_per_peer,
+                                       settings.max_unauthenticated)}
 
 
 def stop_with(server: Any, frames: FrameServer) -> None:

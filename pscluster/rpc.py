@@ -20,8 +20,10 @@ import grpc
 
 from pscluster.config import Settings
 from pscluster.errors import ConfigError, PsclusterError, from_status
+from pscluster.refusals import RefusalLog
 
 log = logging.getLogger(__name__)
+_refusals = RefusalLog(log)
 TOKEN_KEY = "x-pscluster-token"
 T = TypeVar("T")
 
@@ -96,10 +98,16 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         handler = continuation(details)
         if handler is None:
             return None
+        kw = {"request_deserializer": handler.request_deserializer,
+              "response_serializer": handler.response_serializer}
         if not self._authorized(details):
+            # refused before the payload is parsed (no deserializer: garbage costs nothing and logs no
+            # traceback), in one rate-limited line
+            _refusals.note(str(details.method), "missing or wrong token")
             reject = _reject(grpc.StatusCode.UNAUTHENTICATED,
                              f"{details.method}: missing or wrong token in metadata {TOKEN_KEY!r}")
             uu, us, su, ss = reject, reject, reject, reject
+            kw["request_deserializer"] = None
         else:
             uu = us = su = ss = None
             if handler.unary_unary:
@@ -110,8 +118,6 @@ class ErrorInterceptor(grpc.ServerInterceptor):
                 us = _wrap_stream(handler.unary_stream)
             if handler.stream_stream:
                 ss = _wrap_stream(handler.stream_stream)
-        kw = {"request_deserializer": handler.request_deserializer,
-              "response_serializer": handler.response_serializer}
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(uu, **kw)
         if handler.unary_stream:

@@ -41,11 +41,11 @@ class BulkHandlers:
         self.core = core
 
     def server(self, host: str, token: str | None, max_header_bytes: int, port: int = 0,
-               io_timeout_s: float = 30.0) -> FrameServer:
-        """A FrameServer with this PS's handlers on port (0: any free port), not started."""
+               **limits: Any) -> FrameServer:
+        """A FrameServer with this PS's handlers on port (0: any free port), not started; limits: framing.limits."""
         return FrameServer(host, token, {"pull": self.pull, "push": self.push, "take_token": self.take_token,
                                          "step_done": self.step_done}, max_header_bytes, name="bulk", port=port,
-                           io_timeout_s=io_timeout_s)
+                           **limits)
 
     def take_token(self, conn: socket.socket, request: pb.BulkRequest, payload_len: int,
                    state: dict[str, Any]) -> None:

@@ -6,7 +6,7 @@ import logging
 
 import grpc
 
-from pscluster import daemon, rpc
+from pscluster import daemon, framing, rpc
 from pscluster.config import Settings
 from pscluster.framing import stop_with
 from pscluster.metrics import PsMetrics
@@ -26,7 +26,7 @@ def start(settings: Settings) -> tuple[grpc.Server, int, ParameterServerCore]:
     core = ParameterServerCore(
         settings.task_index, len(settings.cluster.ps), nan_policy=settings.nan_policy,
         checkpoint_dir=settings.checkpoint_dir, keep_checkpoints=settings.keep_checkpoints,
-        dedup_window=settings.dedup_window)
+        dedup_window=settings.dedup_window, max_tensor_bytes=settings.max_tensor_bytes)
     sync = sync_replicas.attach(core)
     core.metrics = PsMetrics(lambda: len(core.store.shards()), core.total_bytes, lambda: core.global_step,
                              lambda: sync.dropped)
@@ -36,7 +36,7 @@ def start(settings: Settings) -> tuple[grpc.Server, int, ParameterServerCore]:
     if settings.bulk_transport:
         bulk = BulkHandlers(core).server(settings.bind_host, settings.token_value(),
                                          settings.max_message_bytes, port=settings.framed_port or 0,
-                                         io_timeout_s=settings.socket_timeout_s).start()
+                                         **framing.limits(settings)).start()
         core.bulk_port = bulk.port
     servicer = ParameterServerServicer(core, settings.chunk_bytes)
     server, port = rpc.create_server(
@@ -53,7 +53,7 @@ def serve(settings: Settings) -> None:
     server, port, core = start(settings)
     try:
         metrics = "" if settings.metrics_port is None else \
-            f" metrics={metrics_serve(core.metrics.registry, settings.bind_host, settings.metrics_port)}"
+            f" metrics={metrics_serve(core.metrics.registry, settings.metrics_host, settings.metrics_port)}"
         print(f"READY ps {settings.task_index} {settings.bind_host}:{port} restored_step={core.restored_step}"
               f"{metrics}", flush=True)
         stop.wait()

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from pscluster.errors import FailedPreconditionError, InvalidArgumentError
+from pscluster.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from pscluster.server import checkpoint
 from pscluster.server.store import PushItem, PushResult, Shard, ShardSpec, VariableStore, ensure_created
 
@@ -24,10 +24,10 @@ class ParameterServerCore:
 
     def __init__(self, ps_index: int, num_ps: int, *, nan_policy: str = "reject",
                  checkpoint_dir: pathlib.Path | None = None, keep_checkpoints: int = 3,
-                 dedup_window: int = 1_000_000) -> None:
+                 dedup_window: int = 1_000_000, max_tensor_bytes: int = 1 << 62) -> None:
         self.ps_index = ps_index
         self.num_ps = num_ps
-        self.store = VariableStore(nan_policy=nan_policy, dedup_window=dedup_window)
+        self.store = VariableStore(nan_policy=nan_policy, dedup_window=dedup_window, max_tensor_bytes=max_tensor_bytes)
         self.checkpoint_dir = checkpoint_dir
         self.keep_checkpoints = keep_checkpoints
         self.global_step = 0
@@ -86,6 +86,12 @@ class ParameterServerCore:
         if ids is None and expected != shard.spec.nbytes:
             raise InvalidArgumentError(
                 f"{key[0]}[{key[1]}]: streamed gradient of shape {shape} does not match shard shape {shard.spec.shape}")
+        if ids is not None and (shape[:1] != (ids.size,) or shape[1:] != shard.spec.shape[1:]):
+            raise InvalidArgumentError(f"{key[0]}[{key[1]}]: streamed row gradients of shape {shape} for {ids.size} ids; "
+                                       f"expected {(ids.size,) + shard.spec.shape[1:]}")
+        if expected > self.store.max_tensor_bytes:
+            raise ResourceExhaustedError(f"{key[0]}[{key[1]}]: a streamed gradient of {expected} bytes is above "
+                                         f"max_tensor_bytes={self.store.max_tensor_bytes}")
         buf = np.empty(expected, dtype=np.uint8)
         filled = 0
         for chunk in chunks:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from pscluster.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError
+from pscluster.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from pscluster.server import optimizers as opt
 from pscluster.server.push_record import PushRecord
 from pscluster.specs import Key as Key, ShardSpec as ShardSpec
@@ -72,11 +72,13 @@ def initial_value(spec: ShardSpec, kind: str, value: float, seed: int) -> np.nda
 class VariableStore:
     """All shards held by one PS task."""
 
-    def __init__(self, nan_policy: str = "reject", dedup_window: int = 1_000_000) -> None:
+    def __init__(self, nan_policy: str = "reject", dedup_window: int = 1_000_000,
+                 max_tensor_bytes: int = 1 << 62) -> None:
         self._shards: dict[Key, Shard] = {}
         self._create_lock = threading.Lock()
         self._nan_policy = nan_policy
         self.dedup_window = dedup_window
+        self.max_tensor_bytes = max_tensor_bytes
 
     # -- structure -------------------------------------------------------------------------------
     def create(self, spec: ShardSpec, value: np.ndarray) -> tuple[Shard, bool]:
@@ -108,6 +110,13 @@ class VariableStore:
                           record=PushRecord(self.dedup_window))
             self._shards[spec.key] = shard
             return shard, True
+
+    def check_size(self, spec: ShardSpec) -> None:
+        """ResourceExhaustedError if a shard of spec would exceed max_tensor_bytes (nothing allocated)."""
+        if spec.nbytes > self.max_tensor_bytes:
+            raise ResourceExhaustedError(
+                f"{spec.variable}: shard {spec.shard_index} of {spec.dtype}{list(spec.shape)} takes {spec.nbytes} bytes, "
+                f"above max_tensor_bytes={self.max_tensor_bytes}; split the variable (a partitioner) or raise the limit")
 
     def install(self, shard: Shard) -> None:
         """Put a restored shard in place (checkpoint restore)."""
@@ -256,7 +265,14 @@ class VariableStore:
 
 def ensure_created(store: VariableStore, spec: ShardSpec, initial: np.ndarray | None,
                    init_kind: str, init_value: float, seed: int) -> tuple[Shard, bool]:
-    """Create a shard from an explicit value or an initializer spec (idempotently)."""
+    """Create a shard from an explicit value or an initializer spec (idempotently).
+
+    Raises:
+        ResourceExhaustedError: the shard (with its optimizer slots) exceeds the store's
+            max_tensor_bytes; checked before anything is allocated.
+    """
+    spec.validate()
+    store.check_size(spec)
     if initial is None:
         existing = store.find(spec.key)  # an idempotent re-create must not build a large initial value again
         value = initial_value(spec, init_kind, init_value, seed) if existing is None else existing.value

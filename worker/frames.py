@@ -11,7 +11,7 @@ from pscluster.worker.servicer import WorkerServicer, outcome_to_pb
 
 
 def closure_server(servicer: WorkerServicer, host: str, token: str | None, max_header_bytes: int,
-                   port: int = 0, io_timeout_s: float = 30.0) -> FrameServer:
+                   port: int = 0, **limits: Any) -> FrameServer:
     """A FrameServer on port (0: any free port) that runs closures with servicer's runner and gate (not started)."""
 
     def run_closure(conn: socket.socket, request: pb.BulkRequest, payload_len: int, state: dict[str, Any]) -> None:
@@ -26,4 +26,4 @@ def closure_server(servicer: WorkerServicer, host: str, token: str | None, max_h
         send_frame(conn, pb.BulkReply(closure=outcome_to_pb(outcome)).SerializeToString())
 
     return FrameServer(host, token, {"closure": run_closure}, max_header_bytes, name="closures", port=port,
-                       io_timeout_s=io_timeout_s)
+                       **limits)

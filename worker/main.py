@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import grpc
 
-from pscluster import context, daemon, rpc
+from pscluster import context, daemon, framing, rpc
 from pscluster.client import PSClient
 from pscluster.config import Settings
 from pscluster.datasets import WorkerDatasets, WorkerInfo
@@ -129,7 +129,7 @@ def start(settings: Settings) -> tuple[grpc.Server, int, WorkerServicer]:
     if settings.bulk_transport:
         frames = closure_server(servicer, settings.bind_host, settings.token_value(),
                                 settings.max_message_bytes, port=settings.framed_port or 0,
-                                io_timeout_s=settings.socket_timeout_s).start()
+                                **framing.limits(settings)).start()
         servicer.closure_port = frames.port
         stop_with(server, frames)
     return server, port, servicer
@@ -151,7 +151,7 @@ def serve(settings: Settings) -> None:
                                 servicer.closure_port, on_give_up=stop.set)
             heart.start()
         metrics = "" if settings.metrics_port is None else \
-            f" metrics={metrics_serve(servicer.runner.metrics.registry, settings.bind_host, settings.metrics_port)}"
+            f" metrics={metrics_serve(servicer.runner.metrics.registry, settings.metrics_host, settings.metrics_port)}"
         print(f"READY worker {servicer.worker_id} {advertised}{metrics}", flush=True)
         stop.wait()
         if heart is not None and heart.failure is not None:

@@ -9,7 +9,8 @@ import pytest
 
 import pscluster as ps
 from pscluster import codec
-from pscluster.errors import AlreadyExistsError, DeadlineExceededError, InvalidArgumentError, UnauthenticatedError
+from pscluster.errors import (AlreadyExistsError, DeadlineExceededError, InvalidArgumentError, UnauthenticatedError,
+                              from_status)
 from pscluster.launcher import LocalCluster
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
@@ -249,14 +250,18 @@ def test_export_is_one_safetensors_file_readable_without_pscluster(client, tmp_p
 
 
 # -- the bulk tensor port gets the same scrutiny as gRPC ------------------------------------------
-def bulk_exchange(client, ps_index, request, payload=b"", token=TOKEN, raw_prefix=None):
-    """Send one frame to a PS's bulk port; return its BulkReply, or None if the PS hung up silently."""
+def bulk_exchange(client, ps_index, request, payload=b"", token=TOKEN, raw_prefix=None, hello=False):
+    """Send one frame to a PS's bulk port (after a hello frame if hello); return its BulkReply, or None
+    if the PS hung up silently."""
     import socket
     import struct
 
     port = client.status()[ps_index].bulk_port
     with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
-        if token is not None and request is not None:
+        if hello:
+            first = pb.BulkRequest(token=token).SerializeToString()
+            conn.sendall(struct.pack("<IQ", len(first), 0) + first)
+        elif token is not None and request is not None:
             request.token = token
         header = request.SerializeToString() if request is not None else b"\x08\xff\xff garbage"
         conn.sendall(raw_prefix or struct.pack("<IQ", len(header), len(payload)))
@@ -280,7 +285,9 @@ def bulk_push(var, grad, shape=None, dtype="<f4"):
 
 
 @pytest.mark.parametrize("case", ["no token", "wrong token", "wrong shape", "wrong dtype", "unknown variable",
-                                  "payload shorter than shapes", "nan", "malformed header", "oversized frame"])
+                                  "payload shorter than shapes", "nan", "malformed header", "shape overflowing int64",
+                                  "oversized first frame",
+                                  "oversized frame after the hello"])
 def test_bad_bulk_requests_get_precise_codes_and_change_nothing(cluster, client, case):
     v = client.create_variable("bulk_target", shape=(4, 2), optimizer=ps.SGD(1.0), initializer="ones")
     before = _state(client, "bulk_target")
@@ -306,12 +313,16 @@ def test_bad_bulk_requests_get_precise_codes_and_change_nothing(cluster, client,
         request, payload = bulk_push("bulk_target", np.full((4, 2), np.nan, np.float32))
     elif case == "malformed header":
         request, payload = None, b""
+    elif case == "shape overflowing int64":
+        request, payload = bulk_push("bulk_target", ones, shape=(1 << 40, 1 << 40))
     else:
         import struct
 
         request, payload = pb.BulkRequest(), b""
         kwargs["raw_prefix"] = struct.pack("<IQ", 1 << 30, 1 << 62)
-        code = grpc.StatusCode.RESOURCE_EXHAUSTED
+        # unauthenticated, a header above 4 KiB is refused unread; after the hello, above the limits
+        code = grpc.StatusCode.UNAUTHENTICATED if case == "oversized first frame" else grpc.StatusCode.RESOURCE_EXHAUSTED
+        kwargs["hello"] = case == "oversized frame after the hello"
     reply = bulk_exchange(client, v.shards[0].ps, request, payload, **kwargs)
     assert reply is not None and reply.code == code.value[0], reply
     after = _state(client, "bulk_target")
@@ -356,3 +367,24 @@ def test_sync_tokens_travel_over_both_transports(cluster, bulk):
             c.step_done(101, step, "w")
         finally:
             c.configure_sync("async")
+
+
+def test_a_shard_above_max_tensor_bytes_is_refused_before_anything_is_allocated(cluster, client):
+    from pscluster.errors import ResourceExhaustedError
+
+    with pytest.raises(ResourceExhaustedError, match=r"takes 8589934592 bytes, above max_tensor_bytes=4294967296"):
+        client.create_variable("eight_gib", shape=(1 << 31, 1), dtype="float32", initializer="zeros")
+    assert "eight_gib" not in client.variables()
+    with pytest.raises(InvalidArgumentError, match="8 bytes do not hold shape"):  # 2^80 elements: no int64 wraps
+        v = client.create_variable("small_target", shape=(2,), optimizer=ps.SGD(1.0))
+        channel, stub, metadata = raw_stub(cluster, v.shards[0].ps)
+        try:
+            tensor = pb.Tensor(dtype="<f4", shape=[1 << 40, 1 << 40], data=b"\0" * 8)
+            item = pb.PushItem(ref=pb.ShardRef(variable=v.name), grad=tensor)
+            try:
+                stub.Push(pb.PushRequest(items=[item], push_id="overflow"), metadata=metadata, timeout=10)
+            except grpc.RpcError as exc:
+                raise from_status(exc.code(), exc.details()) from None
+        finally:
+            channel.close()
+    np.testing.assert_array_equal(client.pull([v])[0], [0, 0])

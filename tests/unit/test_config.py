@@ -113,3 +113,21 @@ def test_socket_timeout_has_a_default_an_environment_variable_and_a_lower_bound(
     assert load_settings(env={"TF_CONFIG": tf, "PSCLUSTER_SOCKET_TIMEOUT_S": "5"}).socket_timeout_s == 5.0
     with pytest.raises(ConfigError, match="socket_timeout_s"):
         load_settings(env={"TF_CONFIG": tf, "PSCLUSTER_SOCKET_TIMEOUT_S": "0"})
+
+
+@pytest.mark.parametrize("content", ["", "  \n\t\n"])
+def test_an_empty_token_file_is_refused_not_taken_as_no_token(tmp_path, content):
+    (tmp_path / "tok").write_text(content)
+    with pytest.raises(ConfigError, match="token_file .*tok is empty"):
+        load_settings(None, env={"TF_CONFIG": "", "PSCLUSTER_TOKEN_FILE": str(tmp_path / "tok")},
+                      overrides={"cluster": {"ps": PS}, "bind_host": "0.0.0.0"})
+
+
+@pytest.mark.parametrize("token", ["", "   "])
+def test_an_empty_token_is_refused_from_the_environment_and_from_a_cluster_file(token):
+    from pscluster.config import load_token
+
+    with pytest.raises(ConfigError, match="PSCLUSTER_TOKEN is set but empty"):
+        load_token(None, {"PSCLUSTER_TOKEN": token})
+    with pytest.raises(ConfigError, match="token is empty, which would turn authentication off"):
+        validate({"cluster": {"ps": PS}, "bind_host": "0.0.0.0", "token": token})
