@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import threading
 from collections import defaultdict
 from collections.abc import Callable
@@ -22,10 +23,10 @@ from typing import Any, Protocol
 
 import grpc
 
-from pscluster import rpc
+from pscluster import rpc, tls
 from pscluster.config import Settings
 from pscluster.coordinator import scheduler as sch
-from pscluster.framing import STATUS_BY_VALUE, read_reply, send_frame, send_hello, wait_readable
+from pscluster.framing import STATUS_BY_VALUE, connect, read_reply, send_frame, send_hello, wait_readable
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 
@@ -64,12 +65,13 @@ class FramedDispatcher:
     """The ClosureTransport over workers' framed closure ports (one connection per attempt in flight)."""
 
     def __init__(self, token: str | None, on_reply: OnReply, on_failure: OnFailure, connect_timeout: float = 2.0,
-                 io_timeout: float = 30.0) -> None:
+                 io_timeout: float = 30.0, tls_context: ssl.SSLContext | None = None) -> None:
         self._token = token or ""
         self._on_reply = on_reply
         self._on_failure = on_failure
         self._timeout = connect_timeout
         self._io_timeout = io_timeout
+        self._tls = tls_context
         self._lock = threading.Lock()
         self._idle: dict[str, list[_Conn]] = defaultdict(list)
         self._busy: dict[tuple[int, str], _Conn] = {}
@@ -83,12 +85,11 @@ class FramedDispatcher:
         if conn is None:
             host, _, port = address.rpartition(":")
             try:
-                sock = socket.create_connection((host, int(port)), timeout=self._timeout)
+                sock = connect(host, int(port), self._timeout, self._tls)
             except OSError as exc:
                 self._on_failure(request.closure_id, wid, f"cannot connect to its closure port {address}: {exc}")
                 return
             sock.settimeout(self._io_timeout)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = _Conn(sock, wid)
         conn.pending = key
         with self._lock:
@@ -236,8 +237,10 @@ class ClosureSender:
 
     def __init__(self, settings: Settings, post: Callable[[Any], None]) -> None:
         self._post = post
+        files = tls.files(settings)
         self._framed = FramedDispatcher(settings.token_value(), self._reply, self._failure,
-                                        io_timeout=settings.socket_timeout_s)
+                                        io_timeout=settings.socket_timeout_s,
+                                        tls_context=tls.client_context(files) if files else None)
         self._grpc = GrpcDispatcher(settings, self._reply, self._failure)
         self._transports: tuple[ClosureTransport, ...] = (self._framed, self._grpc)
 

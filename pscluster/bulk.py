@@ -11,6 +11,7 @@ hang), plus a call's own `wait_s` while the PS may hold the reply on purpose (a 
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +21,8 @@ import numpy as np
 
 from pscluster import codec
 from pscluster.errors import InternalError, UnavailableError, from_status
-from pscluster.framing import PREFIX, STATUS_BY_VALUE, recv_exact, recv_into, send_buffer, send_frame, send_hello
+from pscluster.framing import (PREFIX, STATUS_BY_VALUE, connect, recv_exact, recv_into, send_buffer, send_frame,
+                               send_hello)
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.tensors import PullPlan, PushPlan
 
@@ -48,13 +50,15 @@ class BulkClient:
     """Connection pools to the bulk ports of every PS task."""
 
     def __init__(self, hosts: Sequence[str], port_of: Callable[[int], int], token: str | None,
-                 timeout: float, pool: ThreadPoolExecutor, io_timeout: float = 30.0) -> None:
+                 timeout: float, pool: ThreadPoolExecutor, io_timeout: float = 30.0,
+                 tls_context: ssl.SSLContext | None = None) -> None:
         self._hosts = list(hosts)
         self._port_of = port_of  # asks the PS (gRPC Status) for its bulk port
         self._token = token or ""
         self._timeout = timeout  # connect
         self._io_timeout = io_timeout
         self._pool = pool
+        self._tls = tls_context
         self._free: list[list[socket.socket]] = [[] for _ in hosts]
         self._ports: list[int | None] = [None] * len(hosts)
         self._lock = threading.Lock()
@@ -79,12 +83,11 @@ class BulkClient:
             with self._lock:
                 self._ports[ps] = port
         try:
-            conn = socket.create_connection((self._hosts[ps], port), timeout=self._timeout)
+            conn = connect(self._hosts[ps], port, self._timeout, self._tls)
         except OSError as exc:
             with self._lock:
                 self._ports[ps] = None  # a restarted PS listens on a new port
             raise UnavailableError(f"ps {ps} bulk port {self._hosts[ps]}:{port}: {exc}") from exc
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return conn, True
 
     def _release(self, ps: int, conn: socket.socket) -> None:

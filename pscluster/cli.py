@@ -24,7 +24,14 @@ def _version() -> str:
 def _client(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", help="cluster spec file (YAML, TOML or JSON); else TF_CONFIG")
     p.add_argument("--token-file", help="file holding the shared token (else PSCLUSTER_TOKEN)")
+    _tls(p)
     p.add_argument("--log-level", default="INFO")
+
+
+def _tls(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-dir", help="TLS on every channel: a directory written by `pscluster certs`")
+    p.add_argument("--require-client-cert", action="store_true", default=None,
+                   help="mutual TLS: peers must present a certificate of the CA, checked against their role")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -69,7 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
                                              "(default: a temporary one)")
     up.add_argument("--write-cluster", help="write the cluster spec here for clients")
     up.add_argument("--token-file", help="file holding the shared token (else PSCLUSTER_TOKEN)")
+    _tls(up)
     up.add_argument("--log-level", default="INFO")
+    ce = sub.add_parser("certs", help="create a CA and a certificate per task of a cluster file (TLS, mutual TLS)")
+    ce.add_argument("--cluster", required=True, help="the cluster spec file the certificates are for")
+    ce.add_argument("--out", required=True, help="an empty directory for ca.pem and <task>.pem/.key")
+    ce.add_argument("--workers", type=int, default=0, help="certificates for at least this many workers")
+    ce.add_argument("--host", action="append", default=[], help="another host name or IP for every certificate")
+    ce.add_argument("--days", type=int, default=365, help="validity in days")
+    ce.add_argument("--log-level", default="INFO")
     st = sub.add_parser("status", help="show the live cluster")
     _client(st)
     st.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
@@ -86,12 +101,28 @@ def settings_from_args(args: argparse.Namespace, task_type: str | None) -> Setti
         "restore": getattr(args, "restore", None) or None, "nan_policy": getattr(args, "nan_policy", None),
         "token_file": args.token_file, "metrics_port": getattr(args, "metrics_port", None),
         "metrics_host": getattr(args, "metrics_host", None),
+        "tls_dir": getattr(args, "tls_dir", None), "require_client_cert": getattr(args, "require_client_cert", None),
         "framed_port": getattr(args, "framed_port", None), "parent_pid": getattr(args, "parent_pid", None),
         "checkpoint_every_steps": getattr(args, "checkpoint_every_steps", None),
         "checkpoint_every_s": getattr(args, "checkpoint_every_s", None),
         "auto_checkpoint": False if getattr(args, "no_auto_checkpoint", False) else None,
     }
     return load_settings(args.cluster, overrides=overrides)
+
+
+def _certs(args: argparse.Namespace) -> int:
+    import pathlib
+
+    from pscluster.certs import hosts_of, task_names, write_certs
+    from pscluster.config import read_cluster_file
+
+    cluster = read_cluster_file(pathlib.Path(args.cluster))
+    names = task_names(cluster, args.workers)
+    hosts = hosts_of(cluster, args.host)
+    write_certs(pathlib.Path(args.out), names, hosts, days=args.days)
+    print(f"wrote {args.out}/ca.pem and certificates for {', '.join(names)} (hosts: {', '.join(hosts)}); "
+          f"keys are 0600, keep ca.key off the task machines")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -116,6 +147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from pscluster.launcher import up_main
 
             return up_main(args)
+        elif args.command == "certs":
+            return _certs(args)
         elif args.command == "status":
             from pscluster.status import show
 

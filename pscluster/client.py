@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from pscluster import codec, context, rpc
+from pscluster import codec, context, rpc, tls
 from pscluster.bulk import BulkClient, BulkTensors
 from pscluster.grpc_tensors import GrpcTensors
 from pscluster.config import Settings
@@ -80,9 +80,11 @@ class PSClient:
         self._timeout = settings.rpc_timeout_s
         self._tensors: TensorTransport = GrpcTensors(self)
         if settings.bulk_transport:
+            files = tls.files(settings)
             self._tensors = BulkTensors(BulkClient(
                 [a.rpartition(":")[0] for a in settings.cluster.ps], self._bulk_port, settings.token_value(),
-                settings.rpc_timeout_s, self._pool, io_timeout=settings.socket_timeout_s))
+                settings.rpc_timeout_s, self._pool, io_timeout=settings.socket_timeout_s,
+                tls_context=tls.client_context(files) if files else None))
 
     def _bulk_port(self, ps: int) -> int:
         return int(self._call(ps, "Status", pb.PsStatusRequest()).bulk_port)

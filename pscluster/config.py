@@ -67,6 +67,13 @@ class Settings(_Frozen):
     task_type: TaskType | None = None
     task_index: int = Field(default=0, ge=0)
     token: SecretStr | None = None
+    # TLS (pscluster/tls.py): a directory from `pscluster certs`, or the three files; with
+    # require_client_cert every daemon also checks its peers' certificates and roles (mutual TLS)
+    tls_dir: pathlib.Path | None = None
+    tls_ca_file: pathlib.Path | None = None
+    tls_cert_file: pathlib.Path | None = None
+    tls_key_file: pathlib.Path | None = None
+    require_client_cert: bool = False
     bind_host: str = "127.0.0.1"
     advertise_host: str | None = None  # host others use to reach this task (default: bind_host)
     port: int | None = Field(default=None, ge=0, lt=65536)  # overrides the port of the cluster address
@@ -140,10 +147,12 @@ class Settings(_Frozen):
                      "coordinator": 1}[self.task_type]
             if self.task_index >= count:
                 raise ValueError(f"task_index {self.task_index} is out of range for {count} {self.task_type} task(s)")
-        if not is_loopback(self.bind_host) and self.token is None:
+        if not is_loopback(self.bind_host) and self.token is None and not self.uses_tls:
             raise ValueError(
-                f"bind_host {self.bind_host!r} listens beyond loopback without a token; "
-                "set PSCLUSTER_TOKEN or --token-file")
+                f"bind_host {self.bind_host!r} listens beyond loopback with neither a token nor TLS; "
+                "set PSCLUSTER_TOKEN or --token-file, and/or --tls-dir")
+        if self.require_client_cert and not self.uses_tls:
+            raise ValueError("require_client_cert needs TLS: set tls_dir (pscluster certs) or the tls_*_file settings")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ValueError("heartbeat_timeout_s must exceed heartbeat_interval_s")
         return self
@@ -162,6 +171,11 @@ class Settings(_Frozen):
         """host:port to bind: bind_host, and the port of own_address unless `port` overrides it."""
         port = self.port if self.port is not None else int(self.own_address().rpartition(":")[2])
         return f"{self.bind_host}:{port}"
+
+    @property
+    def uses_tls(self) -> bool:
+        """True when TLS files are configured."""
+        return self.tls_dir is not None or self.tls_ca_file is not None
 
     def token_value(self) -> str | None:
         """The shared token in clear, or None."""
@@ -196,6 +210,18 @@ def _read_file(path: pathlib.Path) -> dict[str, Any]:
         raise ConfigError(f"cluster file {path} must hold a mapping, got {type(data).__name__}")
     # A bare cluster spec (ps:/worker:) or full settings (cluster: plus settings fields).
     return data if "cluster" in data else {"cluster": data}
+
+
+def read_cluster_file(path: pathlib.Path) -> dict[str, Any]:
+    """The cluster spec (ps/worker/coordinator addresses) of a cluster file.
+
+    Raises:
+        ConfigError: unreadable or malformed file.
+    """
+    cluster = _read_file(path)["cluster"]
+    if not isinstance(cluster, dict):
+        raise ConfigError(f"cluster file {path}: `cluster` must be a mapping of roles to addresses")
+    return cluster
 
 
 TF_JOBS = frozenset({"chief", "coordinator", "ps", "worker", "evaluator"})
@@ -245,6 +271,11 @@ _ENV_FIELDS = {
     "PSCLUSTER_ADVERTISE_HOST": "advertise_host",
     "PSCLUSTER_METRICS_PORT": "metrics_port",
     "PSCLUSTER_METRICS_HOST": "metrics_host",
+    "PSCLUSTER_TLS_DIR": "tls_dir",
+    "PSCLUSTER_TLS_CA_FILE": "tls_ca_file",
+    "PSCLUSTER_TLS_CERT_FILE": "tls_cert_file",
+    "PSCLUSTER_TLS_KEY_FILE": "tls_key_file",
+    "PSCLUSTER_REQUIRE_CLIENT_CERT": "require_client_cert",
     "PSCLUSTER_AUTH_TIMEOUT_S": "auth_timeout_s",
     "PSCLUSTER_IDLE_TIMEOUT_S": "idle_timeout_s",
     "PSCLUSTER_MAX_TENSOR_BYTES": "max_tensor_bytes",

@@ -69,6 +69,12 @@ class UnauthenticatedError(PsclusterError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
+class PermissionDeniedError(PsclusterError):
+    """The caller is authenticated but its certificate's role may not do this (mutual TLS)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class AbortedError(PsclusterError):
     """The work was cancelled, e.g. queued closures after another closure raised."""
 
@@ -119,7 +125,7 @@ ERRORS_BY_CODE: dict[grpc.StatusCode, type[PsclusterError]] = {
     cls.code: cls
     for cls in (
         InvalidArgumentError, NotFoundError, AlreadyExistsError, FailedPreconditionError,
-        ResourceExhaustedError, UnauthenticatedError, AbortedError, UnavailableError,
+        ResourceExhaustedError, UnauthenticatedError, PermissionDeniedError, AbortedError, UnavailableError,
         DeadlineExceededError, InternalError,
     )
 }

@@ -19,6 +19,7 @@ import hmac
 import logging
 import select
 import socket
+import ssl
 import struct
 import threading
 from collections.abc import Callable
@@ -27,14 +28,16 @@ from typing import Any
 import grpc
 
 from pscluster.admission import HELLO_MAX_BYTES, ConnectionBudget
+from pscluster import tls
 from pscluster.config import Settings
-from pscluster.errors import (ConfigError, InternalError, InvalidArgumentError, PsclusterError,
+from pscluster.errors import (ConfigError, InternalError, InvalidArgumentError, PermissionDeniedError, PsclusterError,
                               ResourceExhaustedError, UnauthenticatedError, UnavailableError)
 from pscluster.refusals import RefusalLog
 from pscluster.proto import pscluster_pb2 as pb
 
 log = logging.getLogger(__name__)
 _refusals = RefusalLog(log)
+tls_role = tls.role_of_peercert
 PREFIX = struct.Struct("<IQ")
 STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 CHUNK = 4 << 20  # bytes per send call of a payload: the unit of progress that io timeouts measure
@@ -148,7 +151,8 @@ class FrameServer:
     def __init__(self, host: str, token: str | None, handlers: dict[str, Handler], max_header_bytes: int,
                  max_payload_bytes: int = 1 << 36, max_connections: int = 128, name: str = "frames",
                  port: int = 0, io_timeout_s: float = 30.0, budget: ConnectionBudget | None = None,
-                 auth_timeout_s: float = 10.0, idle_timeout_s: float | None = None) -> None:
+                 auth_timeout_s: float = 10.0, idle_timeout_s: float | None = None,
+                 tls_context: ssl.SSLContext | None = None, roles: frozenset[str] | None = None) -> None:
         self._token = token.encode() if token else None
         self._handlers = handlers
         self._max_header = max_header_bytes
@@ -157,6 +161,8 @@ class FrameServer:
         self._auth_timeout = auth_timeout_s
         self._idle_timeout = idle_timeout_s
         self.budget = budget or ConnectionBudget(max_connections)
+        self._tls = tls_context
+        self._roles = roles  # mutual TLS: the certificate roles this port serves
         try:
             self._listener = socket.create_server((host, port))
         except OSError as exc:
@@ -232,10 +238,16 @@ class FrameServer:
             log.exception("%s %s request failed", self._name, kind)
             reply_error(conn, InternalError(f"{self._name} {kind}: {type(exc).__name__}: {exc}"))
 
-    def _serve(self, conn: socket.socket, peer: str = "") -> None:
+    def _serve(self, raw: socket.socket, peer: str = "") -> None:
+        conn = raw
         authed = False
         state: dict[str, Any] = {}
         try:
+            if self._tls is not None:
+                wrapped = self._handshake(raw)
+                if wrapped is None:
+                    return
+                conn = wrapped
             # the first frame must come within auth_timeout_s and authenticate in a few KiB
             if not wait_readable(conn, self._auth_timeout) or not self._authenticate(conn):
                 return
@@ -254,9 +266,31 @@ class FrameServer:
             pass
         finally:
             with self._lock:
+                self._conns.discard(raw)
                 self._conns.discard(conn)
             self.budget.release(peer, authed)
             conn.close()
+
+    def _handshake(self, raw: socket.socket) -> socket.socket | None:
+        """The TLS side of a connection (the handshake bounded by auth_timeout_s), role checked; None if refused."""
+        assert self._tls is not None
+        try:
+            conn = self._tls.wrap_socket(raw, server_side=True)
+        except (ssl.SSLError, OSError) as exc:
+            _refusals.note(f"{self._name} connection", f"TLS handshake failed ({type(exc).__name__})")
+            return None
+        with self._lock:  # the wrapped socket owns the descriptor now: stop() must reach it
+            self._conns.discard(raw)
+            self._conns.add(conn)
+        if self._roles is not None:
+            role = tls_role(conn.getpeercert())
+            if role not in self._roles:
+                _refusals.note(f"{self._name} connection", f"certificate role {role or 'none'!r}")
+                reply_error(conn, PermissionDeniedError(f"{self._name} port: a {role or 'certificate-less'} peer may "
+                                                        f"not use it (allowed: {', '.join(sorted(self._roles))})"))
+                conn.close()
+                return None
+        return conn
 
     def _authenticate(self, conn: socket.socket) -> bool:
         """Read and check the first frame: a hello, or (small) a request carrying the token, then served."""
@@ -306,12 +340,29 @@ class FrameServer:
         self._dispatch(conn, kind, request, payload_len, state)
 
 
-def limits(settings: Settings) -> dict[str, Any]:
-    """FrameServer keyword arguments from settings: timeouts, connection budget, payload limit."""
+def limits(settings: Settings, roles: frozenset[str] | None = None) -> dict[str, Any]:
+    """FrameServer keyword arguments from settings: timeouts, connection budget, payload limit, and TLS
+    (with mutual TLS, `roles` are the certificate roles the port serves)."""
+    files = tls.files(settings)
     return {"io_timeout_s": settings.socket_timeout_s, "auth_timeout_s": settings.auth_timeout_s,
             "idle_timeout_s": settings.idle_timeout_s, "max_payload_bytes": settings.max_tensor_bytes,
             "budget": ConnectionBudget(settings.max_connections, settings.max_connections_per_peer,
-                                       settings.max_unauthenticated)}
+                                       settings.max_unauthenticated),
+            "tls_context": tls.server_context(files) if files else None,
+            "roles": roles if files and files.require_client_cert else None}
+
+
+def connect(host: str, port: int, timeout: float, context: ssl.SSLContext | None) -> socket.socket:
+    """A client connection to a framed port (TLS when context is given, verified against host)."""
+    sock = socket.create_connection((host, port), timeout=timeout)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if context is None:
+        return sock
+    try:
+        return context.wrap_socket(sock, server_hostname=host)
+    except BaseException:
+        sock.close()
+        raise
 
 
 def stop_with(server: Any, frames: FrameServer) -> None:

@@ -19,7 +19,8 @@ from typing import Any, TypeVar
 import grpc
 
 from pscluster.config import Settings
-from pscluster.errors import ConfigError, PsclusterError, from_status
+from pscluster import tls
+from pscluster.errors import ConfigError, PermissionDeniedError, PsclusterError, from_status
 from pscluster.refusals import RefusalLog
 
 log = logging.getLogger(__name__)
@@ -51,9 +52,22 @@ def _abort(context: grpc.ServicerContext, err: BaseException) -> None:
     context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}: {err}")
 
 
-def _wrap_unary(behavior: Callable[[Any, grpc.ServicerContext], Any]) -> Callable[..., Any]:
+def _check_role(context: grpc.ServicerContext, method: str, roles: frozenset[str] | None) -> None:
+    """Mutual TLS: the peer certificate's role must be one that may call method."""
+    if roles is None:
+        return
+    role = tls.role_of_context(context)
+    if role not in roles:
+        _refusals.note(method, f"certificate role {role or 'none'!r}")
+        raise PermissionDeniedError(f"{method}: a {role or 'certificate-less'} peer may not call it "
+                                    f"(allowed: {', '.join(sorted(roles))})")
+
+
+def _wrap_unary(behavior: Callable[[Any, grpc.ServicerContext], Any], method: str = "",
+                roles: frozenset[str] | None = None) -> Callable[..., Any]:
     def handle(request: Any, context: grpc.ServicerContext) -> Any:
         try:
+            _check_role(context, method, roles)
             return behavior(request, context)
         except Exception as err:  # noqa: BLE001 - the one mapping boundary
             _abort(context, err)
@@ -61,9 +75,11 @@ def _wrap_unary(behavior: Callable[[Any, grpc.ServicerContext], Any]) -> Callabl
     return handle
 
 
-def _wrap_stream(behavior: Callable[[Any, grpc.ServicerContext], Iterator[Any]]) -> Callable[..., Any]:
+def _wrap_stream(behavior: Callable[[Any, grpc.ServicerContext], Iterator[Any]], method: str = "",
+                 roles: frozenset[str] | None = None) -> Callable[..., Any]:
     def handle(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
         try:
+            _check_role(context, method, roles)
             yield from behavior(request, context)
         except Exception as err:  # noqa: BLE001 - the one mapping boundary
             _abort(context, err)
@@ -81,8 +97,9 @@ def _reject(code: grpc.StatusCode, message: str) -> Callable[..., Any]:
 class ErrorInterceptor(grpc.ServerInterceptor):
     """Checks the shared token on every call and maps PsclusterError onto gRPC status codes."""
 
-    def __init__(self, token: str | None) -> None:
+    def __init__(self, token: str | None, check_roles: bool = False) -> None:
         self._token = token.encode() if token else None
+        self._check_roles = check_roles  # mutual TLS: each method's allowed certificate roles (tls.ALLOWED)
 
     def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
         if self._token is None:
@@ -110,14 +127,16 @@ class ErrorInterceptor(grpc.ServerInterceptor):
             kw["request_deserializer"] = None
         else:
             uu = us = su = ss = None
+            method = str(details.method)
+            roles = tls.allowed(method) if self._check_roles else None
             if handler.unary_unary:
-                uu = _wrap_unary(handler.unary_unary)
+                uu = _wrap_unary(handler.unary_unary, method, roles)
             if handler.stream_unary:
-                su = _wrap_unary(handler.stream_unary)
+                su = _wrap_unary(handler.stream_unary, method, roles)
             if handler.unary_stream:
-                us = _wrap_stream(handler.unary_stream)
+                us = _wrap_stream(handler.unary_stream, method, roles)
             if handler.stream_stream:
-                ss = _wrap_stream(handler.stream_stream)
+                ss = _wrap_stream(handler.stream_stream, method, roles)
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(uu, **kw)
         if handler.unary_stream:
@@ -136,11 +155,14 @@ def create_server(settings: Settings, add_servicers: Callable[[grpc.Server], Non
     """
     address = address or settings.listen_address()
     pool = futures.ThreadPoolExecutor(max_workers=settings.server_threads, thread_name_prefix=name)
-    server = grpc.server(pool, interceptors=[ErrorInterceptor(settings.token_value())],
+    files = tls.files(settings)
+    server = grpc.server(pool, interceptors=[ErrorInterceptor(settings.token_value(),
+                                                              check_roles=bool(files and files.require_client_cert))],
                          options=channel_options(settings))
     add_servicers(server)
     try:
-        port = server.add_insecure_port(address)
+        port = server.add_secure_port(address, tls.server_credentials(files)) if files else \
+            server.add_insecure_port(address)
     except RuntimeError as exc:
         raise ConfigError(f"cannot listen on {address}: {exc}") from exc
     if port == 0:
@@ -173,8 +195,10 @@ class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClient
 
 
 def open_channel(address: str, settings: Settings) -> grpc.Channel:
-    """An insecure channel to address that attaches the cluster token to every call."""
-    channel = grpc.insecure_channel(address, options=channel_options(settings))
+    """A channel to address (TLS when settings say so) that attaches the cluster token to every call."""
+    files = tls.files(settings)
+    channel = grpc.secure_channel(address, tls.channel_credentials(files), options=channel_options(settings)) \
+        if files else grpc.insecure_channel(address, options=channel_options(settings))
     token = settings.token_value()
     if token:
         channel = grpc.intercept_channel(channel, _TokenInterceptor(token))
@@ -182,10 +206,18 @@ def open_channel(address: str, settings: Settings) -> grpc.Channel:
 
 
 
+# what grpcio says when one side speaks TLS and the other does not, or the certificates do not match
+TLS_MISMATCH = ("Socket closed", "handshake", "SSL", "ssl", "certificate")
+TLS_HINT = ("if the cluster uses TLS, this program needs the same CA and its own certificate: tls_dir / --tls-dir "
+            "from `pscluster certs`; without TLS on the cluster, neither")
+
+
 def translate(exc: grpc.RpcError, what: str = "") -> PsclusterError:
     """The PsclusterError for a failed call (by status code only)."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
+    if code == grpc.StatusCode.UNAVAILABLE and any(m in (details or "") for m in TLS_MISMATCH):
+        details = f"{details} ({TLS_HINT})"
     return from_status(code, f"{what}: {details}" if what else (details or ""))
 
 

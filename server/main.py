@@ -6,7 +6,7 @@ import logging
 
 import grpc
 
-from pscluster import daemon, framing, rpc
+from pscluster import daemon, framing, rpc, tls
 from pscluster.config import Settings
 from pscluster.framing import stop_with
 from pscluster.metrics import PsMetrics
@@ -36,7 +36,7 @@ def start(settings: Settings) -> tuple[grpc.Server, int, ParameterServerCore]:
     if settings.bulk_transport:
         bulk = BulkHandlers(core).server(settings.bind_host, settings.token_value(),
                                          settings.max_message_bytes, port=settings.framed_port or 0,
-                                         **framing.limits(settings)).start()
+                                         **framing.limits(settings, tls.BULK_ROLES)).start()
         core.bulk_port = bulk.port
     servicer = ParameterServerServicer(core, settings.chunk_bytes)
     server, port = rpc.create_server(

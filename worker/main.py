@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import grpc
 
-from pscluster import context, daemon, framing, rpc
+from pscluster import context, daemon, framing, rpc, tls
 from pscluster.client import PSClient
 from pscluster.config import Settings
 from pscluster.datasets import WorkerDatasets, WorkerInfo
@@ -129,7 +129,7 @@ def start(settings: Settings) -> tuple[grpc.Server, int, WorkerServicer]:
     if settings.bulk_transport:
         frames = closure_server(servicer, settings.bind_host, settings.token_value(),
                                 settings.max_message_bytes, port=settings.framed_port or 0,
-                                **framing.limits(settings)).start()
+                                **framing.limits(settings, tls.CLOSURE_ROLES)).start()
         servicer.closure_port = frames.port
         stop_with(server, frames)
     return server, port, servicer

@@ -57,7 +57,7 @@ def test_bad_configuration_names_the_field(data, field):
 
 
 def test_listening_beyond_loopback_requires_a_token():
-    with pytest.raises(ConfigError, match="beyond loopback without a token"):
+    with pytest.raises(ConfigError, match="beyond loopback with neither a token nor TLS"):
         validate({"cluster": {"ps": PS}, "bind_host": "0.0.0.0"})
     assert validate({"cluster": {"ps": PS}, "bind_host": "0.0.0.0", "token": "x"}).bind_host == "0.0.0.0"
 
