@@ -85,7 +85,7 @@ class FramedDispatcher:
         if conn is None:
             host, _, port = address.rpartition(":")
             try:
-                sock = connect(host, int(port), self._timeout, self._tls)
+                sock = connect(host, int(port), self._timeout, self._tls, tls.WORKER_NAME)
             except OSError as exc:
                 self._on_failure(request.closure_id, wid, f"cannot connect to its closure port {address}: {exc}")
                 return
@@ -188,7 +188,7 @@ class GrpcDispatcher:
         if entry is None or entry[2] != address:
             if entry is not None:
                 entry[0].close()
-            channel = rpc.open_channel(address, self._settings)
+            channel = rpc.open_channel(address, self._settings, tls.WORKER_NAME)
             entry = self._stubs[wid] = (channel, pb_grpc.WorkerStub(channel), address)
         cid = request.closure_id
         fut = entry[1].RunClosure.future(request, timeout=self._settings.rpc_timeout_s * 100)

@@ -6,7 +6,8 @@ Every certificate is signed by the new CA and carries its task's role in the sub
 (`ps-0`, `worker-1`, `coordinator`, `client`) and as a URI SAN `pscluster://role/<role>`, which is what
 mutual TLS checks (pscluster/tls.py). Its IP and DNS SANs are every host of the cluster file plus
 127.0.0.1 and localhost (and `--host` additions), so a client verifies a daemon by the address it
-dials. Keys are written with mode 0600. The CA key stays in the directory to sign more later; keep it
+dials; and the DNS name `pscluster-<role>`, by which the coordinator verifies workers, whose
+addresses are not known in advance (a Kubernetes Deployment, Ray actors). Keys are written with mode 0600. The CA key stays in the directory to sign more later; keep it
 off the machines that run tasks (`--out` a directory you then copy from, or a Kubernetes Secret).
 """
 
@@ -95,7 +96,8 @@ def write_certs(out: pathlib.Path, names: list[str], hosts: list[str], days: int
                                          x509.NameAttribute(NameOID.COMMON_NAME, name)]))
                 .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
                 .not_valid_before(valid[0]).not_valid_after(valid[1])
-                .add_extension(x509.SubjectAlternativeName([*sans, x509.UniformResourceIdentifier(ROLE_URI + role)]),
+                .add_extension(x509.SubjectAlternativeName([*sans, x509.DNSName(f"pscluster-{role}"),
+                                                            x509.UniformResourceIdentifier(ROLE_URI + role)]),
                                critical=False)
                 .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
                 .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),

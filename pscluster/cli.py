@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     _tls(up)
     up.add_argument("--log-level", default="INFO")
     ce = sub.add_parser("certs", help="create a CA and a certificate per task of a cluster file (TLS, mutual TLS)")
-    ce.add_argument("--cluster", required=True, help="the cluster spec file the certificates are for")
+    ce.add_argument("--cluster", help="the cluster spec file the certificates are for (its hosts become SANs)")
+    ce.add_argument("--ps", type=int, default=0, help="without --cluster: certificates for this many PS tasks")
     ce.add_argument("--out", required=True, help="an empty directory for ca.pem and <task>.pem/.key")
     ce.add_argument("--workers", type=int, default=0, help="certificates for at least this many workers")
     ce.add_argument("--host", action="append", default=[], help="another host name or IP for every certificate")
@@ -116,7 +117,8 @@ def _certs(args: argparse.Namespace) -> int:
     from pscluster.certs import hosts_of, task_names, write_certs
     from pscluster.config import read_cluster_file
 
-    cluster = read_cluster_file(pathlib.Path(args.cluster))
+    cluster = read_cluster_file(pathlib.Path(args.cluster)) if args.cluster else \
+        {"ps": ["127.0.0.1"] * args.ps}  # `pscluster up` on this machine: loopback addresses only
     names = task_names(cluster, args.workers)
     hosts = hosts_of(cluster, args.host)
     write_certs(pathlib.Path(args.out), names, hosts, days=args.days)
@@ -150,8 +152,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "certs":
             return _certs(args)
         elif args.command == "status":
-            from pscluster.status import show
+            from pscluster.status import show, wait_for_file
 
+            if args.cluster and args.wait:
+                wait_for_file(args.cluster, args.wait)  # `pscluster up --write-cluster F &` may not have written it yet
             return show(settings_from_args(args, None), wait=args.wait)
     except ConfigError as exc:
         print(f"pscluster {args.command}: {exc}", file=sys.stderr)

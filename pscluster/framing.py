@@ -352,14 +352,15 @@ def limits(settings: Settings, roles: frozenset[str] | None = None) -> dict[str,
             "roles": roles if files and files.require_client_cert else None}
 
 
-def connect(host: str, port: int, timeout: float, context: ssl.SSLContext | None) -> socket.socket:
-    """A client connection to a framed port (TLS when context is given, verified against host)."""
+def connect(host: str, port: int, timeout: float, context: ssl.SSLContext | None,
+            server_name: str | None = None) -> socket.socket:
+    """A client connection to a framed port (TLS when context is given, verified against server_name or host)."""
     sock = socket.create_connection((host, port), timeout=timeout)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if context is None:
         return sock
     try:
-        return context.wrap_socket(sock, server_hostname=host)
+        return context.wrap_socket(sock, server_hostname=server_name or host)
     except BaseException:
         sock.close()
         raise

@@ -299,8 +299,14 @@ def up_main(args: argparse.Namespace) -> int:
     if plan.last() > 65535:
         raise ConfigError(f"--base-port {args.base_port}: the cluster needs ports {plan.base}..{plan.last()}, "
                           "beyond 65535")
+    extra: dict[str, Any] = {}
+    if args.tls_dir:
+        extra["tls_dir"] = str(pathlib.Path(args.tls_dir).resolve())  # clients read it from --write-cluster
+        extra["require_client_cert"] = bool(args.require_client_cert)
+    elif args.require_client_cert:
+        raise ConfigError("--require-client-cert needs --tls-dir (pscluster certs --out DIR)")
     cluster = LocalCluster(args.ps, args.workers, workdir=args.checkpoint_dir, token=load_token(args.token_file),
-                           checkpoint_dir=args.checkpoint_dir, restore=True, base_port=args.base_port)
+                           checkpoint_dir=args.checkpoint_dir, restore=True, base_port=args.base_port, extra=extra)
     coord = None
     try:
         try:

@@ -194,11 +194,17 @@ class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClient
 
 
 
-def open_channel(address: str, settings: Settings) -> grpc.Channel:
-    """A channel to address (TLS when settings say so) that attaches the cluster token to every call."""
+def open_channel(address: str, settings: Settings, server_name: str | None = None) -> grpc.Channel:
+    """A channel to address (TLS when settings say so) that attaches the cluster token to every call.
+
+    server_name: with TLS, the name the server's certificate must carry instead of address's host.
+    """
     files = tls.files(settings)
-    channel = grpc.secure_channel(address, tls.channel_credentials(files), options=channel_options(settings)) \
-        if files else grpc.insecure_channel(address, options=channel_options(settings))
+    options = channel_options(settings)
+    if files and server_name:
+        options.append(("grpc.ssl_target_name_override", server_name))
+    channel = grpc.secure_channel(address, tls.channel_credentials(files), options=options) \
+        if files else grpc.insecure_channel(address, options=options)
     token = settings.token_value()
     if token:
         channel = grpc.intercept_channel(channel, _TokenInterceptor(token))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -159,3 +160,10 @@ def show(settings: Settings, console: Console | None = None, wait: float = 0.0,
     if wait > 0 and answered < asked:
         console.print(f"[yellow]--wait {wait:g} s ran out: {answered} of {asked} tasks answered", soft_wrap=True)
     return 0 if all(st is not None for _, st, _ in status.ps) else 1
+
+
+def wait_for_file(path: str, seconds: float) -> None:
+    """Return once path exists, or after seconds (the caller then reports the missing file as usual)."""
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.1)

@@ -31,6 +31,7 @@ ALLOWED: dict[str, dict[str, frozenset[str]]] = {
     "pscluster.Coordinator": {"Register": frozenset({"worker"}), "Heartbeat": frozenset({"worker"}),
                               "Status": ANY_CLIENT, "*": frozenset({"coordinator", "client"})},
 }
+WORKER_NAME = "pscluster-worker"  # every worker certificate's DNS SAN: workers are verified by role, not address
 BULK_ROLES = ANY_CLIENT  # a PS's framed tensor port
 CLOSURE_ROLES = frozenset({"coordinator", "client"})  # a worker's framed closure port
 

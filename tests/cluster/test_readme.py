@@ -6,6 +6,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -67,3 +68,29 @@ def test_readme_daemons_walkthrough_runs_as_printed(tmp_path):
     assert "steps = 400; checkpoint at step 400" in out, out
     ps1 = next(line for line in out.splitlines()[::-1] if f"127.0.0.1:{int(env['PORT_BASE']) + 2}" in line)
     assert re.search(r"│ up\s+│ \d+\s+│ 300 ", ps1), ps1  # the restarted PS 1 restored step 300
+
+
+def test_readme_tls_in_three_commands_runs_as_printed(tmp_path):
+    text = README.read_text()
+    start = text.index("## TLS in three commands")
+    script = "\n".join(blocks("bash", text[start:text.index("\n## ", start + 3)]))
+    (tmp_path / "token").write_text("readme-tls-token\n")
+    env = clean_env(PSCLUSTER_TOKEN_FILE=str(tmp_path / "token"))
+    proc = subprocess.Popen(["bash", "-e", "-c", script], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        # `pscluster up &` outlives the script: its process group is the script's
+        if subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).stdout:
+            os.killpg(proc.pid, signal.SIGINT)
+            deadline = time.monotonic() + 30
+            while subprocess.run(["pgrep", "-g", str(proc.pid)], capture_output=True).stdout:
+                if time.monotonic() > deadline:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    break
+                time.sleep(0.1)
+    assert proc.returncode == 0, out + (tmp_path / "up.log").read_text()
+    assert out.count(" up ") >= 2 and "coordinator: " in out, out  # PS tasks and coordinator answered over mutual TLS
+    assert "wrote tls/ca.pem" in out
+    assert "READY up" in (tmp_path / "up.log").read_text()

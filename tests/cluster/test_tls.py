@@ -5,7 +5,6 @@ certificates are refused; with mutual TLS each certificate's role bounds what it
 """
 
 import os
-import pathlib
 import socket
 import stat
 import subprocess

@@ -87,3 +87,31 @@ def test_up_a_second_time_on_the_same_checkpoint_dir_restores_it(tmp_path, procs
     finally:
         client.close()
     interrupt(up, children)
+
+
+def test_a_mutual_tls_cluster_in_three_commands(tmp_path, procs):
+    """The README's "TLS in three commands", as printed (a token as well: TLS does not replace it)."""
+    certs = procs.start("certs", "--ps", "2", "--workers", "2", "--out", str(tmp_path / "tls"))
+    assert certs.wait(timeout=60) == 0
+    plan = PortPlan(free_range(9), 2, 2)
+    up = procs.start("up", "--ps", "2", "--workers", "2", "--base-port", str(plan.base), "--tls-dir",
+                     str(tmp_path / "tls"), "--require-client-cert", "--write-cluster", str(tmp_path / "cluster.yaml"),
+                     env={"PSCLUSTER_TOKEN": TOKEN})
+    read_until(up, "READY up")
+    children = subprocess.run(["pgrep", "-P", str(up.pid)], capture_output=True, text=True).stdout.split()
+    status = procs.start("status", "--cluster", str(tmp_path / "cluster.yaml"), env={"PSCLUSTER_TOKEN": TOKEN})
+    out, _ = status.communicate(timeout=60)
+    assert status.returncode == 0, out
+    assert f"127.0.0.1:{plan.ps(1)}" in out and out.count(" alive ") == 2, out  # status over mutual TLS
+    settings = ps.load_settings(tmp_path / "cluster.yaml", env={"PSCLUSTER_TOKEN": TOKEN})
+    assert settings.require_client_cert and settings.tls_dir == tmp_path / "tls"
+    client = ps.RemoteCoordinator(settings)
+    try:
+        counter = client.create_variable("counter", shape=(), dtype="int64", optimizer=ps.SGD(1.0))
+        for _ in range(5):
+            client.schedule(lambda: counter.push(np.array(-1, np.int64)))
+        client.join(timeout=60)
+        assert int(counter.pull()) == 5
+    finally:
+        client.close()
+    interrupt(up, children)
