@@ -11,6 +11,7 @@ import time
 import numpy as np
 
 import pscluster as ps
+from bench.common import local_cluster
 from pscluster.launcher import LocalCluster
 
 
@@ -18,9 +19,9 @@ def _noop() -> None:
     return None
 
 
-def b4(closures: int = 3000, round_trips: int = 300) -> dict[str, float]:
-    """Empty closures per second with 2 workers, and one closure's round-trip latency."""
-    with LocalCluster(1, 2) as cluster:
+def b4(closures: int = 3000, round_trips: int = 300, tls: bool = False) -> dict[str, float]:
+    """Empty closures per second with 2 workers, and one closure's round-trip latency (mutual TLS if tls)."""
+    with local_cluster(1, 2, tls=tls) as cluster:
         coord = ps.ClusterCoordinator(cluster.settings())
         try:
             coord.wait_for_workers(2)

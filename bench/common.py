@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import pathlib
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pscluster.launcher import LocalCluster
 
 
 def median_of(fn: Callable[[], float], runs: int) -> tuple[float, list[float]]:
@@ -33,3 +39,18 @@ def reset_peak(pid: int) -> None:
     """Reset VmHWM of pid (Linux >= 4.0: write 5 to clear_refs)."""
     with open(f"/proc/{pid}/clear_refs", "w") as fh:
         fh.write("5")
+
+
+def local_cluster(num_ps: int, num_workers: int, tls: bool = False, **settings: Any) -> LocalCluster:
+    """A LocalCluster (not started); with tls, mutual TLS on every channel, certificates in its workdir."""
+    from pscluster.certs import hosts_of, task_names, write_certs
+    from pscluster.launcher import LocalCluster
+
+    workdir = pathlib.Path(tempfile.mkdtemp(prefix="pscluster-bench-"))
+    extra = dict(settings)
+    if tls:
+        extra.update(tls_dir=str(workdir / "tls"), require_client_cert=True)
+    cluster = LocalCluster(num_ps, num_workers, workdir=workdir / "cluster", extra=extra)
+    if tls:
+        write_certs(workdir / "tls", task_names(cluster.spec, num_workers), hosts_of(cluster.spec))
+    return cluster

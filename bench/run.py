@@ -47,6 +47,22 @@ def bench_b1(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
     return r, rows
 
 
+def bench_b1tls(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
+    r = transfer.b1_tls(runs=args.runs)
+    b4 = _runs(lambda: closures.b4(tls=False), max(1, args.runs // 2))
+    b4t = _runs(lambda: closures.b4(tls=True), max(1, args.runs // 2))
+    r.update({"b4_round_trip_ms": b4["round_trip_ms"], "b4_tls_round_trip_ms": b4t["round_trip_ms"],
+              "b4_closures_per_s": b4["closures_per_s"], "b4_tls_closures_per_s": b4t["closures_per_s"]})
+    ok = min(r["pull_tls_ratio"], r["push_tls_ratio"]) >= 0.5
+    return r, [("B1TLS", "pull / push 100 MB over 2 PS, mutual TLS beside plaintext (bulk path, same run)",
+                f"pull {r['ps_pull_tls_gbps']:.2f} GB/s with TLS vs {r['ps_pull_gbps']:.2f} plaintext "
+                f"(x{r['pull_tls_ratio']:.2f}); push {r['ps_push_tls_gbps']:.2f} vs {r['ps_push_gbps']:.2f} "
+                f"(x{r['push_tls_ratio']:.2f})", f"TLS >= 0.5 x plaintext: {'met' if ok else 'NOT met'}"),
+               ("B1TLS", "B4 with TLS: empty closures, 2 workers, mutual TLS beside plaintext (same run)",
+                f"round trip {r['b4_tls_round_trip_ms']:.2f} ms with TLS vs {r['b4_round_trip_ms']:.2f} plaintext; "
+                f"{r['b4_tls_closures_per_s']:.0f} vs {r['b4_closures_per_s']:.0f} closures/s", "table")]
+
+
 def bench_b9(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
     r = transfer.b9()
     return r, [("B9", "PS peak RSS, 1 GiB float32 variable (SGD), 2 concurrent pulls",
@@ -197,7 +213,7 @@ def bench_profile(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
                 + "; ".join(cells), "measure first (issue 9)")]
 
 
-BENCHES = {"B1": bench_b1, "B9": bench_b9, "B2": bench_b2, "B3": bench_b3, "B4": bench_b4, "B5": bench_b5,
+BENCHES = {"B1": bench_b1, "B1TLS": bench_b1tls, "B9": bench_b9, "B2": bench_b2, "B3": bench_b3, "B4": bench_b4, "B5": bench_b5,
            "B6": bench_b6, "B7": bench_b7, "B8": bench_b8,
            "B10": bench_b10, "B11": bench_b11, "B12": bench_b12, "B13": bench_b13, "PROFILE": bench_profile}
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 
 import pscluster as ps
-from bench.common import median_of, reset_peak, rss_kib, timed
+from bench.common import local_cluster, median_of, reset_peak, rss_kib, timed
 from pscluster.launcher import LocalCluster, free_port
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -78,9 +78,9 @@ def raw_grpc(nbytes: int, runs: int) -> dict[str, float]:
     return {"grpc_stream_gbps": nbytes / stream_s / 1e9, "grpc_one_message_gbps": nbytes / one_s / 1e9}
 
 
-def pscluster_transfer(nbytes: int, runs: int, bulk: bool = True) -> dict[str, float]:
-    """GB/s of pull and push (+SGD on the PS) of one float32 variable in 2 shards over 2 PS."""
-    with LocalCluster(2, 0) as cluster:
+def pscluster_transfer(nbytes: int, runs: int, bulk: bool = True, tls: bool = False) -> dict[str, float]:
+    """GB/s of pull and push (+SGD on the PS) of one float32 variable in 2 shards over 2 PS (mutual TLS if tls)."""
+    with local_cluster(2, 0, tls=tls) as cluster:
         with ps.PSClient(cluster.settings(bulk_transport=bulk)) as client:
             var = client.create_variable("big", shape=(nbytes // 4 // 1024, 1024), dtype="float32",
                                          partitioner=ps.FixedShardsPartitioner(2), optimizer=ps.SGD(0.0))
@@ -88,7 +88,7 @@ def pscluster_transfer(nbytes: int, runs: int, bulk: bool = True) -> dict[str, f
             client.pull([var])
             pull_s, pulls = median_of(lambda: timed(lambda: client.pull([var])), runs)
             push_s, pushes = median_of(lambda: timed(lambda: client.push([(var, grad)])), runs)
-    tag = "" if bulk else "_grpc"
+    tag = ("" if bulk else "_grpc") + ("_tls" if tls else "")
     return {f"ps_pull{tag}_gbps": nbytes / pull_s / 1e9, f"ps_push{tag}_gbps": nbytes / push_s / 1e9}
 
 
@@ -101,6 +101,16 @@ def b1(runs: int = 5, nbytes: int = 100 * MB) -> dict[str, float]:
     out.update(pscluster_transfer(nbytes, runs, bulk=False))
     out["pull_vs_tcp"] = out["ps_pull_gbps"] / out["tcp_pull_gbps"]
     out["push_vs_tcp"] = out["ps_push_gbps"] / out["tcp_push_gbps"]
+    return out
+
+
+def b1_tls(runs: int = 5, nbytes: int = 100 * MB) -> dict[str, float]:
+    """B1 with mutual TLS on the bulk path beside plaintext, same run."""
+    out: dict[str, float] = {}
+    out.update(pscluster_transfer(nbytes, runs))
+    out.update(pscluster_transfer(nbytes, runs, tls=True))
+    out["pull_tls_ratio"] = out["ps_pull_tls_gbps"] / out["ps_pull_gbps"]
+    out["push_tls_ratio"] = out["ps_push_tls_gbps"] / out["ps_push_gbps"]
     return out
 
 
