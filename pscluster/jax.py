@@ -36,7 +36,7 @@ from pscluster import context, optimizers
 from pscluster.errors import InvalidArgumentError
 from pscluster.optimizers import OptimizerConfig
 from pscluster.placement import Partitioner
-from pscluster.variables import Variable, unique_rows
+from pscluster.variables import Variable, check_table_ids, unique_rows
 
 
 class Pulled(NamedTuple):
@@ -140,10 +140,7 @@ class PSParams:
                 non-integer or out-of-range ids.
         """
         ids = dict(ids or {})
-        unknown, missing = sorted(set(ids) - set(self.sparse)), sorted(set(self.sparse) - set(ids))
-        if unknown or missing:
-            raise InvalidArgumentError(f"pull(ids=...): sparse tables are {sorted(self.sparse)}; got ids for unknown "
-                                       f"{unknown} and none for {missing}")
+        check_table_ids(self.sparse, list(ids))
         dense, rows, leaves, positions, wanted = [], [], {}, {}, {}
         for name in self.names:
             var = self.variables[name]

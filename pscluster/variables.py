@@ -121,3 +121,15 @@ def unique_rows(name: str, ids: np.ndarray, rows: int) -> np.ndarray:
         bad = arr[0] if arr[0] < 0 else arr[-1]
         raise InvalidArgumentError(f"{name}: id {bad} outside the table's rows [0, {rows})")
     return arr
+
+
+def check_table_ids(tables: Sequence[str], given: Sequence[str]) -> None:
+    """A model adapter's pull(ids=...) names exactly its sparse tables.
+
+    Raises:
+        InvalidArgumentError: ids for a name that is no table, or a table without ids.
+    """
+    unknown, missing = sorted(set(given) - set(tables)), sorted(set(tables) - set(given))
+    if unknown or missing:
+        raise InvalidArgumentError(f"pull(ids=...): sparse tables are {sorted(tables)}; got ids for unknown "
+                                   f"{unknown} and none for {missing}")

@@ -36,7 +36,7 @@ from pscluster.errors import InvalidArgumentError
 from pscluster.optimizers import OptimizerConfig
 from pscluster.placement import Partitioner
 from pscluster.torch.tables import LocalTable, TableModule, sparse_tables, unique_ids
-from pscluster.variables import Variable
+from pscluster.variables import Variable, check_table_ids
 
 MAX_MODELS = 16  # models whose replicas a worker keeps (least recently unpickled dropped first)
 _serials = itertools.count()
@@ -181,11 +181,7 @@ class PSModule:
         replica = self._replica()
         ids = dict(ids or {})
         paths = {path: param for param, path in self.tables.items()}
-        unknown = sorted(set(ids) - set(paths))
-        missing = sorted(set(paths) - set(ids))
-        if unknown or missing:
-            raise InvalidArgumentError(f"pull(ids=...): sparse tables are {sorted(paths)}; got ids for unknown "
-                                       f"{unknown} and none for {missing}")
+        check_table_ids(list(paths), list(ids))
         dense = []
         for name, param in replica.params.items():
             param.grad = None

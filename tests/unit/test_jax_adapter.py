@@ -1,7 +1,4 @@
-"""pscluster.jax without a cluster: the core never imports jax; pytree leaves map onto named variables."""
-
-import subprocess
-import sys
+"""pscluster.jax without a cluster: pytree leaves map onto named variables; bad definitions create nothing."""
 
 import jax
 import jax.numpy as jnp
@@ -10,15 +7,6 @@ import pytest
 
 import pscluster.jax as ps_jax
 from pscluster.errors import InvalidArgumentError
-
-
-def test_core_modules_never_import_jax():
-    code = ("import sys, pscluster, pscluster.client, pscluster.launcher, pscluster.coordinator.coordinator, "
-            "pscluster.server.main, pscluster.worker.main, pscluster.cli; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
 
 
 class Recorder:
