@@ -36,6 +36,7 @@ from pscluster import context, metrics, rpc
 from pscluster.client import PSClient
 from pscluster.config import Settings, load_settings
 from pscluster.coordinator import scheduler as sch
+from pscluster.coordinator.curves import TrainingCurves
 from pscluster.coordinator.dispatch import ClosureSender
 from pscluster.coordinator.ps_monitor import PsMonitor
 from pscluster.coordinator.api import CoordinatorAPI
@@ -100,6 +101,8 @@ class ClusterCoordinator(CoordinatorAPI):
         self._checkpointer = AutoCheckpointer.from_settings(
             self.settings, self.initial_step, step=lambda: self.global_step, save=self.client.checkpoint,
             clock=clock, on_fatal=lambda exc: self._fail("auto-checkpoint", exc))
+        self._curves = TrainingCurves(self.settings.logdir, self.settings.curve_interval_s) \
+            if self.settings.logdir is not None else None
         self._loop = self._thread(self._run, "coordinator-loop")
         self._ticker = self._thread(self._tick, "coordinator-tick")
         self.metrics_port = 0
@@ -261,6 +264,8 @@ class ClusterCoordinator(CoordinatorAPI):
         self._stop.set()
         if self._checkpointer is not None:
             self._checkpointer.stop()
+        if self._curves is not None:
+            self._curves.stop()
         self._monitor.stop()
         self._events.put((_STOP, None))
         self._loop.join(timeout=5)
@@ -376,6 +381,8 @@ class ClusterCoordinator(CoordinatorAPI):
             if reply.HasField("error"):
                 log.warning("closure %d raised %s: %s", action.cid, reply.error.type_name, reply.error.message)
                 error = value.outcome()[1] if value is not None else reply_error(action.cid, reply.error)
+            elif self._curves is not None:
+                self._curves.add(reply.scalars)
             self._finish(action.cid, error)
         elif isinstance(action, sch.Cancel):
             self._resolve_with(action.cid, AbortedError(f"closure {action.cid} {action.reason}"))

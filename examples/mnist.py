@@ -111,6 +111,7 @@ def make_step(params: list[ps.Variable], steps_per_closure: int = 1):
             x, y = next(iterator)
             loss, grads = mlp_grads(ps.pull(params), x, y)
             ps.push(list(zip(params, grads)))
+            ps.report(loss=loss)  # the coordinator's training curve (TensorBoard, with --logdir)
             total += loss
         return total / steps_per_closure
 
@@ -169,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--staleness", type=int, default=2)
     parser.add_argument("--checkpoint-dir", help="keep checkpoints here (every 2 s) and resume from the newest one")
     parser.add_argument("--min-accuracy", type=float, default=0.90, help="exit non-zero below this")
+    parser.add_argument("--logdir", help="write the training curves (loss, closures/s) here as TensorBoard event files")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
@@ -180,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         np.savez(train_path, x=x_train, y=y_train)
         resumable = {"checkpoint_dir": args.checkpoint_dir, "restore": True} if args.checkpoint_dir else {}
         with LocalCluster(args.ps, args.workers, workdir=pathlib.Path(tmp, "cluster"), **resumable) as cluster:
-            coord = ps.ClusterCoordinator(cluster.settings(checkpoint_every_s=2.0))
+            coord = ps.ClusterCoordinator(cluster.settings(checkpoint_every_s=2.0, logdir=args.logdir))
             try:
                 coord.wait_for_workers(args.workers)
                 if args.mode != "async":
@@ -193,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                 coord.shutdown()
     print(f"trained to step {args.steps} in {seconds:.1f} s")
     print(f"held-out test accuracy: {acc:.4f}")
+    if args.logdir:
+        print(f"training curves: tensorboard --logdir {args.logdir}")
     return 0 if acc >= args.min_accuracy else 1
 
 

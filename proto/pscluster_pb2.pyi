@@ -376,18 +376,27 @@ class ShardVersion(_message.Message):
     def __init__(self, variable: _Optional[str] = ..., shard_index: _Optional[int] = ..., version: _Optional[int] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class RunClosureReply(_message.Message):
-    __slots__ = ("result", "error", "retryable", "seconds", "versions")
+    __slots__ = ("result", "error", "retryable", "seconds", "versions", "scalars")
+    class ScalarsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     RESULT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     RETRYABLE_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    SCALARS_FIELD_NUMBER: _ClassVar[int]
     result: bytes
     error: UserError
     retryable: bool
     seconds: float
     versions: _containers.RepeatedCompositeFieldContainer[ShardVersion]
-    def __init__(self, result: _Optional[bytes] = ..., error: _Optional[_Union[UserError, _Mapping]] = ..., retryable: _Optional[bool] = ..., seconds: _Optional[float] = ..., versions: _Optional[_Iterable[_Union[ShardVersion, _Mapping]]] = ...) -> None: ...
+    scalars: _containers.ScalarMap[str, float]
+    def __init__(self, result: _Optional[bytes] = ..., error: _Optional[_Union[UserError, _Mapping]] = ..., retryable: _Optional[bool] = ..., seconds: _Optional[float] = ..., versions: _Optional[_Iterable[_Union[ShardVersion, _Mapping]]] = ..., scalars: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class PingRequest(_message.Message):
     __slots__ = ()

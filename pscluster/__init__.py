@@ -13,7 +13,7 @@ from typing import Any
 
 from pscluster.client import PSClient
 from pscluster.closures import ship_module
-from pscluster.context import Token, sync_token, worker_info
+from pscluster.context import Token, report, sync_token, worker_info
 from pscluster.config import ClusterSpec, Settings, load_settings
 from pscluster.errors import ClosureError, ConfigError, PsclusterError
 from pscluster.optimizers import SGD, Adagrad, Adam, Momentum
@@ -24,6 +24,7 @@ __all__ = [
     "Adagrad", "Adam", "ClosureError", "ClusterCoordinator", "ClusterSpec", "ConfigError",
     "FixedShardsPartitioner", "MaxSizePartitioner", "MinSizePartitioner", "Momentum", "PSClient",
     "PsclusterError", "RemoteCoordinator", "RemoteValue", "SGD", "Settings", "Token", "Variable", "load_settings", "pull", "push",
+    "report",
     "ship_module", "sync_token", "worker_info",
 ]
 

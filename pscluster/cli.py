@@ -1,4 +1,4 @@
-"""The `pscluster` command: ps, worker, coordinator, up, status."""
+"""The `pscluster` command: ps, worker, coordinator, evaluator, up, status, certs."""
 
 from __future__ import annotations
 
@@ -66,6 +66,18 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--checkpoint-every-steps", type=int, help="automatic checkpoint every N global steps")
     co.add_argument("--checkpoint-every-s", type=float, help="automatic checkpoint every T seconds (default 60)")
     co.add_argument("--no-auto-checkpoint", action="store_true", help="no automatic checkpoints")
+    co.add_argument("--logdir", help="write training curves (TensorBoard event files) under DIR/train")
+    ev = sub.add_parser("evaluator", help="run a user's eval function on checkpoints or live variables (TF's evaluator)")
+    _client(ev)
+    ev.add_argument("--eval-fn", required=True, metavar="MODULE:FUNCTION",
+                    help="a function taking {variable: numpy array}, returning {metric: number}")
+    ev.add_argument("--from", dest="source", choices=["checkpoints", "variables"],
+                    help="each new checkpoint (default with --checkpoint-dir) or variables pulled every --every-s")
+    ev.add_argument("--every-s", type=float, default=30.0, help="seconds between evaluations (default 30)")
+    ev.add_argument("--checkpoint-dir", help="the cluster's checkpoint directory")
+    ev.add_argument("--logdir", help="write evaluations (TensorBoard event files) under DIR/eval")
+    ev.add_argument("--exit-with-parent", type=int, metavar="PID", dest="parent_pid",
+                    help="stop when process PID (the program that started this daemon) has ended")
     up = sub.add_parser("up", help="run a whole cluster on this machine, supervised")
     up.add_argument("--ps", type=int, default=2, help="number of PS tasks")
     up.add_argument("--workers", type=int, default=2, help="number of workers")
@@ -103,6 +115,7 @@ def settings_from_args(args: argparse.Namespace, task_type: str | None) -> Setti
         "token_file": args.token_file, "metrics_port": getattr(args, "metrics_port", None),
         "metrics_host": getattr(args, "metrics_host", None),
         "tls_dir": getattr(args, "tls_dir", None), "require_client_cert": getattr(args, "require_client_cert", None),
+        "logdir": getattr(args, "logdir", None),
         "framed_port": getattr(args, "framed_port", None), "parent_pid": getattr(args, "parent_pid", None),
         "checkpoint_every_steps": getattr(args, "checkpoint_every_steps", None),
         "checkpoint_every_s": getattr(args, "checkpoint_every_s", None),
@@ -149,6 +162,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from pscluster.launcher import up_main
 
             return up_main(args)
+        elif args.command == "evaluator":
+            from pscluster.evaluator import serve as serve_evaluator
+
+            serve_evaluator(settings_from_args(args, "evaluator"), args.eval_fn, args.source, args.every_s)
         elif args.command == "certs":
             return _certs(args)
         elif args.command == "status":

@@ -57,7 +57,7 @@ class ClusterSpec(_Frozen):
         return None if value is None else _check_address(value)
 
 
-TaskType = Literal["ps", "worker", "coordinator"]
+TaskType = Literal["ps", "worker", "coordinator", "evaluator"]
 
 
 class Settings(_Frozen):
@@ -88,6 +88,10 @@ class Settings(_Frozen):
     checkpoint_every_steps: int | None = Field(default=None, ge=1)
     checkpoint_every_s: float | None = Field(default=60.0, gt=0)
     restore: bool = False
+    # training curves and evaluations as TensorBoard event files under logdir (coordinator: logdir/train,
+    # evaluator: logdir/eval); closures' pscluster.report(...) scalars are averaged per curve_interval_s
+    logdir: pathlib.Path | None = None
+    curve_interval_s: float = Field(default=5.0, gt=0)
     nan_policy: Literal["reject", "allow"] = "reject"
     rpc_timeout_s: float = Field(default=60.0, gt=0)
     # framed sockets (PS bulk port, worker closure port, their clients): a send or receive that makes no
@@ -144,7 +148,7 @@ class Settings(_Frozen):
     def _secure(self) -> Settings:
         if self.task_type is not None:
             count = {"ps": len(self.cluster.ps), "worker": len(self.cluster.worker) or 1 << 30,
-                     "coordinator": 1}[self.task_type]
+                     "coordinator": 1, "evaluator": 1}[self.task_type]
             if self.task_index >= count:
                 raise ValueError(f"task_index {self.task_index} is out of range for {count} {self.task_type} task(s)")
         if not is_loopback(self.bind_host) and self.token is None and not self.uses_tls:
@@ -271,6 +275,7 @@ _ENV_FIELDS = {
     "PSCLUSTER_ADVERTISE_HOST": "advertise_host",
     "PSCLUSTER_METRICS_PORT": "metrics_port",
     "PSCLUSTER_METRICS_HOST": "metrics_host",
+    "PSCLUSTER_LOGDIR": "logdir",
     "PSCLUSTER_TLS_DIR": "tls_dir",
     "PSCLUSTER_TLS_CA_FILE": "tls_ca_file",
     "PSCLUSTER_TLS_CERT_FILE": "tls_cert_file",

@@ -8,12 +8,13 @@ closure id, so a rescheduled closure re-sends the same ids and no shard applies 
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pscluster.errors import FailedPreconditionError
+from pscluster.errors import FailedPreconditionError, InvalidArgumentError
 
 if TYPE_CHECKING:
     from pscluster.client import PSClient
@@ -58,6 +59,7 @@ class ClosureScope:
         self.token: Token | None = None
         self._seq = itertools.count()
         self.versions: dict[tuple[str, int, int], int] = {}  # (variable, shard, PS incarnation) -> version
+        self.scalars: dict[str, tuple[float, int]] = {}  # report(): name -> (sum, count)
 
     def __enter__(self) -> ClosureScope:
         self._saved = (getattr(_local, "scope", None), getattr(_local, "client", None))
@@ -95,6 +97,34 @@ def sync_token() -> Token | None:
     """The running closure's token (taking it now if needed); None in async mode or outside closures."""
     scope = current_scope()
     return scope.ensure_token() if scope is not None else None
+
+
+MAX_SCALARS = 64  # names one closure may report: a curve per name, not a log
+
+
+def report(**scalars: float) -> None:
+    """Record training scalars (loss=..., accuracy=...) from inside a closure; the coordinator averages them
+    per reporting interval into its training curves (TensorBoard event files under `logdir`).
+
+    Reported several times in one closure, a name's mean travels back. Outside a closure: ignored.
+
+    Raises:
+        InvalidArgumentError: a value that is not a finite number, or more than MAX_SCALARS names.
+    """
+    scope = current_scope()
+    if scope is None:
+        return
+    for name, value in scalars.items():
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"report({name}=...): {value!r} is not a number") from None
+        if not math.isfinite(number):
+            raise InvalidArgumentError(f"report({name}={number}): not a finite number")
+        if name not in scope.scalars and len(scope.scalars) >= MAX_SCALARS:
+            raise InvalidArgumentError(f"report(): at most {MAX_SCALARS} names per closure")
+        total, count = scope.scalars.get(name, (0.0, 0))
+        scope.scalars[name] = (total + number, count + 1)
 
 
 def worker_info() -> Any:

@@ -47,10 +47,10 @@ class TlsFiles:
 
 
 def task_name(settings: Settings) -> str:
-    """The certificate name of this process: ps-<i>, worker-<i>, coordinator, or client."""
+    """The certificate name of this process: ps-<i>, worker-<i>, coordinator, or client (an evaluator too)."""
     if settings.task_type in ("ps", "worker"):
         return f"{settings.task_type}-{settings.task_index}"
-    return settings.task_type or "client"
+    return "coordinator" if settings.task_type == "coordinator" else "client"
 
 
 def files(settings: Settings) -> TlsFiles | None:

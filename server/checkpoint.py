@@ -27,13 +27,13 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from pscluster.checkpoint_files import STEP_DIR as _STEP
+from pscluster.checkpoint_files import complete_steps as complete_steps
 from pscluster.placement import PLACEMENT_VERSION, ps_for_ordinal
 from pscluster.server import optimizers as opt
 from pscluster.server.push_record import PushRecord
 from pscluster.server.store import Shard, ShardSpec, VariableStore
 
-_FILE = re.compile(r"ps-(\d+)-of-(\d+)\.safetensors$")
-_STEP = re.compile(r"step-(\d+)$")
 _TMP = re.compile(r"\.ps-\d+-of-\d+\.safetensors\.tmp-(\d+)$")
 
 
@@ -84,27 +84,6 @@ def save(store: VariableStore, root: pathlib.Path, step: int, ps_index: int, num
     _fsync_dir(step_dir)
     prune(root, keep)
     return final
-
-
-def complete_steps(root: pathlib.Path) -> list[tuple[int, list[pathlib.Path]]]:
-    """(step, files) of every complete step, oldest first."""
-    out = []
-    if not root.is_dir():
-        return out
-    for step_dir in root.iterdir():
-        m = _STEP.match(step_dir.name)
-        if not m or not step_dir.is_dir():
-            continue
-        files = {}
-        total = None
-        for f in step_dir.iterdir():
-            fm = _FILE.match(f.name)
-            if fm:
-                files[int(fm.group(1))] = f
-                total = int(fm.group(2))
-        if total and set(files) == set(range(total)):
-            out.append((int(m.group(1)), [files[i] for i in range(total)]))
-    return sorted(out)
 
 
 def _writer_alive(pid: int) -> bool:

@@ -31,6 +31,7 @@ class Outcome:
     retryable: bool = False
     seconds: float = 0.0
     versions: tuple[tuple[str, int, int, int], ...] = ()  # (variable, shard, version, PS incarnation)
+    scalars: tuple[tuple[str, float], ...] = ()  # report(): (name, mean over the closure)
 
 
 class ClosureRunner:
@@ -65,6 +66,7 @@ class ClosureRunner:
                     self.client.step_done(closure_id, scope.token.step, self.datasets.info.worker_id)
             result = cloudpickle.dumps(value)
             versions = tuple((k[0], k[1], v, k[2]) for k, v in scope.versions.items())
+            scalars = tuple((name, total / count) for name, (total, count) in scope.scalars.items())
         except PsclusterError as exc:
             if exc.retryable:  # the cluster failed the closure (a PS is down): rescheduled, not the user's
                 log.warning("closure %d: %s; handing it back", closure_id, exc)
@@ -74,7 +76,7 @@ class ClosureRunner:
         except Exception as exc:  # noqa: BLE001 - the user's error, reported not retried
             return self._user_error(exc, start)
         self.closures_run += 1
-        return Outcome(result=result, seconds=time.perf_counter() - start, versions=versions)
+        return Outcome(result=result, seconds=time.perf_counter() - start, versions=versions, scalars=scalars)
 
     @staticmethod
     def _user_error(exc: Exception, start: float) -> Outcome:

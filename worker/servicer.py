@@ -16,7 +16,7 @@ def outcome_to_pb(out: Outcome) -> pb.RunClosureReply:
     """Outcome -> RunClosureReply."""
     reply = pb.RunClosureReply(result=out.result, retryable=out.retryable, seconds=out.seconds,
                                versions=[pb.ShardVersion(variable=v, shard_index=i, version=n, incarnation=inc)
-                                         for v, i, n, inc in out.versions])
+                                         for v, i, n, inc in out.versions], scalars=dict(out.scalars))
     if out.error_type:
         reply.error.CopyFrom(pb.UserError(type_name=out.error_type, message=out.error_message,
                                           traceback=out.error_traceback, pickled=out.error_pickled))

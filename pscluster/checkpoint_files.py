@@ -1,0 +1,62 @@
+"""The layout of a checkpoint directory, shared by the PS tasks that write it and the programs that read it.
+
+    <checkpoint_dir>/step-<N>/ps-<i>-of-<P>.safetensors     one file per PS task, written atomically
+
+A step is complete when all P files are there. Each file holds its task's shards as
+`<variable>/<shard>/value` (and `/slot/<name>`) tensors, and a `shards` JSON header with every shard's
+spec (full shape, row offset) and version. `read_variables` assembles whole variables from a step's
+files, which is what an evaluator needs (the safetensors files hold no pickles).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+import numpy as np
+
+STEP_DIR = re.compile(r"step-(\d+)$")
+TASK_FILE = re.compile(r"ps-(\d+)-of-(\d+)\.safetensors$")
+
+
+def complete_steps(root: pathlib.Path) -> list[tuple[int, list[pathlib.Path]]]:
+    """(step, files) of every complete step, oldest first."""
+    out = []
+    if not root.is_dir():
+        return out
+    for step_dir in root.iterdir():
+        m = STEP_DIR.match(step_dir.name)
+        if not m or not step_dir.is_dir():
+            continue
+        files = {}
+        total = None
+        for f in step_dir.iterdir():
+            fm = TASK_FILE.match(f.name)
+            if fm:
+                files[int(fm.group(1))] = f
+                total = int(fm.group(2))
+        if total and set(files) == set(range(total)):
+            out.append((int(m.group(1)), [files[i] for i in range(total)]))
+    return sorted(out)
+
+
+def read_variables(files: list[pathlib.Path]) -> dict[str, np.ndarray]:
+    """Whole variables (values only, no optimizer slots) from one complete step's files."""
+    from safetensors import safe_open
+
+    out: dict[str, np.ndarray] = {}
+    for path in files:
+        with safe_open(str(path), framework="numpy") as fh:
+            for entry in json.loads(fh.metadata()["shards"]):
+                spec = entry["spec"]
+                name, shard = spec["variable"], spec["shard_index"]
+                value = fh.get_tensor(f"{name}/{shard}/value")
+                if spec["num_shards"] == 1 and tuple(spec["shape"]) == tuple(spec["full_shape"]):
+                    out[name] = value
+                    continue
+                whole = out.get(name)
+                if whole is None:
+                    whole = out[name] = np.zeros(tuple(spec["full_shape"]), value.dtype)
+                whole[spec["row_offset"]:spec["row_offset"] + value.shape[0]] = value
+    return out
