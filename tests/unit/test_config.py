@@ -131,3 +131,10 @@ def test_an_empty_token_is_refused_from_the_environment_and_from_a_cluster_file(
         load_token(None, {"PSCLUSTER_TOKEN": token})
     with pytest.raises(ConfigError, match="token is empty, which would turn authentication off"):
         validate({"cluster": {"ps": PS}, "bind_host": "0.0.0.0", "token": token})
+
+
+def test_tf_config_evaluator_task_is_the_evaluator_role():
+    tf = json.dumps({"cluster": {"chief": ["127.0.0.1:7000"], "ps": PS, "evaluator": ["127.0.0.1:7010"]},
+                     "task": {"type": "evaluator", "index": 0}})
+    s = load_settings(None, env={"TF_CONFIG": tf})
+    assert s.task_type == "evaluator" and s.cluster.coordinator == "127.0.0.1:7000"
