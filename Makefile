@@ -1,4 +1,4 @@
-# pscluster: `make demo` trains MNIST on a local cluster; `make test` runs the whole test suite.
+# pscluster: `make demo` trains MNIST on a local cluster; `make test` runs the type check and the whole test suite.
 # Both create .venv with Python 3.11 and install everything they need.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) examples/mnist.py --steps 3000
 
-test: $(STAMP)
+test: lint
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
@@ -27,7 +27,7 @@ proto: $(STAMP)
 	$(PY) proto/generate.py
 
 lint: $(STAMP)
-	$(PY) -m mypy pscluster
+	$(PY) tools/typecheck.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache

@@ -19,7 +19,7 @@ import ssl
 import threading
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import grpc
 
@@ -179,8 +179,8 @@ class GrpcDispatcher:
         self._settings = settings
         self._on_reply = on_reply
         self._on_failure = on_failure
-        self._stubs: dict[str, tuple[grpc.Channel, pb_grpc.WorkerStub]] = {}  # by worker id
-        self._rpcs: dict[tuple[int, str], grpc.Future] = {}
+        self._stubs: dict[str, tuple[grpc.Channel, pb_grpc.WorkerStub, str]] = {}  # worker id -> (channel, stub, address)
+        self._rpcs: dict[tuple[int, str], grpc.Future[pb.RunClosureReply]] = {}
 
     def dispatch(self, wid: str, address: str, request: pb.RunClosureRequest) -> None:
         """Start one attempt; the answer arrives on a grpc callback thread."""
@@ -213,7 +213,7 @@ class GrpcDispatcher:
             entry[0].close()
         self._stubs.clear()
 
-    def _completed(self, cid: int, wid: str, fut: grpc.Future) -> None:
+    def _completed(self, cid: int, wid: str, fut: grpc.Future[pb.RunClosureReply]) -> None:
         self._rpcs.pop((cid, wid), None)
         if fut.cancelled():
             return  # abandoned by the scheduler
@@ -274,5 +274,5 @@ class ClosureSender:
             log.warning("closure %d hit an unavailable PS: %s", cid, reply.error.message)
             self._post((sch.Finished(cid, wid, "retry"), None))
         else:
-            outcome = "user_error" if reply.HasField("error") else "ok"
+            outcome: Literal["user_error", "ok"] = "user_error" if reply.HasField("error") else "ok"
             self._post(((sch.Finished(cid, wid, outcome), reply), None))

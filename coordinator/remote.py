@@ -158,7 +158,8 @@ class RemoteCoordinator(CoordinatorAPI):
 
     def status(self) -> pb.CoordinatorStatus:
         """The daemon's queue, counters, workers and jobs."""
-        return self._call("Status", pb.CoordinatorStatusRequest())
+        status: pb.CoordinatorStatus = self._call("Status", pb.CoordinatorStatusRequest())
+        return status
 
     def configure_sync(self, mode: str = "sync", replicas_to_aggregate: int | None = None,
                        total_num_replicas: int | None = None, staleness: int = 0) -> int:

@@ -28,6 +28,13 @@ from pscluster.coordinator.events import (  # noqa: F401 - re-exported: sch.Subm
 )
 from pscluster.coordinator.job_queues import MAIN, JobQueues
 
+__all__ = [  # the events and actions are re-exported: the coordinator speaks of sch.Submit, sch.Dispatch, ...
+    "Submit", "OpenJob", "KeepJob", "EndJob", "Register", "Heartbeat", "Leave", "Finished", "TransportFailed", "Tick",
+    "PsDown", "PsUp", "SetConcurrency", "ErrorReported", "Dispatch", "Resolve", "Cancel", "Abandon", "WorkerGone",
+    "Registered", "WatchPs", "FailUnscheduled", "JobEnded", "Event", "Action", "ClosureRec", "WorkerRec",
+    "EndedJob", "SchedulerState", "ENDED_JOBS_SHOWN", "MAIN", "JobQueues", "decide",
+]
+
 ClosureState = Literal["queued", "running", "done", "failed", "cancelled"]
 
 
@@ -162,8 +169,8 @@ def decide(state: SchedulerState, event: Event, now: float) -> list[Action]:
                 actions += _lose_worker(
                     state, worker, f"missed heartbeats for {now - worker.last_seen:.1f} s "
                                    f"(timeout {state.heartbeat_timeout:.1f} s)")
-        for job in state.queue.idle(now, state.job_idle_timeout):
-            actions += _end_job(state, job, f"no keepalive from its client for more than "
+        for idle in state.queue.idle(now, state.job_idle_timeout):
+            actions += _end_job(state, idle, f"no keepalive from its client for more than "
                                             f"{state.job_idle_timeout:g} s (job_idle_timeout_s)")
         actions += _check_starvation(state, now)
     elif isinstance(event, PsDown):

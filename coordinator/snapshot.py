@@ -21,7 +21,7 @@ class WorkerView(NamedTuple):
 
     wid: str
     address: str
-    index: int
+    index: int  # type: ignore[assignment]  # a field named like tuple.index: WorkerView.index is the worker's
     state: str
     done: int
     last_seen: float

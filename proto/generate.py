@@ -12,7 +12,15 @@ import sys
 import tempfile
 
 HERE = pathlib.Path(__file__).resolve().parent
-GENERATED = ("pscluster_pb2.py", "pscluster_pb2.pyi", "pscluster_pb2_grpc.py")
+GENERATED = ("pscluster_pb2.py", "pscluster_pb2.pyi", "pscluster_pb2_grpc.py", "pscluster_pb2_grpc.pyi")
+
+
+def _plugin(name: str) -> str:
+    path = pathlib.Path(sys.executable).parent / name
+    found = str(path) if path.exists() else shutil.which(name)
+    if found is None:
+        raise SystemExit(f"{name} not found: pip install mypy-protobuf (in the dev extra)")
+    return found
 
 
 def generate(out_dir: pathlib.Path) -> None:
@@ -24,8 +32,12 @@ def generate(out_dir: pathlib.Path) -> None:
             "protoc",
             f"-Ipscluster/proto={HERE}",
             f"--python_out={tmp}",
-            f"--pyi_out={tmp}",
             f"--grpc_python_out={tmp}",
+            # typed stubs of both modules (mypy-protobuf, a dev dependency), so `make lint` checks callers
+            f"--plugin=protoc-gen-mypy={_plugin('protoc-gen-mypy')}",
+            f"--plugin=protoc-gen-mypy_grpc={_plugin('protoc-gen-mypy_grpc')}",
+            f"--mypy_out={tmp}",
+            f"--mypy_grpc_out={tmp}",
             "pscluster/proto/pscluster.proto",
         ]
         if protoc.main(args) != 0:

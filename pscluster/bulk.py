@@ -110,7 +110,7 @@ class BulkClient:
         header = call.request.SerializeToString()
         send_frame(conn, header, sum(p.nbytes for p in call.payloads))
         for payload in call.payloads:
-            send_buffer(conn, memoryview(np.ascontiguousarray(payload)))
+            send_buffer(conn, np.ascontiguousarray(payload).data)
 
     def _receive(self, call: BulkCall, conn: socket.socket) -> None:
         header_len, payload_len = PREFIX.unpack(recv_exact(conn, PREFIX.size))
@@ -125,7 +125,7 @@ class BulkClient:
             if payload_len != sum(t.nbytes for t in call.targets) or len(reply.pull.tensors) != len(call.targets):
                 raise InternalError(f"ps {call.ps}: bulk reply of {payload_len} bytes does not match the request")
             for target in call.targets:
-                recv_into(conn, memoryview(target.reshape(-1).view(np.uint8)))
+                recv_into(conn, target.reshape(-1).view(np.uint8).data)
         call.reply = reply
 
     def _one(self, call: BulkCall) -> None:

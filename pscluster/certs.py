@@ -17,7 +17,8 @@ import datetime
 import ipaddress
 import os
 import pathlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from pscluster.errors import ConfigError
 
@@ -25,7 +26,7 @@ ROLE_URI = "pscluster://role/"
 ROLES = ("ps", "worker", "coordinator", "client")
 
 
-def task_names(cluster: dict[str, list[str] | str], workers: int = 0) -> list[str]:
+def task_names(cluster: Mapping[str, Any], workers: int = 0) -> list[str]:
     """Certificate names of a cluster spec: ps-i, worker-i (at least `workers` of them), coordinator, client."""
     ps = list(cluster.get("ps", []) or [])
     listed = list(cluster.get("worker", []) or [])
@@ -34,7 +35,7 @@ def task_names(cluster: dict[str, list[str] | str], workers: int = 0) -> list[st
     return names + ["coordinator", "client"]
 
 
-def hosts_of(cluster: dict[str, list[str] | str], extra: Iterable[str] = ()) -> list[str]:
+def hosts_of(cluster: Mapping[str, Any], extra: Iterable[str] = ()) -> list[str]:
     """Every host named in the spec, plus loopback and extra ones, once each."""
     addresses: list[str] = []
     for value in cluster.values():

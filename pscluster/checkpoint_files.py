@@ -22,7 +22,7 @@ TASK_FILE = re.compile(r"ps-(\d+)-of-(\d+)\.safetensors$")
 
 def complete_steps(root: pathlib.Path) -> list[tuple[int, list[pathlib.Path]]]:
     """(step, files) of every complete step, oldest first."""
-    out = []
+    out: list[tuple[int, list[pathlib.Path]]] = []
     if not root.is_dir():
         return out
     for step_dir in root.iterdir():

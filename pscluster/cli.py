@@ -130,7 +130,7 @@ def _certs(args: argparse.Namespace) -> int:
     from pscluster.certs import hosts_of, task_names, write_certs
     from pscluster.config import read_cluster_file
 
-    cluster = read_cluster_file(pathlib.Path(args.cluster)) if args.cluster else \
+    cluster: dict[str, Any] = read_cluster_file(pathlib.Path(args.cluster)) if args.cluster else \
         {"ps": ["127.0.0.1"] * args.ps}  # `pscluster up` on this machine: loopback addresses only
     names = task_names(cluster, args.workers)
     hosts = hosts_of(cluster, args.host)

@@ -405,7 +405,7 @@ class PSClient:
     def sync_step(self) -> pb.StepReply:
         """PS 0's global step, mode and clocks, with stale drops summed over every PS."""
         replies = self._gather([(ps, "GetStep", pb.StepRequest()) for ps in range(self.num_ps)])
-        first = replies[0]
+        first: pb.StepReply = replies[0]
         first.dropped_stale = sum(r.dropped_stale for r in replies)
         return first
 

@@ -317,10 +317,10 @@ def load_token(token_file: str | pathlib.Path | None = None, env: Mapping[str, s
             raise ConfigError(f"token_file {token_file} is empty; write the token into it "
                               "(python -c \"import secrets; print(secrets.token_hex(16))\" > FILE)")
         return token
-    token = env.get("PSCLUSTER_TOKEN")
-    if token is not None and not token.strip():
+    from_env = env.get("PSCLUSTER_TOKEN")
+    if from_env is not None and not from_env.strip():
         raise ConfigError("PSCLUSTER_TOKEN is set but empty; set it to the cluster's token or unset it")
-    return token.strip() if token is not None else None
+    return from_env.strip() if from_env is not None else None
 
 
 def load_settings(cluster_file: str | pathlib.Path | None = None,

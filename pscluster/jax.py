@@ -165,7 +165,7 @@ class PSParams:
             InvalidArgumentError: grads with another structure, or push() before pull() in this closure.
         """
         leaves, treedef = tree_util.tree_flatten(grads)
-        if treedef != self.treedef:
+        if treedef != self.treedef:  # type: ignore[operator]  # PyTreeDef compares by structure
             raise InvalidArgumentError(f"push: gradients have structure {treedef}, the parameters {self.treedef}")
         wanted: dict[str, np.ndarray] | None = getattr(self._local, "wanted", None)
         if wanted is None and self.sparse:

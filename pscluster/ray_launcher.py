@@ -88,7 +88,7 @@ class RayCluster:
         self.workers: list[Any] = []
         self._next_worker = 0  # task index of the next worker actor
         self._lock = threading.Lock()
-        self._placement = None
+        self._placement: Any = None
 
     def settings(self, **overrides: Any) -> Settings:
         """Settings for the driver's ClusterCoordinator."""

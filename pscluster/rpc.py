@@ -126,7 +126,7 @@ class ErrorInterceptor(grpc.ServerInterceptor):
             uu, us, su, ss = reject, reject, reject, reject
             kw["request_deserializer"] = None
         else:
-            uu = us = su = ss = None
+            uu = us = su = ss = None  # type: ignore[assignment]  # only the handler's own kind is set below
             method = str(details.method)
             roles = tls.allowed(method) if self._check_roles else None
             if handler.unary_unary:
@@ -143,6 +143,7 @@ class ErrorInterceptor(grpc.ServerInterceptor):
             return grpc.unary_stream_rpc_method_handler(us, **kw)
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(su, **kw)
+        assert ss is not None  # the remaining kind: a stream-stream handler
         return grpc.stream_stream_rpc_method_handler(ss, **kw)
 
 

@@ -15,6 +15,7 @@ import functools
 import pathlib
 import ssl
 from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import grpc
@@ -132,7 +133,7 @@ def role_of_peercert(cert: dict[str, Any] | None) -> str:
 
 def role_of_context(context: grpc.ServicerContext) -> str:
     """The role of a gRPC call's peer ('' without a client certificate)."""
-    auth = context.auth_context()
+    auth: Mapping[str, Iterable[bytes]] = context.auth_context()  # type: ignore[assignment]  # values are lists
     cn = b"".join(auth.get("x509_common_name", [])).decode(errors="replace")
     sans = [s.decode(errors="replace") for s in auth.get("x509_subject_alternative_name", [])]
     return role_from_names(cn, sans) if cn or sans else ""

@@ -71,11 +71,12 @@ class BulkHandlers:
         """Receive a push's payload, validate it whole, apply it, reply."""
         started = time.perf_counter()
         req = request.push
-        scratch = state.get("scratch")
+        scratch: np.ndarray | None = state.get("scratch")
         if payload_len <= REUSE_BYTES and (scratch is None or scratch.size < payload_len):
             scratch = state["scratch"] = np.empty(payload_len, np.uint8)
-        buf = scratch[:payload_len] if payload_len <= REUSE_BYTES else np.empty(payload_len, np.uint8)
-        recv_into(conn, memoryview(buf))
+        buf = scratch[:payload_len] if scratch is not None and payload_len <= REUSE_BYTES else \
+            np.empty(payload_len, np.uint8)
+        recv_into(conn, buf.data)
         try:
             items = []
             offset = 0
@@ -136,7 +137,7 @@ class BulkHandlers:
                     state: dict[str, Any]) -> None:
         for rows, shard in parts:
             if rows is not None:
-                send_buffer(conn, memoryview(rows))
+                send_buffer(conn, rows.data)
                 continue
             out = state.get("pull_chunk")
             if out is None:

@@ -74,7 +74,8 @@ class ParameterServerCore:
     def push(self, push_id: str, step: int, items: Sequence[PushItem], final_below: int = 0) -> list[PushResult]:
         """Apply (async) or accumulate (sync) a push; final_below: see VariableStore.push."""
         if self.sync is not None and self.sync.accumulates:
-            return self.sync.push(push_id, step, items)
+            results: list[PushResult] = self.sync.push(push_id, step, items)
+            return results
         return self.store.push(push_id, items, final_below)
 
     def push_stream(self, push_id: str, step: int, key: tuple[str, int], dtype: np.dtype,

@@ -185,7 +185,7 @@ class VariableStore:
             n = min(out.size, flat.size - start)
             with shard.lock:
                 out[:n] = flat[start:start + n]
-            yield memoryview(out[:n])
+            yield out[:n].data
 
     # -- writes ----------------------------------------------------------------------------------
     def validate_push(self, items: Sequence[PushItem]) -> list[tuple[Shard, PushItem, np.ndarray | None]]:

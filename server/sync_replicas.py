@@ -247,5 +247,5 @@ class SyncReplicas:
 
 def attach(core: ParameterServerCore) -> SyncReplicas:
     """Install sync-replica state on a PS core."""
-    core.sync = SyncReplicas(core)
-    return core.sync
+    sync = core.sync = SyncReplicas(core)
+    return sync

@@ -61,6 +61,7 @@ class Heartbeater:
         except PsclusterError as exc:
             if not exc.retryable:
                 self._channel.close()
+                assert self._waiter is not None  # still waiting: registration has not succeeded yet
                 self._waiter.failed(exc)  # raises StartupError naming the refusal
         self._thread.start()
 
