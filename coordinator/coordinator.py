@@ -62,9 +62,9 @@ class ClusterCoordinator(CoordinatorAPI):
     """Schedules step closures onto the cluster's workers (TF's ClusterCoordinator, plus failure handling)."""
 
     def __init__(self, cluster: Settings | str | None = None, *, serve: bool = True,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, ps_resolver: Callable[[int], str] | None = None) -> None:
         self.settings = cluster if isinstance(cluster, Settings) else load_settings(cluster)
-        self.client = PSClient(self.settings)
+        self.client = PSClient(self.settings, resolver=ps_resolver)
         context.set_default_client(self.client)
         self._clock = clock
         self._state = sch.SchedulerState(

@@ -71,6 +71,15 @@ class BulkClient:
                     conn.close()
                 conns.clear()
 
+    def moved(self, ps: int, host: str) -> None:
+        """PS ps now runs on host: forget its port and pooled connections."""
+        with self._lock:
+            self._hosts[ps] = host
+            self._ports[ps] = None
+            stale, self._free[ps] = self._free[ps], []
+        for conn in stale:
+            conn.close()
+
     def _acquire(self, ps: int) -> tuple[socket.socket, bool]:
         with self._lock:
             if self._free[ps]:
@@ -207,6 +216,10 @@ class BulkTensors:
     def step_done(self, request: pb.StepDoneRequest) -> None:
         """Report a closure's finished step to PS 0."""
         self._client.run([BulkCall(0, pb.BulkRequest(step_done=request))])
+
+    def moved(self, ps: int, address: str) -> None:
+        """PS ps moved: its bulk port is asked again, at its new host."""
+        self._client.moved(ps, address.rpartition(":")[0])
 
     def close(self) -> None:
         """Close every pooled connection."""

@@ -11,6 +11,7 @@ request travel in one unary RPC per PS task; shards above `stream_threshold_byte
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import defaultdict
@@ -35,6 +36,7 @@ from pscluster.variables import ShardPlacement, Variable
 
 Grads = Sequence[tuple[Variable, np.ndarray]]
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def _as_grad(var: Variable, grad: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -65,10 +67,19 @@ def _step_tag(step: int = 0) -> int:
 class PSClient:
     """Connections to every PS task, and the variable operations built on them."""
 
-    def __init__(self, settings: Settings, retry_for: float = 5.0) -> None:
+    def __init__(self, settings: Settings, retry_for: float = 5.0,
+                 resolver: Callable[[int], str] | None = None) -> None:
+        """Connect to the PS tasks of settings.cluster.ps.
+
+        resolver: where PS i is now (host:port), asked when PS i stops answering; a PS that a scheduler
+            restarted elsewhere (a Ray actor on another node) is then found without restarting the job.
+        """
         self.settings = settings
         self.retry_for = retry_for
+        self._resolver = resolver
+        self._addresses = list(settings.cluster.ps)
         self._channels = [rpc.open_channel(addr, settings) for addr in settings.cluster.ps]
+        self._retired: list[grpc.Channel] = []  # channels of PS tasks that moved (relocate), closed later
         self.stubs = [pb_grpc.ParameterServerStub(ch) for ch in self._channels]
         self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.stubs)), thread_name_prefix="ps-stream")
         self._lock = threading.Lock()
@@ -98,7 +109,7 @@ class PSClient:
         """Close channels, bulk connections and the stream pool."""
         self._tensors.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
-        for ch in self._channels:
+        for ch in self._channels + self._retired:
             ch.close()
 
     def __enter__(self) -> PSClient:
@@ -108,9 +119,42 @@ class PSClient:
         self.close()
 
     def _call(self, ps: int, method: str, request: Any, retry_for: float | None = None) -> Any:
-        return rpc.call(getattr(self.stubs[ps], method), request, timeout=self._timeout,
-                        what=f"ps {ps} ({self.settings.cluster.ps[ps]}) {method}",
-                        retry_for=self.retry_for if retry_for is None else retry_for)
+        budget = self.retry_for if retry_for is None else retry_for
+        deadline = time.monotonic() + budget
+        while True:
+            try:  # with a resolver, retries come in short rounds, asking between them where the PS is
+                return rpc.call(getattr(self.stubs[ps], method), request, timeout=self._timeout,
+                                what=f"ps {ps} ({self._addresses[ps]}) {method}",
+                                retry_for=min(budget, 1.0) if self._resolver is not None else budget)
+            except PsclusterError as err:
+                if not (err.retryable and self._resolver is not None and time.monotonic() < deadline):
+                    raise
+                self.relocate(ps)
+
+    def relocate(self, ps: int) -> bool:
+        """Ask the resolver where PS ps is; if it moved, reconnect there. True if it moved."""
+        if self._resolver is None:
+            return False
+        try:
+            address = self._resolver(ps)
+        except Exception as exc:  # noqa: BLE001 - the directory may be restarting too: the next round asks again
+            log.warning("ps %d: cannot resolve its address (%s)", ps, exc)
+            return False
+        with self._lock:
+            if not address or address == self._addresses[ps]:
+                return False
+            # the old channel stays open a while: another thread may be calling through it right now
+            self._retired.append(self._channels[ps])
+            stale = self._retired[:-8]
+            del self._retired[:-8]
+            self._addresses[ps] = address
+            self._channels[ps] = rpc.open_channel(address, self.settings)
+            self.stubs[ps] = pb_grpc.ParameterServerStub(self._channels[ps])
+        for channel in stale:
+            channel.close()
+        self._tensors.moved(ps, address)
+        log.warning("ps %d moved to %s", ps, address)
+        return True
 
     def _gather(self, calls: list[tuple[int, str, Any]]) -> list[Any]:
         """Issue unary calls in parallel (grpc futures); retry the retryable ones synchronously."""
@@ -120,7 +164,7 @@ class PSClient:
             try:
                 out.append(fut.result())
             except grpc.RpcError as exc:
-                err = rpc.translate(exc, f"ps {ps} ({self.settings.cluster.ps[ps]}) {method}")
+                err = rpc.translate(exc, f"ps {ps} ({self._addresses[ps]}) {method}")
                 if not err.retryable:
                     raise err from None
                 out.append(self._call(ps, method, req))
@@ -258,6 +302,9 @@ class PSClient:
                     if lost:
                         raise UnavailableError(f"a PS lost a shard (restarted without it): {err}") from err
                     raise
+                if self._resolver is not None and not lost:
+                    for ps in range(self.num_ps):
+                        self.relocate(ps)
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 0.5)
 

@@ -111,5 +111,8 @@ class GrpcTensors:
         rpc.call(self._client.stubs[0].StepDone, request, timeout=self._client.settings.rpc_timeout_s,
                  what="ps 0 StepDone")
 
+    def moved(self, ps: int, address: str) -> None:
+        """Nothing of its own: the client's stubs are already the new ones."""
+
     def close(self) -> None:
         """Nothing of its own: the client closes the channels."""

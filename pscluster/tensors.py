@@ -33,5 +33,8 @@ class TensorTransport(Protocol):
     def step_done(self, request: pb.StepDoneRequest) -> None:
         """Report a closure's finished step to PS 0."""
 
+    def moved(self, ps: int, address: str) -> None:
+        """PS ps now listens at address (host:port of its gRPC server): drop connections to the old one."""
+
     def close(self) -> None:
         """Release connections."""

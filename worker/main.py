@@ -116,10 +116,14 @@ class Heartbeater:
         self._channel.close()
 
 
-def start(settings: Settings) -> tuple[grpc.Server, int, WorkerServicer]:
-    """Start the worker's gRPC server (and its framed closure port); returns (server, port, servicer)."""
+def start(settings: Settings, ps_resolver: Callable[[int], str] | None = None
+          ) -> tuple[grpc.Server, int, WorkerServicer]:
+    """Start the worker's gRPC server (and its framed closure port); returns (server, port, servicer).
+
+    ps_resolver: where PS i is now, for PS tasks a scheduler may move (see PSClient).
+    """
     worker_id = f"{socket.gethostname()}-{os.getpid()}-{os.urandom(2).hex()}"
-    client = PSClient(settings, retry_for=1.0)
+    client = PSClient(settings, retry_for=1.0, resolver=ps_resolver)
     context.set_default_client(client)
     datasets = WorkerDatasets(WorkerInfo(worker_id, settings.task_index))
     servicer = WorkerServicer(ClosureRunner(client, datasets), worker_id, InflightGate())

@@ -28,12 +28,15 @@ if __name__ == "__main__":
     parser.add_argument("--checkpoint-dir")
     parser.add_argument("--steps", type=int, default=2000)
     args = parser.parse_args()
-    ray.init(address=args.address, _node_ip_address=args.host if args.address is None else None)
+    if args.address is None:  # a local runtime: every Ray component on --host (loopback by default), no dashboard
+        ray.init(_node_ip_address=args.host, include_dashboard=False)
+    else:
+        ray.init(address=args.address)
     x, y, xt, yt = mnist.load_mnist()
     with tempfile.TemporaryDirectory() as tmp:
         np.savez(f"{tmp}/train.npz", x=x, y=y)
         cluster = RayCluster(2, 2, host=args.host, checkpoint_dir=args.checkpoint_dir).start()
-        coord = ps.ClusterCoordinator(cluster.settings())
+        coord = ps.ClusterCoordinator(cluster.settings(), ps_resolver=cluster.resolver)
         try:
             coord.wait_for_workers(2)
             params = mnist.create_params(coord)

@@ -53,7 +53,7 @@ def test_train_on_ray_kill_a_worker_actor_counter_is_exact_and_all_on_loopback(l
     from pscluster.ray_launcher import RayCluster
 
     cluster = RayCluster(num_ps=2, num_workers=2).start()
-    coord = ps.ClusterCoordinator(cluster.settings())
+    coord = ps.ClusterCoordinator(cluster.settings(), ps_resolver=cluster.resolver)
     try:
         coord.wait_for_workers(2, timeout=60)
         counter = coord.create_variable("counter", shape=(), dtype="int64", optimizer=ps.SGD(1.0))
@@ -74,6 +74,38 @@ def test_train_on_ray_kill_a_worker_actor_counter_is_exact_and_all_on_loopback(l
         assert new, "Ray and pscluster listen somewhere"
         beyond = [(a, p) for a, p in new if not is_loopback(a)]
         assert not beyond, f"listening beyond loopback: {beyond}"
+    finally:
+        coord.shutdown()
+        cluster.stop()
+
+
+def test_a_ps_actor_restarted_by_ray_with_a_new_address_is_found_and_accounting_stays_exact(local_ray, tmp_path):
+    from pscluster.ray_launcher import RayCluster
+
+    cluster = RayCluster(num_ps=2, num_workers=2, checkpoint_dir=str(tmp_path / "ckpt")).start()
+    coord = ps.ClusterCoordinator(cluster.settings(checkpoint_every_s=1.0), ps_resolver=cluster.resolver)
+    try:
+        coord.wait_for_workers(2, timeout=60)
+        counter = coord.create_variable("counter", shape=(), dtype="int64", optimizer=ps.SGD(1.0))
+        values = [coord.schedule(counter_step, args=(counter,)) for _ in range(300)]
+        while coord.status().done < 60:
+            time.sleep(0.01)
+        victim = counter.shards[0].ps
+        old_address = cluster.resolver(victim)
+        old_pid = ray.get(cluster.ps[victim].pid.remote())
+        ray.kill(cluster.ps[victim], no_restart=False)  # Ray restarts it: any free port, its newest checkpoint
+        deadline = time.monotonic() + 90
+        while cluster.resolver(victim) in ("", old_address):
+            assert time.monotonic() < deadline, "the PS actor never came back"
+            time.sleep(0.05)
+        new_address = cluster.resolver(victim)
+        coord.join(timeout=120)
+        completed = sum(coord.fetch(values))
+        assert completed == 300 and ray.get(cluster.ps[victim].pid.remote(), timeout=60) != old_pid
+        # the coordinator (and the worker actors, whose pushes went on) found the PS at its new address
+        assert coord.client._addresses[victim] == new_address != old_address
+        lost = coord.lost_updates_by_variable().get("counter", 0)
+        assert int(counter.pull()) == completed - lost
     finally:
         coord.shutdown()
         cluster.stop()
