@@ -114,3 +114,21 @@ def test_pull_chunks_reassemble_the_shard():
 def test_invalid_spec_is_rejected(bad):
     with pytest.raises(InvalidArgumentError):
         VariableStore().create(bad, np.zeros(bad.shape, "f4"))
+
+
+@pytest.mark.parametrize("kind", ["normal", "uniform"])
+def test_a_random_initial_value_is_drawn_in_its_dtype_without_a_float64_copy(kind):
+    import tracemalloc
+
+    from pscluster.server.store import initial_value
+
+    big = ShardSpec("t", 0, 1, (160_000, 64), (160_000, 64), 0, "float32", OptimizerConfig("sgd", 0.1), sparse=True)
+    tracemalloc.start()
+    try:
+        value = initial_value(big, kind, 0.5, seed=3)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert value.dtype == np.float32 and peak < 1.2 * value.nbytes  # was 3 x: a float64 draw, then its cast
+    np.testing.assert_array_equal(value, initial_value(big, kind, 0.5, seed=3))  # restarts agree
+    assert (abs(float(value.std()) - 0.5) < 0.01) if kind == "normal" else (np.abs(value).max() <= 0.5)
