@@ -99,6 +99,10 @@ def server_context(tls: TlsFiles) -> ssl.SSLContext:
     """An ssl context for a framed port."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    # No TLS 1.3 session tickets: they arrive after the handshake, wake a client's idle reader (the
+    # coordinator's per-connection reply reader) with no reply to read, and leave it in a timed recv
+    # that fails a closure dispatched there later. Connections are long-lived: resumption buys nothing.
+    ctx.num_tickets = 0
     ctx.load_cert_chain(str(tls.cert), str(tls.key))
     if tls.require_client_cert:
         ctx.verify_mode = ssl.CERT_REQUIRED

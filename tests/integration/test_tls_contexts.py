@@ -1,0 +1,38 @@
+"""The framed ports' TLS contexts: a client's idle connection wakes only for data the server sent."""
+
+import select
+import socket
+import threading
+
+from pscluster import tls
+from pscluster.certs import write_certs
+
+
+def test_an_idle_tls_client_connection_is_not_woken_by_post_handshake_messages(tmp_path):
+    # The coordinator keeps one reader per closure connection, polling for the next reply; TLS 1.3
+    # session tickets sent after the handshake would wake it with nothing to read (a timed recv follows,
+    # which failed a closure dispatched there later). The server context sends none.
+    write_certs(tmp_path, ["ps-0", "client"], ["127.0.0.1"])
+    server = tls.server_context(tls.TlsFiles(tmp_path / "ca.pem", tmp_path / "ps-0.pem", tmp_path / "ps-0.key", True))
+    client = tls.client_context(tls.TlsFiles(tmp_path / "ca.pem", tmp_path / "client.pem", tmp_path / "client.key",
+                                             True))
+    listener = socket.create_server(("127.0.0.1", 0))
+    done = threading.Event()
+
+    def serve():
+        conn, _ = listener.accept()
+        with server.wrap_socket(conn, server_side=True):
+            done.wait(10)
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        with client.wrap_socket(socket.create_connection(("127.0.0.1", listener.getsockname()[1]), timeout=10),
+                                server_hostname="127.0.0.1") as conn:
+            poller = select.poll()
+            poller.register(conn, select.POLLIN)
+            assert poller.poll(500) == [] and conn.pending() == 0
+    finally:
+        done.set()
+        thread.join(timeout=10)
+        listener.close()
