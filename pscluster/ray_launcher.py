@@ -33,18 +33,24 @@ from pscluster.launcher import free_port
 
 
 class _Directory:
-    """The body of the named directory actor: where each PS listens now."""
+    """The body of the named directory actor: where each PS listens now, and on which Ray node."""
 
     def __init__(self) -> None:
         self._addresses: dict[int, str] = {}
+        self._nodes: dict[int, str] = {}
 
-    def set(self, index: int, address: str) -> None:
-        """PS index (re)started at address."""
+    def set(self, index: int, address: str, node: str = "") -> None:
+        """PS index (re)started at address, on Ray node `node`."""
         self._addresses[index] = address
+        self._nodes[index] = node
 
     def get(self, index: int) -> str:
         """Where PS index listens ('' if it never registered)."""
         return self._addresses.get(index, "")
+
+    def locations(self) -> dict[int, tuple[str, str]]:
+        """{PS index: (address, Ray node id)} of every PS that registered."""
+        return {i: (a, self._nodes.get(i, "")) for i, a in self._addresses.items()}
 
 
 class DirectoryResolver:
@@ -85,7 +91,8 @@ class _DaemonActor:
             self.server, self.port, _ = start(self.settings)
             host = self.settings.advertise_host or self.settings.bind_host
             directory = ray.get_actor(resolver.name, namespace=resolver.namespace)
-            ray.get(directory.set.remote(index, f"{host}:{self.port}"), timeout=30)  # before anyone asks
+            node_id = str(ray.get_runtime_context().get_node_id())
+            ray.get(directory.set.remote(index, f"{host}:{self.port}", node_id), timeout=30)  # before anyone asks
         else:
             from pscluster.worker.main import Heartbeater
             from pscluster.worker.main import start as start_worker
@@ -166,10 +173,13 @@ class RayCluster:
         """Start the directory, the PS actors, then the workers; wait until each daemon serves."""
         import ray
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+        # The directory lives on the driver's node: the coordinator runs there, so a job that lost that
+        # node is over anyway, while a directory on another node would take every PS address with it.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self._directory = ray.remote(num_cpus=0)(_Directory).options(
-            name=self.resolver.name, namespace=self.resolver.namespace).remote()
+            name=self.resolver.name, namespace=self.resolver.namespace, scheduling_strategy=here).remote()
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         strategy = "STRICT_SPREAD" if len(nodes) >= len(self.ps_ports) else "SPREAD"
         self._placement = placement_group([{"CPU": 0.01}] * len(self.ps_ports), strategy=strategy)
@@ -186,6 +196,14 @@ class RayCluster:
             self.add_worker()
         ray.get([a.address.remote() for a in self.workers], timeout=timeout)
         return self
+
+    def ps_locations(self, timeout: float = 30.0) -> dict[int, tuple[str, str]]:
+        """{PS index: (address, Ray node id)} as each PS last registered them, from the directory actor."""
+        import ray
+
+        if self._directory is None:
+            raise RuntimeError("RayCluster.start() first")
+        return dict(ray.get(self._directory.locations.remote(), timeout=timeout))
 
     def add_worker(self) -> Any:
         """Start one more worker actor (it registers with the coordinator on its own)."""

@@ -5,6 +5,9 @@ import os
 import pytest
 
 os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
+# Read once, when ray is first imported: every address Ray derives for this machine is then loopback
+# (with a node_ip_address of 127.0.0.1 its servers bind there), so Ray tests never listen beyond it.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 
 @pytest.fixture

@@ -7,14 +7,13 @@ in the driver. For a multi-node cluster pass --host with an address every node c
 
 import argparse
 import importlib.util
+import os
 import pathlib
 import tempfile
 
 import numpy as np
-import ray
 
 import pscluster as ps
-from pscluster.ray_launcher import RayCluster
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("mnist_example", ROOT / "examples" / "mnist.py")
@@ -28,6 +27,14 @@ if __name__ == "__main__":
     parser.add_argument("--checkpoint-dir")
     parser.add_argument("--steps", type=int, default=2000)
     args = parser.parse_args()
+    if args.address is None and args.host.startswith("127."):
+        # Ray reads this once, at import: the addresses it derives for this machine are then loopback,
+        # so its GCS, raylet, agents and workers listen on --host only (by default they bind every interface)
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    import ray
+
+    from pscluster.ray_launcher import RayCluster
+
     if args.address is None:  # a local runtime: every Ray component on --host (loopback by default), no dashboard
         ray.init(_node_ip_address=args.host, include_dashboard=False)
     else:

@@ -1,35 +1,15 @@
 """pscluster on a real local Ray runtime, kept on loopback: train, kill a worker actor, exact counter."""
 
-import os
-import re
-import subprocess
 import time
 
 import numpy as np
 import pytest
+import ray  # tests/conftest.py set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before any import of ray
 
 import pscluster as ps
+from tests.cluster.sockets import is_loopback, listening
 
-# Read by Ray at import time: with _node_ip_address below it keeps every Ray component on loopback.
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-import ray  # noqa: E402 - after the environment above; part of the dev install
 pytestmark = pytest.mark.cluster
-
-
-def listening():
-    """(address, process) of every listening TCP socket on this machine."""
-    out = subprocess.run(["ss", "-tlnpH"], capture_output=True, text=True, check=True).stdout
-    found = set()
-    for line in out.splitlines():
-        fields = line.split()
-        proc = re.search(r'\(\("([^"]+)",pid=(\d+)', line)
-        found.add((fields[3], proc.group(1) + ":" + proc.group(2) if proc else "?"))
-    return found
-
-
-def is_loopback(address):
-    host = address.rpartition(":")[0].strip("[]")
-    return host in ("127.0.0.1", "::1", "::ffff:127.0.0.1") or host.startswith("127.")
 
 
 @pytest.fixture(scope="module")
