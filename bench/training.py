@@ -26,11 +26,11 @@ _spec.loader.exec_module(mnist)  # type: ignore[union-attr]
 cloudpickle.register_pickle_by_value(mnist)  # workers need not import the example
 
 
-def numpy_baseline(steps: int = 2000) -> dict[str, float]:
-    """Single-process numpy W2: the ceiling without any cluster."""
+def numpy_baseline(steps: int = 2000, hidden: int = 128) -> dict[str, float]:
+    """Single-process numpy W2 (`hidden` units; 1280 is B8's 10x model): the ceiling without any cluster."""
     x, y, xt, yt = mnist.load_mnist()
     rng = np.random.default_rng(0)
-    params = [mnist.glorot(rng, 784, 128), np.zeros(128, np.float32), mnist.glorot(rng, 128, 10),
+    params = [mnist.glorot(rng, 784, hidden), np.zeros(hidden, np.float32), mnist.glorot(rng, hidden, 10),
               np.zeros(10, np.float32)]
     with tempfile.TemporaryDirectory() as tmp:
         np.savez(f"{tmp}/t.npz", x=x, y=y)
@@ -46,7 +46,8 @@ def numpy_baseline(steps: int = 2000) -> dict[str, float]:
 
 
 def w2(num_ps: int = 2, num_workers: int = 2, steps: int = 2000, warmup: int = 100, mode: str = "async",
-       steps_per_closure: int = 1, probe: Probe | None = None, **sync: int) -> dict[str, float]:
+       steps_per_closure: int = 1, probe: Probe | None = None, push_pull: bool = False, hidden: int = 128,
+       **sync: int) -> dict[str, float]:
     """W2 on a fresh local cluster: steps/s over `steps` timed steps after `warmup`, and test accuracy.
 
     `probe(cluster)`, if given, is a context manager wrapped around the timed steps (bench/profile.py
@@ -57,12 +58,12 @@ def w2(num_ps: int = 2, num_workers: int = 2, steps: int = 2000, warmup: int = 1
         train_path = f"{tmp}/train.npz"
         np.savez(train_path, x=x, y=y)
         with LocalCluster(num_ps, num_workers, workdir=f"{tmp}/cluster") as cluster:
-            coord = ps.ClusterCoordinator(cluster.settings())
+            coord = ps.ClusterCoordinator(cluster.settings(push_pull=push_pull))
             try:
                 coord.wait_for_workers(num_workers)
                 if mode != "async":
                     coord.configure_sync(mode=mode, **sync)
-                params = mnist.create_params(coord, lr=0.1)
+                params = mnist.create_params(coord, hidden=hidden, lr=0.1)
                 dataset = mnist.make_dataset(coord, train_path, 64)
                 step = mnist.make_step(params, steps_per_closure)
                 it = iter(dataset)

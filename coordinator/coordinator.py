@@ -424,5 +424,6 @@ class ClusterCoordinator(CoordinatorAPI):
         request = pb.RunClosureRequest(closure_id=action.cid, attempt=action.attempt,
                                        payload=self._payloads[action.cid][1], sync_mode=self.sync_mode,
                                        worker_index=self._state.workers[action.wid].index,
-                                       final_below=self._state.final_below())
+                                       final_below=self._state.final_below(),
+                                       push_pull=self.settings.push_pull and self.sync_mode == "async")
         self._sender.send(action, request)

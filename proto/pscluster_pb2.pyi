@@ -391,12 +391,18 @@ class PushRequest(_message.Message):
     PUSH_ID_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
     FINAL_BELOW_FIELD_NUMBER: _builtins.int
+    RETURN_VALUES_FIELD_NUMBER: _builtins.int
     push_id: _builtins.str
     """a shard applies at most one push per id (exactly-once)"""
     step: _builtins.int
     """sync mode: the global step of the token this gradient was computed under"""
     final_below: _builtins.int
     """the coordinator's closures with lower ids are final: their ids may be forgotten"""
+    return_values: _builtins.bool
+    """Fused push-pull (ps-lite's PushPull): an async PS replies with every pushed dense shard's value as
+    it is after this push, in item order (gRPC: PushReply.values; bulk: described by BulkReply.pull,
+    bytes in the payload). A PS that accumulates (sync, bounded) replies without values.
+    """
     @_builtins.property
     def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___PushItem]: ...
     def __init__(
@@ -406,10 +412,11 @@ class PushRequest(_message.Message):
         push_id: _builtins.str = ...,
         step: _builtins.int = ...,
         final_below: _builtins.int = ...,
+        return_values: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["final_below", b"final_below", "items", b"items", "push_id", b"push_id", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["final_below", b"final_below", "items", b"items", "push_id", b"push_id", "return_values", b"return_values", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -422,6 +429,7 @@ class PushReply(_message.Message):
     VERSIONS_FIELD_NUMBER: _builtins.int
     APPLIED_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
+    VALUES_FIELD_NUMBER: _builtins.int
     incarnation: _builtins.int
     """of the PS that applied it: versions of different incarnations don't compare"""
     @_builtins.property
@@ -430,16 +438,21 @@ class PushReply(_message.Message):
     def applied(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
         """false: a duplicate push_id, or a stale sync gradient"""
 
+    @_builtins.property
+    def values(self) -> _containers.RepeatedCompositeFieldContainer[Global___Tensor]:
+        """return_values over gRPC"""
+
     def __init__(
         self,
         *,
         versions: _abc.Iterable[_builtins.int] | None = ...,
         applied: _abc.Iterable[_builtins.bool] | None = ...,
         incarnation: _builtins.int = ...,
+        values: _abc.Iterable[Global___Tensor] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied", b"applied", "incarnation", b"incarnation", "versions", b"versions"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied", b"applied", "incarnation", b"incarnation", "values", b"values", "versions", b"versions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -939,6 +952,7 @@ class RunClosureRequest(_message.Message):
     SYNC_MODE_FIELD_NUMBER: _builtins.int
     WORKER_INDEX_FIELD_NUMBER: _builtins.int
     FINAL_BELOW_FIELD_NUMBER: _builtins.int
+    PUSH_PULL_FIELD_NUMBER: _builtins.int
     closure_id: _builtins.int
     attempt: _builtins.int
     payload: _builtins.bytes
@@ -949,6 +963,8 @@ class RunClosureRequest(_message.Message):
     """the index the coordinator gave this worker (authoritative for closures)"""
     final_below: _builtins.int
     """every closure of this coordinator with a lower id is final (see PushRequest)"""
+    push_pull: _builtins.bool
+    """async job with fused push-pull: pushes ask for values, the next pull may use them"""
     def __init__(
         self,
         *,
@@ -958,10 +974,11 @@ class RunClosureRequest(_message.Message):
         sync_mode: _builtins.str = ...,
         worker_index: _builtins.int = ...,
         final_below: _builtins.int = ...,
+        push_pull: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "closure_id", b"closure_id", "final_below", b"final_below", "payload", b"payload", "sync_mode", b"sync_mode", "worker_index", b"worker_index"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "closure_id", b"closure_id", "final_below", b"final_below", "payload", b"payload", "push_pull", b"push_pull", "sync_mode", b"sync_mode", "worker_index", b"worker_index"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

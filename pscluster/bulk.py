@@ -24,7 +24,7 @@ from pscluster.errors import InternalError, UnavailableError, from_status
 from pscluster.framing import (PREFIX, STATUS_BY_VALUE, connect, recv_exact, recv_into, send_buffer, send_frame,
                                send_hello)
 from pscluster.proto import pscluster_pb2 as pb
-from pscluster.tensors import PullPlan, PushPlan
+from pscluster.tensors import PullPlan, PushPlan, ValueTargets
 
 THREADED_BYTES = 2 << 20
 
@@ -130,11 +130,13 @@ class BulkClient:
                 recv_exact(conn, payload_len)
             raise from_status(STATUS_BY_VALUE.get(reply.code, STATUS_BY_VALUE[13]),
                               f"ps {call.ps}: {reply.message}")
-        if call.targets:
+        if call.targets and not (reply.HasField("push") and not reply.pull.tensors and not payload_len):
             if payload_len != sum(t.nbytes for t in call.targets) or len(reply.pull.tensors) != len(call.targets):
                 raise InternalError(f"ps {call.ps}: bulk reply of {payload_len} bytes does not match the request")
             for target in call.targets:
                 recv_into(conn, target.reshape(-1).view(np.uint8).data)
+            if reply.HasField("push"):  # fused push-pull: the values are in the targets
+                reply.push.values.extend(reply.pull.tensors)
         call.reply = reply
 
     def _one(self, call: BulkCall) -> None:
@@ -189,8 +191,9 @@ class BulkTensors:
         self._client.run([BulkCall(ps, pb.BulkRequest(pull=pb.PullRequest(items=[i for i, _ in items])),
                                    targets=[t for _, t in items]) for ps, items in plan.items()])
 
-    def push(self, plan: PushPlan, head: pb.PushRequest) -> list[pb.PushReply]:
-        """Send each item's gradient bytes after its header; one request per PS task, replies in plan order."""
+    def push(self, plan: PushPlan, head: pb.PushRequest, targets: ValueTargets | None = None) -> list[pb.PushReply]:
+        """Send each item's gradient bytes after its header; one request per PS task, replies in plan order
+        (with `head.return_values`, values are received straight into `targets`)."""
         calls = []
         for ps, items in plan.items():
             heads = []
@@ -199,10 +202,12 @@ class BulkTensors:
                 described.CopyFrom(item)
                 described.grad.CopyFrom(codec.header(part.dtype, part.shape))
                 heads.append(described)
-            request = pb.PushRequest(items=heads, push_id=head.push_id, step=head.step, final_below=head.final_below)
+            request = pb.PushRequest(items=heads, push_id=head.push_id, step=head.step, final_below=head.final_below,
+                                     return_values=head.return_values)
             calls.append(BulkCall(ps, pb.BulkRequest(push=request),
                                   payloads=[np.ascontiguousarray(p).astype(p.dtype.newbyteorder("<"), copy=False)
-                                            for _, p in items]))
+                                            for _, p in items],
+                                  targets=targets[ps] if targets and head.return_values else ()))
         self._client.run(calls)
         return [c.reply.push for c in calls if c.reply is not None]
 

@@ -67,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--checkpoint-every-s", type=float, help="automatic checkpoint every T seconds (default 60)")
     co.add_argument("--no-auto-checkpoint", action="store_true", help="no automatic checkpoints")
     co.add_argument("--logdir", help="write training curves (TensorBoard event files) under DIR/train")
+    co.add_argument("--push-pull", action="store_true", default=None,
+                    help="async jobs: fused push-pull (a push brings back the values the worker's next pull uses)")
     ev = sub.add_parser("evaluator", help="run a user's eval function on checkpoints or live variables (TF's evaluator)")
     _client(ev)
     ev.add_argument("--eval-fn", required=True, metavar="MODULE:FUNCTION",
@@ -115,7 +117,7 @@ def settings_from_args(args: argparse.Namespace, task_type: str | None) -> Setti
         "token_file": args.token_file, "metrics_port": getattr(args, "metrics_port", None),
         "metrics_host": getattr(args, "metrics_host", None),
         "tls_dir": getattr(args, "tls_dir", None), "require_client_cert": getattr(args, "require_client_cert", None),
-        "logdir": getattr(args, "logdir", None),
+        "logdir": getattr(args, "logdir", None), "push_pull": getattr(args, "push_pull", None),
         "framed_port": getattr(args, "framed_port", None), "parent_pid": getattr(args, "parent_pid", None),
         "checkpoint_every_steps": getattr(args, "checkpoint_every_steps", None),
         "checkpoint_every_s": getattr(args, "checkpoint_every_s", None),

@@ -31,7 +31,8 @@ from pscluster.placement import Partitioner, ps_for_ordinal, split_rows
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 from pscluster.specs import OptimizerConfig, ShardSpec, spec_to_pb
-from pscluster.tensors import PullPlan, PushPlan, TensorTransport
+from pscluster.fresh import FreshValues
+from pscluster.tensors import PullPlan, PushPlan, TensorTransport, ValueTargets
 from pscluster.variables import ShardPlacement, Variable
 
 Grads = Sequence[tuple[Variable, np.ndarray]]
@@ -89,6 +90,7 @@ class PSClient:
         # restarted from a checkpoint older than the variable: one entry per variable, not per step
         self._definitions: dict[str, list[tuple[int, str, Any]]] = {}
         self._timeout = settings.rpc_timeout_s
+        self.fresh = FreshValues(settings.push_pull_max_age_s)  # fused push-pull values (pscluster/fresh.py)
         self._tensors: TensorTransport = GrpcTensors(self)
         if settings.bulk_transport:
             files = tls.files(settings)
@@ -152,6 +154,7 @@ class PSClient:
             self.stubs[ps] = pb_grpc.ParameterServerStub(self._channels[ps])
         for channel in stale:
             channel.close()
+        self.fresh.clear()
         self._tensors.moved(ps, address)
         log.warning("ps %d moved to %s", ps, address)
         return True
@@ -309,8 +312,15 @@ class PSClient:
                 backoff = min(backoff * 2, 0.5)
 
     def pull(self, variables: Sequence[Variable]) -> list[np.ndarray]:
-        """Current values of variables: one request per PS task, all in parallel, reassembled."""
+        """Current values of variables: one request per PS task, all in parallel, reassembled. In a closure
+        of an async job with `push_pull`, the values this worker's last push brought back, if recent
+        enough (pscluster/fresh.py)."""
         _check_variables(variables, "pull")
+        scope = context.current_scope()
+        if scope is not None and scope.push_pull:
+            fresh = self.fresh.take([v.name for v in variables])
+            if fresh is not None and all(a.shape == v.shape and a.dtype == v.dtype for a, v in zip(fresh, variables)):
+                return fresh
         outs = [np.empty(v.shape, v.dtype) for v in variables]
         self.pull_into(list(zip(variables, outs)))
         return outs
@@ -378,31 +388,43 @@ class PSClient:
         if not all(isinstance(pair, tuple) and len(pair) == 2 for pair in pairs):
             raise InvalidArgumentError("push: takes (Variable, gradient) pairs")
         _check_variables([var for var, _ in pairs], "push")
+        scope = context.current_scope()
+        fused = scope is not None and scope.push_pull and not rows
+        values: dict[str, np.ndarray] = {}  # fused push-pull: filled by the replies
+        targets: ValueTargets = defaultdict(list)
         plan: PushPlan = defaultdict(list)
         for var, grad in pairs:
             arr = _as_grad(var, grad, var.shape)
+            value = values.setdefault(var.name, np.empty(var.shape, var.dtype)) if fused else None
             for pl, part in var.dense_parts(arr):
                 plan[pl.ps].append((pb.PushItem(ref=pb.ShardRef(variable=var.name, shard_index=pl.shard_index)), part))
+                if value is not None:
+                    targets[pl.ps].append(value[pl.row_offset:pl.row_offset + pl.rows] if var.shape else value)
         for var, ids, row_grads in rows:
             ids = self._check_ids(var, ids)
             arr = _as_grad(var, row_grads, (ids.size,) + var.shape[1:])
             for pl, part_ids, part in var.row_parts(ids, arr):
                 plan[pl.ps].append((pb.PushItem(ref=pb.ShardRef(variable=var.name, shard_index=pl.shard_index),
                                                 ids=codec.encode(part_ids)), part))
-        return self._push_plan(plan, push_id or context.push_id(), _step_tag(step))
+        versions, replies = self._push_plan(plan, push_id or context.push_id(), _step_tag(step), targets if fused else None)
+        if fused and sum(len(r.values) for r in replies) == sum(len(items) for items in plan.values()):
+            self.fresh.put(values)  # every PS answered with values (none accumulates, nothing streamed)
+        return versions
 
     def push_rows(self, var: Variable, ids: Sequence[int] | np.ndarray, grads: np.ndarray,
                   push_id: str | None = None, step: int = 0) -> list[int]:
         """Row gradients of a table; only those rows change. Returns the new version of every shard."""
         return self.push((), push_id, step, rows=[(var, np.asarray(ids), grads)])
 
-    def _push_plan(self, plan: PushPlan, pid: str, step: int) -> list[int]:
+    def _push_plan(self, plan: PushPlan, pid: str, step: int,
+                   targets: ValueTargets | None = None) -> tuple[list[int], list[pb.PushReply]]:
         refs = [item.ref for items in plan.values() for item, _ in items]
         scope = context.current_scope()
-        head = pb.PushRequest(push_id=pid, step=step, final_below=scope.final_below if scope is not None else 0)
-        replies = self._retrying(lambda: self._tensors.push(plan, head))
+        head = pb.PushRequest(push_id=pid, step=step, final_below=scope.final_below if scope is not None else 0,
+                              return_values=targets is not None)
+        replies = self._retrying(lambda: self._tensors.push(plan, head, targets))
         self._record(refs, replies)
-        return [v for r in replies for v in r.versions]
+        return [v for r in replies for v in r.versions], replies
 
     @staticmethod
     def _record(refs: Sequence[pb.ShardRef], replies: Sequence[pb.PushReply]) -> None:

@@ -114,6 +114,11 @@ class Settings(_Frozen):
     metrics_port: int | None = Field(default=None, ge=0, lt=65536)  # serve Prometheus metrics (0: any port)
     metrics_host: str = "127.0.0.1"  # the metrics port serves without a token: loopback unless told otherwise
     bulk_transport: bool = True  # pull/push tensors over the PS's raw TCP port; False: gRPC only
+    # async jobs (coordinator): fused push-pull, ps-lite's PushPull. A closure's push brings back the pushed
+    # variables' new values, and the worker's next pull of exactly those variables, if within
+    # push_pull_max_age_s (a worker setting), uses them instead of another round trip (pscluster/fresh.py)
+    push_pull: bool = False
+    push_pull_max_age_s: float = Field(default=0.5, gt=0)
     max_inflight_per_worker: int = Field(default=2, ge=1, le=64)
     no_worker_timeout_s: float | None = Field(default=300.0, gt=0)
     drain_timeout_s: float = Field(default=10.0, ge=0)
@@ -276,6 +281,8 @@ _ENV_FIELDS = {
     "PSCLUSTER_METRICS_PORT": "metrics_port",
     "PSCLUSTER_METRICS_HOST": "metrics_host",
     "PSCLUSTER_LOGDIR": "logdir",
+    "PSCLUSTER_PUSH_PULL": "push_pull",
+    "PSCLUSTER_PUSH_PULL_MAX_AGE_S": "push_pull_max_age_s",
     "PSCLUSTER_TLS_DIR": "tls_dir",
     "PSCLUSTER_TLS_CA_FILE": "tls_ca_file",
     "PSCLUSTER_TLS_CERT_FILE": "tls_cert_file",

@@ -50,9 +50,10 @@ class ClosureScope:
     """Identity of the closure running on this thread: ids for its pushes, its worker, its datasets."""
 
     def __init__(self, closure_id: int, client: PSClient, worker: Any = None, sync_mode: str = "async",
-                 final_below: int = 0) -> None:
+                 final_below: int = 0, push_pull: bool = False) -> None:
         self.closure_id = closure_id
         self.final_below = final_below  # the coordinator's mark at dispatch, sent with every push
+        self.push_pull = push_pull  # fused push-pull (pscluster/fresh.py): the job is async and asked for it
         self.client = client
         self.worker = worker
         self.sync_mode = sync_mode or "async"

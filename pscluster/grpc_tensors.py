@@ -16,7 +16,7 @@ import numpy as np
 from pscluster import codec, rpc
 from pscluster.errors import PsclusterError
 from pscluster.proto import pscluster_pb2 as pb
-from pscluster.tensors import PullPlan, PushPlan
+from pscluster.tensors import PullPlan, PushPlan, ValueTargets
 
 if TYPE_CHECKING:
     from pscluster.client import PSClient
@@ -64,8 +64,9 @@ class GrpcTensors:
         if pos != flat.size:
             raise PsclusterError(f"ps {ps} PullStream {item.ref.variable}: got {pos} of {flat.size} bytes")
 
-    def push(self, plan: PushPlan, head: pb.PushRequest) -> list[pb.PushReply]:
-        """Send a push plan; replies in plan order (unary items per PS first, then streamed ones)."""
+    def push(self, plan: PushPlan, head: pb.PushRequest, targets: ValueTargets | None = None) -> list[pb.PushReply]:
+        """Send a push plan; replies in plan order (unary items per PS first, then streamed ones). Values
+        of a fused push-pull come back only for PS tasks none of whose items streamed."""
         c = self._client
         unary: dict[int, list[pb.PushItem]] = defaultdict(list)
         streams: list[Future[pb.PushReply]] = []
@@ -79,8 +80,15 @@ class GrpcTensors:
                     full.grad.CopyFrom(codec.encode(part))
                     unary[ps].append(full)
         calls = [(ps, "Push", pb.PushRequest(items=items, push_id=head.push_id, step=head.step,
-                                             final_below=head.final_below)) for ps, items in unary.items()]
-        return list(c._gather(calls)) + [fut.result() for fut in streams]  # noqa: SLF001
+                                             final_below=head.final_below,
+                                             return_values=head.return_values and len(items) == len(plan[ps])))
+                 for ps, items in unary.items()]
+        replies: list[pb.PushReply] = list(c._gather(calls))  # noqa: SLF001
+        for (ps, _, _), reply in zip(calls, replies):
+            if targets and len(reply.values) == len(targets[ps]):
+                for target, tensor in zip(targets[ps], reply.values):
+                    target[...] = codec.decode(tensor).reshape(target.shape)
+        return replies + [fut.result() for fut in streams]
 
     def _push_stream(self, ps: int, head: pb.PushRequest, ref: pb.ShardRef, grad: np.ndarray) -> pb.PushReply:
         grad = np.ascontiguousarray(grad, dtype=grad.dtype.newbyteorder("<"))

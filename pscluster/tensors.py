@@ -16,6 +16,7 @@ from pscluster.proto import pscluster_pb2 as pb
 
 PullPlan = dict[int, list[tuple[pb.PullItem, np.ndarray]]]  # PS task -> (item, array to fill)
 PushPlan = dict[int, list[tuple[pb.PushItem, np.ndarray]]]  # PS task -> (item without grad, gradient)
+ValueTargets = dict[int, list[np.ndarray]]  # fused push-pull: PS task -> arrays to fill, in its plan's item order
 
 
 class TensorTransport(Protocol):
@@ -24,8 +25,13 @@ class TensorTransport(Protocol):
     def pull(self, plan: PullPlan) -> None:
         """Fill each target with its item's tensor."""
 
-    def push(self, plan: PushPlan, head: pb.PushRequest) -> list[pb.PushReply]:
-        """Send each item's gradient with head's push id, step and mark; one reply per request."""
+    def push(self, plan: PushPlan, head: pb.PushRequest, targets: ValueTargets | None = None) -> list[pb.PushReply]:
+        """Send each item's gradient with head's push id, step and mark; one reply per request.
+
+        With `head.return_values`, a PS that answers with values has them written into `targets` and
+        its reply lists one `values` entry per item (header only over the bulk path); a reply without
+        `values` (an accumulating PS) left its targets untouched.
+        """
 
     def take_token(self, request: pb.TokenRequest) -> pb.TokenReply:
         """A sync token from PS 0's queue (blocks up to request.timeout_s while none is free)."""

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from pscluster.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
+from pscluster.proto import pscluster_pb2 as pb
 from pscluster.server import checkpoint
 from pscluster.server.store import PushItem, PushResult, Shard, ShardSpec, VariableStore, ensure_created
 
@@ -77,6 +78,11 @@ class ParameterServerCore:
             results: list[PushResult] = self.sync.push(push_id, step, items)
             return results
         return self.store.push(push_id, items, final_below)
+
+    def returns_values(self, items: Sequence[pb.PushItem]) -> bool:
+        """Whether a fused push-pull of these pushed items gets values: only an async PS (an accumulating
+        one has not applied the gradient yet) and only for whole dense shards."""
+        return not (self.sync is not None and self.sync.accumulates) and not any(i.HasField("ids") for i in items)
 
     def push_stream(self, push_id: str, step: int, key: tuple[str, int], dtype: np.dtype,
                     shape: tuple[int, ...], ids: np.ndarray | None, chunks: Iterable[bytes],

@@ -61,8 +61,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                  for i in request.items]
         results = self.core.push(request.push_id, request.step, items, request.final_below)
         self._observe("push", sum(i.grad.nbytes for i in items), started)
+        values = []
+        if request.return_values and self.core.returns_values(request.items):  # fused push-pull
+            values = [codec.encode(a) for a, _ in self.core.pull([(i.key, None) for i in items])]
         return pb.PushReply(versions=[r.version for r in results], applied=[r.applied for r in results],
-                            incarnation=self.core.incarnation)
+                            incarnation=self.core.incarnation, values=values)
 
     def PullStream(self, request: pb.PullItem, context: grpc.ServicerContext) -> Iterator[pb.PullChunk]:
         spec, version, chunks = self.core.pull_stream(_key(request.ref), self.chunk_bytes)

@@ -20,7 +20,7 @@ def closure_server(servicer: WorkerServicer, host: str, token: str | None, max_h
         try:
             req = request.closure
             outcome = servicer.runner.run(req.closure_id, req.payload, req.sync_mode, req.worker_index,
-                                          req.final_below)
+                                          req.final_below, req.push_pull)
         finally:
             servicer.gate.exit()
         send_frame(conn, pb.BulkReply(closure=outcome_to_pb(outcome)).SerializeToString())

@@ -45,22 +45,24 @@ class ClosureRunner:
         self.metrics = WorkerMetrics()
 
     def run(self, closure_id: int, payload: bytes, sync_mode: str = "async", worker_index: int | None = None,
-            final_below: int = 0) -> Outcome:
+            final_below: int = 0, push_pull: bool = False) -> Outcome:
         """Run the closure in payload; never raises."""
         if worker_index is not None and worker_index != self.datasets.info.worker_index:
             # The coordinator's word wins: it may dispatch before our Register reply was processed.
             self.datasets.info = WorkerInfo(self.datasets.info.worker_id, worker_index)
-        outcome = self._run(closure_id, payload, sync_mode, final_below)
+        outcome = self._run(closure_id, payload, sync_mode, final_below, push_pull)
         kind = "retryable" if outcome.retryable else "error" if outcome.error_type else "ok"
         self.metrics.closures.labels(kind).inc()
         self.metrics.latency.observe(outcome.seconds)
         return outcome
 
-    def _run(self, closure_id: int, payload: bytes, sync_mode: str, final_below: int = 0) -> Outcome:
+    def _run(self, closure_id: int, payload: bytes, sync_mode: str, final_below: int = 0,
+             push_pull: bool = False) -> Outcome:
         start = time.perf_counter()
         try:
             fn, args, kwargs = self.functions.decode(payload)
-            with ClosureScope(closure_id, self.client, self.datasets, sync_mode, final_below) as scope:
+            with ClosureScope(closure_id, self.client, self.datasets, sync_mode, final_below,
+                              push_pull and sync_mode in ("", "async")) as scope:
                 value = fn(*args, **kwargs)
                 if scope.token is not None:  # its pushes are in: count it towards the step
                     self.client.step_done(closure_id, scope.token.step, self.datasets.info.worker_id)

@@ -64,7 +64,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.gate.enter()
         try:
             return outcome_to_pb(self.runner.run(request.closure_id, request.payload, request.sync_mode,
-                                                   request.worker_index, request.final_below))
+                                                   request.worker_index, request.final_below, request.push_pull))
         finally:
             self.gate.exit()
 
