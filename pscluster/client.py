@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from pscluster import codec, context, rpc, tls
+from pscluster import codec, context, plans, rpc, tls
 from pscluster.bulk import BulkClient, BulkTensors
 from pscluster.grpc_tensors import GrpcTensors
 from pscluster.config import Settings
@@ -35,27 +35,9 @@ from pscluster.fresh import FreshValues
 from pscluster.tensors import PullPlan, PushPlan, TensorTransport, ValueTargets
 from pscluster.variables import ShardPlacement, Variable
 
-Grads = Sequence[tuple[Variable, np.ndarray]]
+Grads = plans.Grads
 T = TypeVar("T")
 log = logging.getLogger(__name__)
-
-
-def _as_grad(var: Variable, grad: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    arr = np.asarray(grad)
-    if arr.dtype != var.dtype and arr.dtype.kind == var.dtype.kind == "f":
-        arr = arr.astype(var.dtype)  # float64 numpy math into a float32 variable is the common case
-    if arr.shape != shape:
-        raise InvalidArgumentError(f"{var.name}: gradient shape {arr.shape} does not match {shape}")
-    return arr
-
-
-def _check_variables(items: Sequence[Any], what: str) -> None:
-    """Raise InvalidArgumentError unless every item is a Variable (a name or an array is a common slip)."""
-    for i, item in enumerate(items):
-        if not isinstance(item, Variable):
-            raise InvalidArgumentError(
-                f"{what}: item {i} is {type(item).__name__} {item!r:.60}, not a Variable; pass what "
-                f"create_variable() returned (or client.variables()[name])")
 
 
 def _step_tag(step: int = 0) -> int:
@@ -315,7 +297,7 @@ class PSClient:
         """Current values of variables: one request per PS task, all in parallel, reassembled. In a closure
         of an async job with `push_pull`, the values this worker's last push brought back, if recent
         enough (pscluster/fresh.py)."""
-        _check_variables(variables, "pull")
+        plans.check_variables(variables, "pull")
         scope = context.current_scope()
         if scope is not None and scope.push_pull:
             fresh = self.fresh.take([v.name for v in variables])
@@ -334,32 +316,8 @@ class PSClient:
         Raises:
             InvalidArgumentError: an `out` of the wrong shape, dtype or layout, or ids out of range.
         """
-        _check_variables([var for var, _ in dense], "pull")
-        checked = [(var, self._check_ids(var, ids), out) for var, ids, out in rows]
-        for var, ids, out in [(v, None, o) for v, o in dense] + checked:
-            want = var.shape if ids is None else (ids.size,) + var.shape[1:]
-            if out.shape != want or out.dtype != var.dtype or not out.flags.c_contiguous or not out.flags.writeable:
-                raise InvalidArgumentError(f"{var.name}: pull target {out.dtype}{list(out.shape)} must be a writable "
-                                           f"C-contiguous {var.dtype}{list(want)}")
+        plan, scatter = plans.pull_plan(dense, rows)
         _step_tag()
-        plan: PullPlan = defaultdict(list)
-        for var, out in dense:
-            for pl in var.shards:
-                target = out[pl.row_offset:pl.row_offset + pl.rows] if var.shape else out
-                plan[pl.ps].append((pb.PullItem(ref=pb.ShardRef(variable=var.name, shard_index=pl.shard_index)),
-                                    target))
-        scatter = []
-        for var, ids, out in checked:
-            for pl, sel in var.rows_by_shard(ids):
-                if not sel.size:
-                    continue
-                if sel[-1] - sel[0] + 1 == sel.size:  # a run of out's rows (sorted ids): receive in place
-                    part = out[sel[0]:sel[-1] + 1]
-                else:
-                    part = np.empty((sel.size,) + var.shape[1:], var.dtype)
-                    scatter.append((out, sel, part))
-                plan[pl.ps].append((pb.PullItem(ref=pb.ShardRef(variable=var.name, shard_index=pl.shard_index),
-                                                ids=codec.encode(ids[sel])), part))
         self._pull_plan(plan)
         for out, sel, part in scatter:
             out[sel] = part
@@ -370,7 +328,7 @@ class PSClient:
 
     def pull_rows(self, var: Variable, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Rows `ids` of a table, gathered from the shards that hold them."""
-        arr = self._check_ids(var, ids)
+        arr = plans.check_ids(var, ids)
         out = np.empty((arr.size,) + var.shape[1:], var.dtype)
         self.pull_into((), rows=[(var, arr, out)])
         return out
@@ -383,29 +341,12 @@ class PSClient:
 
         Every shard of a table gets a part (empty for shards without rows): each shard then counts every
         update of the table, so Adam's bias correction does not depend on how the table is sharded.
+        In a closure of an async job with `push_pull`, a dense push also brings back the values
+        (pscluster/fresh.py).
         """
-        pairs = list(grads)
-        if not all(isinstance(pair, tuple) and len(pair) == 2 for pair in pairs):
-            raise InvalidArgumentError("push: takes (Variable, gradient) pairs")
-        _check_variables([var for var, _ in pairs], "push")
         scope = context.current_scope()
         fused = scope is not None and scope.push_pull and not rows
-        values: dict[str, np.ndarray] = {}  # fused push-pull: filled by the replies
-        targets: ValueTargets = defaultdict(list)
-        plan: PushPlan = defaultdict(list)
-        for var, grad in pairs:
-            arr = _as_grad(var, grad, var.shape)
-            value = values.setdefault(var.name, np.empty(var.shape, var.dtype)) if fused else None
-            for pl, part in var.dense_parts(arr):
-                plan[pl.ps].append((pb.PushItem(ref=pb.ShardRef(variable=var.name, shard_index=pl.shard_index)), part))
-                if value is not None:
-                    targets[pl.ps].append(value[pl.row_offset:pl.row_offset + pl.rows] if var.shape else value)
-        for var, ids, row_grads in rows:
-            ids = self._check_ids(var, ids)
-            arr = _as_grad(var, row_grads, (ids.size,) + var.shape[1:])
-            for pl, part_ids, part in var.row_parts(ids, arr):
-                plan[pl.ps].append((pb.PushItem(ref=pb.ShardRef(variable=var.name, shard_index=pl.shard_index),
-                                                ids=codec.encode(part_ids)), part))
+        plan, targets, values = plans.push_plan(grads, rows, fused)
         versions, replies = self._push_plan(plan, push_id or context.push_id(), _step_tag(step), targets if fused else None)
         if fused and sum(len(r.values) for r in replies) == sum(len(items) for items in plan.values()):
             self.fresh.put(values)  # every PS answered with values (none accumulates, nothing streamed)
@@ -437,20 +378,6 @@ class PSClient:
             key = (ref.variable, ref.shard_index, incarnation)
             if version > scope.versions.get(key, -1):
                 scope.versions[key] = version
-
-    @staticmethod
-    def _check_ids(var: Variable, ids: Sequence[int] | np.ndarray) -> np.ndarray:
-        _check_variables([var], "rows")
-        arr = np.asarray(ids)
-        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-            raise InvalidArgumentError(f"{var.name}: row ids must be a 1-D integer array, got {arr.dtype}{arr.shape}")
-        arr = arr.astype(np.int64, copy=False)
-        if not var.shape:
-            raise InvalidArgumentError(f"{var.name}: a scalar variable has no rows")
-        if arr.size and (arr.min() < 0 or arr.max() >= var.shape[0]):
-            bad = arr[(arr < 0) | (arr >= var.shape[0])][0]
-            raise InvalidArgumentError(f"{var.name}: row id {bad} outside [0, {var.shape[0]})")
-        return arr
 
     # -- sync replicas ---------------------------------------------------------------------------
     def configure_sync(self, mode: str, replicas_to_aggregate: int = 1, total_num_replicas: int = 0,

@@ -1,0 +1,123 @@
+"""Which bytes go to which PS task: pull and push plans built from variables, without any I/O.
+
+A PSClient validates what the caller passed and turns it into one request per PS task here, then hands
+the plan to its TensorTransport (pscluster/tensors.py). Everything in this module is plain Python over
+numpy views, so it is tested without sockets.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from pscluster import codec
+from pscluster.errors import InvalidArgumentError
+from pscluster.proto import pscluster_pb2 as pb
+from pscluster.tensors import PullPlan, PushPlan, ValueTargets
+from pscluster.variables import Variable
+
+Grads = Sequence[tuple[Variable, np.ndarray]]
+Rows = Sequence[tuple[Variable, np.ndarray, np.ndarray]]  # (table, ids, rows or row gradients)
+Scatter = list[tuple[np.ndarray, np.ndarray, np.ndarray]]  # (out, positions in out, received rows)
+
+
+def check_variables(items: Sequence[Any], what: str) -> None:
+    """Raise InvalidArgumentError unless every item is a Variable (a name or an array is a common slip)."""
+    for i, item in enumerate(items):
+        if not isinstance(item, Variable):
+            raise InvalidArgumentError(
+                f"{what}: item {i} is {type(item).__name__} {item!r:.60}, not a Variable; pass what "
+                f"create_variable() returned (or client.variables()[name])")
+
+
+def check_ids(var: Variable, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Row ids of table `var` as a 1-D int64 array, or InvalidArgumentError."""
+    check_variables([var], "rows")
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise InvalidArgumentError(f"{var.name}: row ids must be a 1-D integer array, got {arr.dtype}{arr.shape}")
+    arr = arr.astype(np.int64, copy=False)
+    if not var.shape:
+        raise InvalidArgumentError(f"{var.name}: a scalar variable has no rows")
+    if arr.size and (arr.min() < 0 or arr.max() >= var.shape[0]):
+        bad = arr[(arr < 0) | (arr >= var.shape[0])][0]
+        raise InvalidArgumentError(f"{var.name}: row id {bad} outside [0, {var.shape[0]})")
+    return arr
+
+
+def as_grad(var: Variable, grad: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """grad as an array of `shape` in var's dtype (float64 numpy math into a float32 variable is common)."""
+    arr = np.asarray(grad)
+    if arr.dtype != var.dtype and arr.dtype.kind == var.dtype.kind == "f":
+        arr = arr.astype(var.dtype)
+    if arr.shape != shape:
+        raise InvalidArgumentError(f"{var.name}: gradient shape {arr.shape} does not match {shape}")
+    return arr
+
+
+def pull_plan(dense: Sequence[tuple[Variable, np.ndarray]], rows: Rows = ()) -> tuple[PullPlan, Scatter]:
+    """One PullRequest's items per PS task, each with the view of `out` it fills, and the row parts that
+    need a scatter copy afterwards (ids not sorted).
+
+    Raises:
+        InvalidArgumentError: not Variables, an `out` of the wrong shape, dtype or layout, bad ids.
+    """
+    check_variables([var for var, _ in dense], "pull")
+    checked = [(var, check_ids(var, ids), out) for var, ids, out in rows]
+    for var, ids, out in [(v, None, o) for v, o in dense] + checked:
+        want = var.shape if ids is None else (ids.size,) + var.shape[1:]
+        if out.shape != want or out.dtype != var.dtype or not out.flags.c_contiguous or not out.flags.writeable:
+            raise InvalidArgumentError(f"{var.name}: pull target {out.dtype}{list(out.shape)} must be a writable "
+                                       f"C-contiguous {var.dtype}{list(want)}")
+    plan: PullPlan = defaultdict(list)
+    for var, out in dense:
+        for pl in var.shards:
+            target = out[pl.row_offset:pl.row_offset + pl.rows] if var.shape else out
+            plan[pl.ps].append((pb.PullItem(ref=pb.ShardRef(variable=var.name, shard_index=pl.shard_index)), target))
+    scatter: Scatter = []
+    for var, ids, out in checked:
+        for pl, sel in var.rows_by_shard(ids):
+            if not sel.size:
+                continue
+            if sel[-1] - sel[0] + 1 == sel.size:  # a run of out's rows (sorted ids): receive in place
+                part = out[sel[0]:sel[-1] + 1]
+            else:
+                part = np.empty((sel.size,) + var.shape[1:], var.dtype)
+                scatter.append((out, sel, part))
+            plan[pl.ps].append((pb.PullItem(ref=pb.ShardRef(variable=var.name, shard_index=pl.shard_index),
+                                            ids=codec.encode(ids[sel])), part))
+    return plan, scatter
+
+
+def push_plan(grads: Grads, rows: Rows = (), with_values: bool = False
+              ) -> tuple[PushPlan, ValueTargets, dict[str, np.ndarray]]:
+    """One PushRequest's items per PS task with their gradient parts; with_values (fused push-pull, dense
+    only) also allocates each variable's value array and the per-shard views of it the replies fill.
+
+    Raises:
+        InvalidArgumentError: not (Variable, gradient) pairs, a gradient of the wrong shape, bad ids.
+    """
+    pairs = list(grads)
+    if not all(isinstance(pair, tuple) and len(pair) == 2 for pair in pairs):
+        raise InvalidArgumentError("push: takes (Variable, gradient) pairs")
+    check_variables([var for var, _ in pairs], "push")
+    values: dict[str, np.ndarray] = {}
+    targets: ValueTargets = defaultdict(list)
+    plan: PushPlan = defaultdict(list)
+    for var, grad in pairs:
+        arr = as_grad(var, grad, var.shape)
+        value = values.setdefault(var.name, np.empty(var.shape, var.dtype)) if with_values else None
+        for pl, part in var.dense_parts(arr):
+            plan[pl.ps].append((pb.PushItem(ref=pb.ShardRef(variable=var.name, shard_index=pl.shard_index)), part))
+            if value is not None:
+                targets[pl.ps].append(value[pl.row_offset:pl.row_offset + pl.rows] if var.shape else value)
+    for var, ids, row_grads in rows:
+        ids = check_ids(var, ids)
+        arr = as_grad(var, row_grads, (ids.size,) + var.shape[1:])
+        for pl, part_ids, part in var.row_parts(ids, arr):
+            plan[pl.ps].append((pb.PushItem(ref=pb.ShardRef(variable=var.name, shard_index=pl.shard_index),
+                                            ids=codec.encode(part_ids)), part))
+    return plan, targets, values
