@@ -21,12 +21,13 @@ import numpy as np
 
 from pscluster import codec
 from pscluster.errors import InternalError, UnavailableError, from_status
-from pscluster.framing import (PREFIX, STATUS_BY_VALUE, connect, recv_exact, recv_into, send_buffer, send_frame,
+from pscluster.framing import (PREFIX, STATUS_BY_VALUE, connect, recv_exact, recv_into, send_buffer,
                                send_hello)
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.tensors import PullPlan, PushPlan, ValueTargets
 
 THREADED_BYTES = 2 << 20
+COALESCE_BYTES = 64 << 10  # payloads up to this size are copied into the send of the frame's head
 
 
 @dataclass
@@ -117,9 +118,17 @@ class BulkClient:
             send_hello(conn, self._token)
         conn.settimeout(self._io_timeout + call.wait_s)
         header = call.request.SerializeToString()
-        send_frame(conn, header, sum(p.nbytes for p in call.payloads))
+        # the frame's head and the small payloads after it leave in one send (a W2 push: 5 syscalls -> 2)
+        pending = [PREFIX.pack(len(header), sum(p.nbytes for p in call.payloads)), header]
         for payload in call.payloads:
+            if payload.nbytes <= COALESCE_BYTES:
+                pending.append(np.ascontiguousarray(payload).tobytes())
+                continue
+            conn.sendall(b"".join(pending))
+            pending = []
             send_buffer(conn, np.ascontiguousarray(payload).data)
+        if pending:
+            conn.sendall(b"".join(pending))
 
     def _receive(self, call: BulkCall, conn: socket.socket) -> None:
         header_len, payload_len = PREFIX.unpack(recv_exact(conn, PREFIX.size))

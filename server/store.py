@@ -185,6 +185,13 @@ class VariableStore:
         return shard.spec, shard.version, chunks()
 
     @staticmethod
+    def copy_into(shard: Shard, out: np.ndarray) -> None:
+        """All of the shard's bytes into `out` (uint8, exactly the shard's size), under its lock."""
+        flat = shard.value.reshape(-1).view(np.uint8)
+        with shard.lock:
+            out[:] = flat
+
+    @staticmethod
     def copy_chunks(shard: Shard, out: np.ndarray) -> Iterator[memoryview]:
         """The shard's bytes, len(out) at a time: each piece is copied into `out` under the lock and
         yielded after it is released (the caller sends it; `out` is overwritten by the next piece).
