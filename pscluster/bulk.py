@@ -139,7 +139,8 @@ class BulkClient:
                 recv_exact(conn, payload_len)
             raise from_status(STATUS_BY_VALUE.get(reply.code, STATUS_BY_VALUE[13]),
                               f"ps {call.ps}: {reply.message}")
-        if call.targets and not (reply.HasField("push") and not reply.pull.tensors and not payload_len):
+        declined = reply.HasField("push") and not reply.pull.tensors  # a push-pull an accumulating PS answered
+        if call.targets and not declined:
             if payload_len != sum(t.nbytes for t in call.targets) or len(reply.pull.tensors) != len(call.targets):
                 raise InternalError(f"ps {call.ps}: bulk reply of {payload_len} bytes does not match the request")
             for target in call.targets:

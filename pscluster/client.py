@@ -300,8 +300,8 @@ class PSClient:
         plans.check_variables(variables, "pull")
         scope = context.current_scope()
         if scope is not None and scope.push_pull:
-            fresh = self.fresh.take([v.name for v in variables])
-            if fresh is not None and all(a.shape == v.shape and a.dtype == v.dtype for a, v in zip(fresh, variables)):
+            fresh = self.fresh.take([v.name for v in variables])  # arrays made for these same variables
+            if fresh is not None:
                 return fresh
         outs = [np.empty(v.shape, v.dtype) for v in variables]
         self.pull_into(list(zip(variables, outs)))

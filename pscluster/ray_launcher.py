@@ -36,21 +36,19 @@ class _Directory:
     """The body of the named directory actor: where each PS listens now, and on which Ray node."""
 
     def __init__(self) -> None:
-        self._addresses: dict[int, str] = {}
-        self._nodes: dict[int, str] = {}
+        self._where: dict[int, tuple[str, str]] = {}  # PS index -> (address, Ray node id)
 
     def set(self, index: int, address: str, node: str = "") -> None:
         """PS index (re)started at address, on Ray node `node`."""
-        self._addresses[index] = address
-        self._nodes[index] = node
+        self._where[index] = (address, node)
 
     def get(self, index: int) -> str:
         """Where PS index listens ('' if it never registered)."""
-        return self._addresses.get(index, "")
+        return self._where.get(index, ("", ""))[0]
 
     def locations(self) -> dict[int, tuple[str, str]]:
         """{PS index: (address, Ray node id)} of every PS that registered."""
-        return {i: (a, self._nodes.get(i, "")) for i, a in self._addresses.items()}
+        return dict(self._where)
 
 
 class DirectoryResolver:

@@ -61,8 +61,7 @@ class ClosureRunner:
         start = time.perf_counter()
         try:
             fn, args, kwargs = self.functions.decode(payload)
-            with ClosureScope(closure_id, self.client, self.datasets, sync_mode, final_below,
-                              push_pull and sync_mode in ("", "async")) as scope:
+            with ClosureScope(closure_id, self.client, self.datasets, sync_mode, final_below, push_pull) as scope:
                 value = fn(*args, **kwargs)
                 if scope.token is not None:  # its pushes are in: count it towards the step
                     self.client.step_done(closure_id, scope.token.step, self.datasets.info.worker_id)

@@ -7,6 +7,7 @@ import pytest
 import ray  # tests/conftest.py set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before any import of ray
 
 import pscluster as ps
+from tests.cluster.ray_helpers import wait_for_new_address
 from tests.cluster.sockets import is_loopback, listening
 
 pytestmark = pytest.mark.cluster
@@ -74,11 +75,7 @@ def test_a_ps_actor_restarted_by_ray_with_a_new_address_is_found_and_accounting_
         old_address = cluster.resolver(victim)
         old_pid = ray.get(cluster.ps[victim].pid.remote())
         ray.kill(cluster.ps[victim], no_restart=False)  # Ray restarts it: any free port, its newest checkpoint
-        deadline = time.monotonic() + 90
-        while cluster.resolver(victim) in ("", old_address):
-            assert time.monotonic() < deadline, "the PS actor never came back"
-            time.sleep(0.05)
-        new_address = cluster.resolver(victim)
+        new_address = wait_for_new_address(cluster, victim, old_address, timeout=90)
         coord.join(timeout=120)
         completed = sum(coord.fetch(values))
         assert completed == 300 and ray.get(cluster.ps[victim].pid.remote(), timeout=60) != old_pid

@@ -13,6 +13,7 @@ import ray  # tests/conftest.py set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before a
 from ray.cluster_utils import Cluster
 
 import pscluster as ps
+from tests.cluster.ray_helpers import wait_for_new_address
 from tests.cluster.sockets import is_loopback, listening
 
 pytestmark = pytest.mark.cluster
@@ -71,11 +72,7 @@ def test_a_lost_node_takes_a_ps_and_workers_ray_restarts_them_on_a_new_node_and_
         nodes.remove_node(second, allow_graceful=False)  # the machine is gone: raylet, PS, its workers
         ray.kill(worker, no_restart=False)  # and a worker actor dies on top
         nodes.add_node(**LOOPBACK_NODE)  # a replacement machine joins
-        deadline = time.monotonic() + 120
-        while cluster.resolver(victim) in ("", old_address):
-            assert time.monotonic() < deadline, "the PS actor never came back"
-            time.sleep(0.05)
-        new_address = cluster.resolver(victim)
+        new_address = wait_for_new_address(cluster, victim, old_address, timeout=120)
 
         coord.join(timeout=180)
         completed = sum(coord.fetch(values))
