@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -16,6 +17,17 @@ ALLOWED_KINDS = frozenset("iuf")
 
 def wire_dtype(dtype: np.dtype | str | type) -> np.dtype:
     """The little-endian numeric dtype for `dtype`, or InvalidArgumentError."""
+    if isinstance(dtype, str):
+        return _wire_dtype_of_name(dtype)  # every tensor header names one: a lookup, not a parse
+    return _wire_dtype(dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _wire_dtype_of_name(name: str) -> np.dtype:
+    return _wire_dtype(name)
+
+
+def _wire_dtype(dtype: np.dtype | str | type) -> np.dtype:
     try:
         dt = np.dtype(dtype)
     except TypeError as exc:

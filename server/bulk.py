@@ -29,7 +29,7 @@ from pscluster.errors import InvalidArgumentError
 from pscluster.framing import PREFIX, FrameServer, recv_into, refuse_payload, send_buffer, send_frame
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.server.ps import ParameterServerCore
-from pscluster.server.store import PushItem
+from pscluster.server.store import PushItem, Shard
 
 PULL_COPY_BYTES = 1 << 20  # per pulling connection; see the module docstring
 REUSE_BYTES = 64 << 20  # pushes up to this size land in a per-connection buffer (no page faults)
@@ -40,6 +40,15 @@ class BulkHandlers:
 
     def __init__(self, core: ParameterServerCore) -> None:
         self.core = core
+        # a dense shard's reply header (dtype, shape) never changes: built once per shard object, not per
+        # pull; one entry per shard key (a restored or recreated shard replaces its entry)
+        self._headers: dict[tuple[str, int], tuple[Shard, pb.Tensor]] = {}
+
+    def _header_of(self, shard: Shard) -> pb.Tensor:
+        entry = self._headers.get(shard.spec.key)
+        if entry is None or entry[0] is not shard:
+            entry = self._headers[shard.spec.key] = (shard, codec.header(shard.value.dtype, shard.value.shape))
+        return entry[1]
 
     def server(self, host: str, token: str | None, max_header_bytes: int, port: int = 0,
                **limits: Any) -> FrameServer:
@@ -79,22 +88,7 @@ class BulkHandlers:
             np.empty(payload_len, np.uint8)
         recv_into(conn, buf.data)
         try:
-            items = []
-            offset = 0
-            for item in req.items:
-                dt = codec.wire_dtype(item.grad.dtype)
-                shape = tuple(item.grad.shape)
-                if any(d < 0 for d in shape):
-                    raise InvalidArgumentError(f"{item.ref.variable}: negative dimension in {shape}")
-                n = math.prod(shape) * dt.itemsize
-                if offset + n > payload_len:
-                    raise InvalidArgumentError(f"{item.ref.variable}: payload holds fewer bytes than the shapes announce")
-                grad = buf[offset:offset + n].view(dt).reshape(shape)
-                offset += n
-                ids = codec.decode_ids(item.ids) if item.HasField("ids") else None
-                items.append(PushItem((item.ref.variable, item.ref.shard_index), grad, ids))
-            if offset != payload_len:
-                raise InvalidArgumentError(f"payload of {payload_len} bytes, shapes announce {offset}")
+            items = push_items(req.items, buf, payload_len)
             results = self.core.push(req.push_id, req.step, items, req.final_below)
         finally:
             items = []
@@ -124,19 +118,22 @@ class BulkHandlers:
         """Send reply with `reply.pull` describing each wanted shard (or its rows `ids`), then their bytes."""
         parts: list[tuple[np.ndarray | None, Any]] = []
         tensors, versions = [], []
+        total = 0
         for ids, key in wanted:
             if ids is not None:
                 rows, version = self.core.store.pull(key, ids)
                 parts.append((rows, None))
                 tensors.append(codec.header(rows.dtype, rows.shape))
+                total += rows.nbytes
             else:
                 shard = self.core.store.get(key)
                 version = shard.version
                 parts.append((None, shard))
-                tensors.append(codec.header(shard.value.dtype, shard.value.shape))
+                tensors.append(self._header_of(shard))
+                total += shard.value.nbytes
             versions.append(version)
-        total = sum(math.prod(t.shape) * np.dtype(t.dtype).itemsize for t in tensors)
-        reply.pull.CopyFrom(pb.PullReply(tensors=tensors, versions=versions))
+        reply.pull.tensors.extend(tensors)
+        reply.pull.versions.extend(versions)
         header = reply.SerializeToString()
         try:
             self._send_parts(conn, PREFIX.pack(len(header), total) + header, parts, state)
@@ -179,3 +176,30 @@ class BulkHandlers:
                 conn.sendall(piece)  # outside the shard lock: a stalled reader stalls only this thread
         if fill:
             conn.sendall(out[:fill].data)
+
+
+def push_items(described: Any, buf: np.ndarray, payload_len: int) -> list[PushItem]:
+    """A framed push's items: each PushItem's gradient is a view of `buf` (the payload), in item order.
+
+    Raises:
+        InvalidArgumentError: a bad dtype or shape, or shapes that do not add up to payload_len bytes.
+    """
+    items = []
+    offset = 0
+    for item in described:
+        header = item.grad
+        dt = codec.wire_dtype(header.dtype)
+        shape = tuple(header.shape)
+        if shape and min(shape) < 0:
+            raise InvalidArgumentError(f"{item.ref.variable}: negative dimension in {shape}")
+        n = math.prod(shape) * dt.itemsize
+        if offset + n > payload_len:
+            raise InvalidArgumentError(f"{item.ref.variable}: payload holds fewer bytes than the shapes announce")
+        grad = buf[offset:offset + n].view(dt).reshape(shape)
+        offset += n
+        ref = item.ref
+        items.append(PushItem((ref.variable, ref.shard_index), grad,
+                              codec.decode_ids(item.ids) if item.HasField("ids") else None))
+    if offset != payload_len:
+        raise InvalidArgumentError(f"payload of {payload_len} bytes, shapes announce {offset}")
+    return items

@@ -32,6 +32,15 @@ class Shard:
     restored_version: int = -1
     record: PushRecord = field(default_factory=PushRecord)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    dtype: np.dtype = field(init=False, repr=False)  # np.dtype(spec.dtype), looked up once, not per push
+
+    def __post_init__(self) -> None:
+        self.dtype = np.dtype(self.spec.dtype)
+
+    @property
+    def name(self) -> str:
+        """`variable[shard]`, as error messages name it."""
+        return f"{self.spec.variable}[{self.spec.shard_index}]"
 
 
 @dataclass(frozen=True)
@@ -210,31 +219,32 @@ class VariableStore:
         """Check every item against its shard; returns (shard, item, local rows) or raises."""
         checked = []
         seen: set[Key] = set()
+        reject_nan = self._nan_policy == "reject"
         for item in items:
             shard = self.get(item.key)
             spec = shard.spec
-            name = f"{spec.variable}[{spec.shard_index}]"
             if item.key in seen:
-                raise InvalidArgumentError(f"{name}: pushed twice in one request")
+                raise InvalidArgumentError(f"{shard.name}: pushed twice in one request")
             seen.add(item.key)
-            if item.grad.dtype != np.dtype(spec.dtype):
+            grad = item.grad
+            if grad.dtype != shard.dtype:
                 raise InvalidArgumentError(
-                    f"{name}: gradient dtype {item.grad.dtype} does not match variable dtype {np.dtype(spec.dtype)}")
+                    f"{shard.name}: gradient dtype {grad.dtype} does not match variable dtype {shard.dtype}")
             local = None
             if item.ids is None:
-                if item.grad.shape != spec.shape:
+                if grad.shape != spec.shape:
                     raise InvalidArgumentError(
-                        f"{name}: gradient shape {item.grad.shape} does not match shard shape {spec.shape}")
+                        f"{shard.name}: gradient shape {grad.shape} does not match shard shape {spec.shape}")
             else:
                 local = self._local_rows(shard, item.ids)
                 want = (item.ids.shape[0],) + spec.shape[1:]
-                if item.grad.shape != want:
+                if grad.shape != want:
                     raise InvalidArgumentError(
-                        f"{name}: row gradients of shape {item.grad.shape} for {item.ids.shape[0]} ids; "
+                        f"{shard.name}: row gradients of shape {grad.shape} for {item.ids.shape[0]} ids; "
                         f"expected {want}")
-            if self._nan_policy == "reject" and item.grad.dtype.kind == "f" and not np.isfinite(item.grad).all():
+            if reject_nan and grad.dtype.kind == "f" and not np.isfinite(grad).all():
                 raise InvalidArgumentError(
-                    f"{name}: gradient holds NaN or Inf; rejected (nan_policy=reject)")
+                    f"{shard.name}: gradient holds NaN or Inf; rejected (nan_policy=reject)")
             checked.append((shard, item, local))
         return checked
 

@@ -115,3 +115,18 @@ def test_bad_hyperparameters_are_rejected(bad):
 
     with pytest.raises(InvalidArgumentError):
         bad.validate()
+
+
+def test_small_sgd_shortcut_equals_the_blocked_path(monkeypatch):
+    cfg = opt.OptimizerConfig("sgd", 0.1)
+    w0 = RNG.normal(size=(37, 3)).astype(np.float32)
+    grads = [RNG.normal(size=w0.shape).astype(np.float32) for _ in range(3)]
+    small = w0.copy()
+    for t, g in enumerate(grads, start=1):
+        opt.apply_dense(cfg, small, g, {}, t)  # one ufunc call
+    monkeypatch.setattr(opt, "BLOCK_BYTES", 64)
+    blocked = w0.copy()
+    for t, g in enumerate(grads, start=1):
+        opt.apply_dense(cfg, blocked, g, {}, t)  # many row blocks
+    np.testing.assert_array_equal(small, blocked)
+    assert small.dtype == np.float32
