@@ -190,6 +190,13 @@ class BulkClient:
             raise
 
 
+def _wire(array: np.ndarray) -> np.ndarray:
+    """array as the bytes the wire carries: C-contiguous, little-endian (a copy only when it is not)."""
+    if array.flags.c_contiguous and array.dtype.byteorder != ">":
+        return array
+    return np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<"), copy=False)
+
+
 class BulkTensors:
     """The TensorTransport over the framed bulk ports: raw tensor bytes after a protobuf header."""
 
@@ -206,17 +213,9 @@ class BulkTensors:
         (with `head.return_values`, values are received straight into `targets`)."""
         calls = []
         for ps, items in plan.items():
-            heads = []
-            for item, part in items:
-                described = pb.PushItem()
-                described.CopyFrom(item)
-                described.grad.CopyFrom(codec.header(part.dtype, part.shape))
-                heads.append(described)
-            request = pb.PushRequest(items=heads, push_id=head.push_id, step=head.step, final_below=head.final_below,
-                                     return_values=head.return_values)
-            calls.append(BulkCall(ps, pb.BulkRequest(push=request),
-                                  payloads=[np.ascontiguousarray(p).astype(p.dtype.newbyteorder("<"), copy=False)
-                                            for _, p in items],
+            request = pb.PushRequest(items=[item for item, _ in items], push_id=head.push_id, step=head.step,
+                                     final_below=head.final_below, return_values=head.return_values)
+            calls.append(BulkCall(ps, pb.BulkRequest(push=request), payloads=[_wire(p) for _, p in items],
                                   targets=targets[ps] if targets and head.return_values else ()))
         self._client.run(calls)
         return [c.reply.push for c in calls if c.reply is not None]

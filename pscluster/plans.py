@@ -94,7 +94,8 @@ def pull_plan(dense: Sequence[tuple[Variable, np.ndarray]], rows: Rows = ()) -> 
 
 def push_plan(grads: Grads, rows: Rows = (), with_values: bool = False
               ) -> tuple[PushPlan, ValueTargets, dict[str, np.ndarray]]:
-    """One PushRequest's items per PS task with their gradient parts; with_values (fused push-pull, dense
+    """One PushRequest's items per PS task with their gradient parts (each item's `grad` holds the part's
+    dtype and shape, no data); with_values (fused push-pull, dense
     only) also allocates each variable's value array and the per-shard views of it the replies fill.
 
     Raises:
@@ -110,8 +111,10 @@ def push_plan(grads: Grads, rows: Rows = (), with_values: bool = False
     for var, grad in pairs:
         arr = as_grad(var, grad, var.shape)
         value = values.setdefault(var.name, np.empty(var.shape, var.dtype)) if with_values else None
+        dtype = var.dtype.str if arr.dtype == var.dtype else codec.wire_dtype(arr.dtype).str  # the PS names a mismatch
         for pl, part in var.dense_parts(arr):
-            plan[pl.ps].append((pb.PushItem(ref=pb.ShardRef(variable=var.name, shard_index=pl.shard_index)), part))
+            plan[pl.ps].append((pb.PushItem(ref=pb.ShardRef(variable=var.name, shard_index=pl.shard_index),
+                                            grad=pb.Tensor(dtype=dtype, shape=part.shape)), part))
             if value is not None:
                 targets[pl.ps].append(value[pl.row_offset:pl.row_offset + pl.rows] if var.shape else value)
     for var, ids, row_grads in rows:
@@ -119,5 +122,6 @@ def push_plan(grads: Grads, rows: Rows = (), with_values: bool = False
         arr = as_grad(var, row_grads, (ids.size,) + var.shape[1:])
         for pl, part_ids, part in var.row_parts(ids, arr):
             plan[pl.ps].append((pb.PushItem(ref=pb.ShardRef(variable=var.name, shard_index=pl.shard_index),
-                                            ids=codec.encode(part_ids)), part))
+                                            ids=codec.encode(part_ids), grad=codec.header(part.dtype, part.shape)),
+                                part))
     return plan, targets, values

@@ -15,7 +15,7 @@ import numpy as np
 from pscluster.proto import pscluster_pb2 as pb
 
 PullPlan = dict[int, list[tuple[pb.PullItem, np.ndarray]]]  # PS task -> (item, array to fill)
-PushPlan = dict[int, list[tuple[pb.PushItem, np.ndarray]]]  # PS task -> (item without grad, gradient)
+PushPlan = dict[int, list[tuple[pb.PushItem, np.ndarray]]]  # PS task -> (item, gradient); item.grad: header only
 ValueTargets = dict[int, list[np.ndarray]]  # fused push-pull: PS task -> arrays to fill, in its plan's item order
 
 

@@ -47,3 +47,28 @@ def test_a_fused_push_plan_allocates_each_value_once_and_targets_its_shard_rows(
 def test_bad_input_is_an_invalid_argument(bad):
     with pytest.raises(InvalidArgumentError):
         bad()
+
+
+def test_push_items_carry_each_part_dtype_and_shape():
+    f4 = np.dtype("<f4")
+    var = Variable("w", (4, 2), f4, (ShardPlacement(0, 0, 0, 2, 0), ShardPlacement(1, 1, 2, 2, 1)), False)
+    plan, _, _ = plans.push_plan([(var, np.ones((4, 2), np.float64))])  # float64 math into a float32 variable
+    for ps in (0, 1):
+        (item, part), = plan[ps]
+        assert (item.grad.dtype, tuple(item.grad.shape), item.grad.data) == ("<f4", (2, 2), b"")
+        assert part.dtype == f4
+    ints = Variable("n", (3,), np.dtype("<i8"), (ShardPlacement(0, 0, 0, 3, 0),), False)
+    plan, _, _ = plans.push_plan([(ints, np.ones(3, np.int32))])  # not converted: the PS names the mismatch
+    assert plan[0][0][0].grad.dtype == "<i4"
+
+
+def test_plain_results_pickle_like_cloudpickle():
+    import pickle
+
+    import cloudpickle
+
+    from pscluster.worker.runner import dumps_result
+
+    for value in (0.25, 3, True, "loss", b"x", None, [1.0, 2.0], {"a": np.float32(1)}):
+        assert pickle.loads(dumps_result(value)) == value
+    assert dumps_result(0.25) == cloudpickle.dumps(0.25)
