@@ -43,7 +43,8 @@ def dumps_result(value: object) -> bytes:
     by-value machinery, which costs ~10x more and pickles these the same way."""
     if type(value) in _PLAIN:
         return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    return cloudpickle.dumps(value)
+    pickled: bytes = cloudpickle.dumps(value)
+    return pickled
 
 
 class ClosureRunner:
