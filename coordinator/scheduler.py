@@ -316,9 +316,12 @@ def _dispatch(state: SchedulerState) -> list[Action]:
     if state.paused or not state.queue:
         return []
     actions: list[Action] = []
-    # Least-loaded first, so a new worker picks up work at once and stragglers get less.
-    workers = sorted((w for w in state.workers.values() if w.state == "alive"),
-                     key=lambda w: (len(w.inflight), w.index))
+    # Least-loaded first, so a new worker picks up work at once and stragglers get less. Only workers with
+    # a free slot can take one (while closures queue up, most events find none: nothing to sort).
+    workers = [w for w in state.workers.values() if w.state == "alive" and len(w.inflight) < state.max_inflight]
+    if not workers:
+        return []
+    workers.sort(key=lambda w: (len(w.inflight), w.index))
     budget = None if state.max_running is None else state.max_running - state.running()
     progress = True
     while state.queue and progress and (budget is None or budget > 0):

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
+import numpy as np
 
 from pscluster.errors import InvalidArgumentError
 from pscluster.proto import pscluster_pb2 as pb
@@ -45,6 +46,8 @@ class _ShippedModules:
 
 
 _SHIPPED = _ShippedModules()
+# types whose instances pickle by reference to an importable pscluster/builtin class: filled below
+_PLAIN_TYPES: set[type] = {int, float, bool, str, bytes, type(None)}
 
 
 def ship_module(module: types.ModuleType) -> None:
@@ -87,6 +90,32 @@ def ship_user_modules() -> None:
                 ship_module(module)
 
 
+def pickle_by_reference(cls: type) -> type:
+    """Class decorator: instances of cls are plain closure arguments (pickled by reference, see dumps_arguments).
+    Only for pscluster's own small handle classes, whose pickles never need cloudpickle."""
+    _PLAIN_TYPES.add(cls)
+    return cls
+
+
+def dumps_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
+    """A closure's arguments pickled. Numbers, strings, per-worker iterators and variable handles (what
+    a training step takes, every step) pickle by reference with the standard pickler, ~5x cheaper than
+    cloudpickle and the same bytes' meaning; anything else goes through cloudpickle (by value)."""
+    if all(_plain(a) for a in args) and all(_plain(v) for v in kwargs.values()):
+        return pickle.dumps((args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+    pickled: bytes = cloudpickle.dumps((args, kwargs))
+    return pickled
+
+
+def _plain(value: object) -> bool:
+    kind = type(value)
+    if kind in _PLAIN_TYPES:
+        return True
+    if kind in (list, tuple):
+        return all(type(v) in _PLAIN_TYPES for v in value)  # type: ignore[attr-defined]
+    return kind is np.ndarray and not value.dtype.hasobject  # type: ignore[attr-defined]
+
+
 class ClosureEncoder:
     """Builds ClosurePayload bytes; caches each function's pickle by identity."""
 
@@ -111,8 +140,8 @@ class ClosureEncoder:
                 self._cache[id(fn)] = (fn, digest, blob)  # holding fn keeps its id from being reused
                 while len(self._cache) > self._max:
                     self._cache.popitem(last=False)
-        arguments = cloudpickle.dumps((tuple(args), dict(kwargs)))
-        return pb.ClosurePayload(digest=digest, function=blob, arguments=arguments).SerializeToString()
+        return pb.ClosurePayload(digest=digest, function=blob,
+                                 arguments=dumps_arguments(tuple(args), dict(kwargs))).SerializeToString()
 
 
 class FunctionCache:

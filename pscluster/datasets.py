@@ -25,7 +25,7 @@ from typing import Any
 import cloudpickle
 
 from pscluster import context
-from pscluster.closures import ship_user_modules
+from pscluster.closures import pickle_by_reference, ship_user_modules
 from pscluster.errors import FailedPreconditionError
 
 
@@ -58,6 +58,7 @@ def _iterator(iterator_id: str, fn_bytes: bytes) -> PerWorkerIterator:
     return PerWorkerIterator(iterator_id, fn_bytes)
 
 
+@pickle_by_reference
 class PerWorkerIterator:
     """Handle on the running worker's iterator of a PerWorkerDataset (pickles as id + function bytes)."""
 

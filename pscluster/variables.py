@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pscluster import context
+from pscluster.closures import pickle_by_reference
 from pscluster.errors import InvalidArgumentError
 
 
@@ -31,6 +32,7 @@ class ShardPlacement:
     ordinal: int
 
 
+@pickle_by_reference
 @dataclass(frozen=True)
 class Variable:
     """A handle on a variable held by the PS tasks. Safe to capture in closures."""
