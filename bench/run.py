@@ -22,7 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # the benchmark process shares 2 cores with daemons
 
-from bench import chaos, closures, profile, training, transfer  # noqa: E402
+from bench import chaos, closures, floor, profile, training, transfer  # noqa: E402
 
 Row = tuple[str, str, str, str]  # id, what, measured, target and verdict
 
@@ -92,6 +92,21 @@ def bench_b2(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
                  row("W2 async, 1 step/closure, fused push-pull (`push_pull: true`)", rpp),
                  ("B2", "W2 async, 10 steps/closure", f"{r10['steps_per_s']:.0f} steps/s, accuracy {r10['accuracy']:.4f}",
                   "(TF PSS: 258)")]
+
+
+def bench_floor(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
+    base = training.numpy_baseline()
+    # bare sockets and pscluster alternate, so both see the same machine
+    pairs = [(floor.w2_floor(), training.w2(push_pull=True)) for _ in range(args.runs)]
+    bare = {k: statistics.median(a[k] for a, _ in pairs) for k in pairs[0][0]}
+    ours = statistics.median(b["steps_per_s"] for _, b in pairs)
+    out = {"numpy": base, "floor": bare, "w2_push_pull_steps_per_s": ours}
+    return out, [("FLOOR", "W2 async over bare sockets + numpy (2 PS + 2 worker processes, a fused push-pull, no "
+                           "coordinator, no framing or validation; bench/floor.py): the ceiling of this layout",
+                  f"{bare['steps_per_s']:.0f} steps/s = {bare['steps_per_s'] / base['steps_per_s']:.2f} x single-process "
+                  f"numpy ({base['steps_per_s']:.0f}); workers {bare['worker_cpu_us_per_step']:.0f} us of CPU per step; "
+                  f"pscluster W2 push-pull in the same run {ours:.0f} steps/s = {ours / bare['steps_per_s']:.2f} x the floor",
+                  "table (what pscluster adds)")]
 
 
 def bench_b3(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
@@ -227,7 +242,7 @@ def bench_profile(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
                 + "; ".join(cells), "measure first (issue 9)")]
 
 
-BENCHES = {"B1": bench_b1, "B1TLS": bench_b1tls, "B9": bench_b9, "B2": bench_b2, "B3": bench_b3, "B4": bench_b4, "B5": bench_b5,
+BENCHES = {"B1": bench_b1, "B1TLS": bench_b1tls, "B9": bench_b9, "B2": bench_b2, "FLOOR": bench_floor, "B3": bench_b3, "B4": bench_b4, "B5": bench_b5,
            "B6": bench_b6, "B7": bench_b7, "B8": bench_b8,
            "B10": bench_b10, "B11": bench_b11, "B12": bench_b12, "B13": bench_b13, "PROFILE": bench_profile}
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"

@@ -1,0 +1,130 @@
+"""FLOOR: W2's data path with nothing but sockets and numpy, the ceiling B2 is measured against.
+
+Two "PS" processes each own half of the MLP's parameters (the same split as examples/mnist.py on 2 PS)
+and answer every gradient message with the values after an SGD step (NaN check, update, copy out):
+a fused push-pull with no framing, no validation of shapes, no ids, no metrics. Two worker processes
+compute the same gradients as B2 and exchange them with both PS processes over one TCP connection
+each; there is no coordinator and no closure. The figure is what five processes of this layout can
+do on this machine, so B2's ratio to it is the cost of everything pscluster adds (scheduling,
+exactly-once, framing, validation), measured in the same run.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import time
+from typing import Any
+
+import numpy as np
+
+HIDDEN = 128
+SPLIT = 392  # w1's rows per PS (w1 is split in two shards, as in examples/mnist.py)
+# per PS: the shapes it owns, in message order
+SHAPES = {0: [(SPLIT, HIDDEN), (HIDDEN,), (10,)], 1: [(784 - SPLIT, HIDDEN), (HIDDEN, 10)]}
+
+
+def _size(ps: int) -> int:
+    return sum(int(np.prod(s)) for s in SHAPES[ps])
+
+
+def _recv_into(conn: socket.socket, view: memoryview) -> bool:
+    got = 0
+    while got < len(view):
+        n = conn.recv_into(view[got:])
+        if n == 0:
+            return False
+        got += n
+    return True
+
+
+def _ps(index: int, ports: Any, lr: float) -> None:
+    rng = np.random.default_rng(index)
+    values = [(rng.uniform(-0.05, 0.05, s)).astype(np.float32) for s in SHAPES[index]]
+    listener = socket.create_server(("127.0.0.1", 0))
+    ports.put((index, listener.getsockname()[1]))
+    import threading
+
+    def serve(conn: socket.socket) -> None:
+        grads = np.empty(_size(index), np.float32)
+        out = np.empty_like(grads)
+        while _recv_into(conn, memoryview(grads).cast("B")):
+            offset = 0
+            for value in values:
+                g = grads[offset:offset + value.size].reshape(value.shape)
+                if not np.isfinite(g).all():
+                    raise ValueError("non-finite gradient")
+                value -= np.float32(lr) * g
+                out[offset:offset + value.size] = value.reshape(-1)
+                offset += value.size
+            conn.sendall(out)
+        conn.close()
+
+    while True:
+        conn, _ = listener.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+
+def _worker(seed: int, ports: list[int], steps: int, ready: Any, start: Any, done: Any) -> None:
+    from bench.training import mnist
+
+    x, y, _, _ = mnist.load_mnist()
+    conns = [socket.create_connection(("127.0.0.1", p)) for p in ports]
+    for conn in conns:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    values = [np.empty(_size(i), np.float32) for i in range(2)]
+    for conn, v in zip(conns, values):  # the first exchange (zero gradient) brings the initial values
+        conn.sendall(np.zeros_like(v))
+        _recv_into(conn, memoryview(v).cast("B"))
+    rng = np.random.default_rng(seed)
+    ready.put(seed)
+    start.wait()
+    cpu = os.times()
+    for _ in range(steps):
+        idx = rng.integers(0, len(x), 64)
+        w1 = np.concatenate([values[0][:SPLIT * HIDDEN], values[1][:(784 - SPLIT) * HIDDEN]]).reshape(784, HIDDEN)
+        b1 = values[0][SPLIT * HIDDEN:SPLIT * HIDDEN + HIDDEN]
+        b2 = values[0][SPLIT * HIDDEN + HIDDEN:]
+        w2 = values[1][(784 - SPLIT) * HIDDEN:].reshape(HIDDEN, 10)
+        _, (gw1, gb1, gw2, gb2) = mnist.mlp_grads([w1, b1, w2, b2], x[idx], y[idx])
+        conns[0].sendall(np.concatenate([gw1[:SPLIT].reshape(-1), gb1, gb2]))
+        conns[1].sendall(np.concatenate([gw1[SPLIT:].reshape(-1), gw2.reshape(-1)]))
+        for conn, v in zip(conns, values):
+            _recv_into(conn, memoryview(v).cast("B"))
+    end = os.times()
+    done.put((end.user + end.system) - (cpu.user + cpu.system))
+    for conn in conns:
+        conn.close()
+
+
+def w2_floor(steps: int = 2000, workers: int = 2, lr: float = 0.1) -> dict[str, float]:
+    """W2 async over bare sockets (2 PS processes, `workers` worker processes): steps/s and worker CPU per step."""
+    ctx = mp.get_context("spawn")  # the bench process has gRPC threads: never fork it
+    ports_q, ready, done = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    start = ctx.Event()
+    servers = [ctx.Process(target=_ps, args=(i, ports_q, lr), daemon=True) for i in range(2)]
+    procs: list[Any] = list(servers)
+    try:
+        for p in servers:
+            p.start()
+        ports = dict(ports_q.get(timeout=60) for _ in servers)
+        per = steps // workers
+        clients = [ctx.Process(target=_worker, args=(w, [ports[0], ports[1]], per, ready, start, done), daemon=True)
+                   for w in range(workers)]
+        procs += clients
+        for p in clients:
+            p.start()
+        for _ in clients:
+            ready.get(timeout=120)
+        began = time.perf_counter()
+        start.set()
+        worker_cpu = sum(done.get(timeout=600) for _ in clients)
+        seconds = time.perf_counter() - began
+        return {"steps_per_s": per * workers / seconds, "worker_cpu_us_per_step": worker_cpu / (per * workers) * 1e6}
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
