@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import socket
 import ssl
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -190,9 +191,12 @@ class BulkClient:
             raise
 
 
+_LITTLE_ORDERS = ("<", "|", "=") if sys.byteorder == "little" else ("<", "|")
+
+
 def _wire(array: np.ndarray) -> np.ndarray:
     """array as the bytes the wire carries: C-contiguous, little-endian (a copy only when it is not)."""
-    if array.flags.c_contiguous and array.dtype.byteorder != ">":
+    if array.flags.c_contiguous and array.dtype.byteorder in _LITTLE_ORDERS:
         return array
     return np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<"), copy=False)
 

@@ -72,3 +72,14 @@ def test_plain_results_pickle_like_cloudpickle():
     for value in (0.25, 3, True, "loss", b"x", None, [1.0, 2.0], {"a": np.float32(1)}):
         assert pickle.loads(dumps_result(value)) == value
     assert dumps_result(0.25) == cloudpickle.dumps(0.25)
+
+
+def test_payloads_leave_little_endian_and_contiguous_copying_only_when_needed():
+    from pscluster.bulk import _wire
+
+    ready = np.arange(6, dtype="<f4").reshape(2, 3)
+    assert _wire(ready) is ready
+    swapped = _wire(np.arange(4, dtype=">i8"))
+    assert swapped.dtype.str == "<i8" and swapped.tolist() == [0, 1, 2, 3]
+    strided = _wire(np.arange(8, dtype="<f4").reshape(2, 4)[:, :2])
+    assert strided.flags.c_contiguous and strided.tolist() == [[0, 1], [4, 5]]
