@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -41,16 +42,20 @@ def reset_peak(pid: int) -> None:
         fh.write("5")
 
 
-def local_cluster(num_ps: int, num_workers: int, tls: bool = False, **settings: Any) -> LocalCluster:
-    """A LocalCluster (not started); with tls, mutual TLS on every channel, certificates in its workdir."""
+@contextlib.contextmanager
+def local_cluster(num_ps: int, num_workers: int, tls: bool = False, **settings: Any) -> Iterator[LocalCluster]:
+    """A started LocalCluster in a temporary directory removed afterwards; with tls, mutual TLS on every
+    channel, certificates in that directory."""
     from pscluster.certs import hosts_of, task_names, write_certs
     from pscluster.launcher import LocalCluster
 
-    workdir = pathlib.Path(tempfile.mkdtemp(prefix="pscluster-bench-"))
-    extra = dict(settings)
-    if tls:
-        extra.update(tls_dir=str(workdir / "tls"), require_client_cert=True)
-    cluster = LocalCluster(num_ps, num_workers, workdir=workdir / "cluster", extra=extra)
-    if tls:
-        write_certs(workdir / "tls", task_names(cluster.spec, num_workers), hosts_of(cluster.spec))
-    return cluster
+    with tempfile.TemporaryDirectory(prefix="pscluster-bench-") as tmp:
+        workdir = pathlib.Path(tmp)
+        extra = dict(settings)
+        if tls:
+            extra.update(tls_dir=str(workdir / "tls"), require_client_cert=True)
+        cluster = LocalCluster(num_ps, num_workers, workdir=workdir / "cluster", extra=extra)
+        if tls:
+            write_certs(workdir / "tls", task_names(cluster.spec, num_workers), hosts_of(cluster.spec))
+        with cluster:
+            yield cluster
