@@ -163,7 +163,7 @@ def restore(store: VariableStore, root: pathlib.Path, ps_index: int, num_ps: int
                 base = f"{spec.variable}/{spec.shard_index}"
                 value = _writable(fh.get_tensor(f"{base}/value"))
                 slots = {name: _writable(fh.get_tensor(f"{base}/slot/{name}")) for name in spec.optimizer.slot_names()}
-                record = PushRecord.from_state(entry["applied"], store.dedup_window)
+                record = PushRecord.from_state(entry["applied"], store.dedup_window, version=entry["version"])
                 store.install(Shard(spec, value, slots, entry["version"], entry["version"], record))
                 loaded += 1
     return Restored(step, loaded, extra)

@@ -40,9 +40,10 @@ class PushRecord:
 
     def __init__(self, window: int = 1_000_000) -> None:
         self._window = window  # a cap per prefix whatever the coordinator says (a safety net)
-        self._by_prefix: OrderedDict[int, OrderedDict[str, int]] = OrderedDict()  # prefix -> id -> closure id
+        # prefix -> id -> (closure id, the shard version the push was applied at)
+        self._by_prefix: OrderedDict[int, OrderedDict[str, tuple[int, int]]] = OrderedDict()
         self._final_below: dict[int, int] = {}
-        self._other: OrderedDict[str, None] = OrderedDict()
+        self._other: OrderedDict[str, int] = OrderedDict()  # id -> version applied at
 
     def __len__(self) -> int:
         return sum(len(ids) for ids in self._by_prefix.values()) + len(self._other)
@@ -58,7 +59,7 @@ class PushRecord:
         ids = self._prefix(prefix)
         # ids are in apply order, which follows closure order up to the closures in flight
         while ids:
-            pid, cid = next(iter(ids.items()))
+            pid, (cid, _) = next(iter(ids.items()))
             if cid >= final_below:
                 break
             del ids[pid]
@@ -73,20 +74,33 @@ class PushRecord:
             return True
         return cid < self._final_below.get(cid >> 32, 0)
 
-    def add(self, push_id: str) -> None:
-        """Note push_id as applied."""
+    def applied_at(self, push_id: str) -> int | None:
+        """The shard version push_id was applied at, if the record holds it (None for a late copy).
+
+        A repeated push answers with this version, not the shard's current one: the coordinator counts the
+        updates a PS restart lost by version, and the current version belongs to another push.
+        """
         cid = closure_of(push_id)
         if cid is None:
-            self._other[push_id] = None
+            return self._other.get(push_id)
+        ids = self._by_prefix.get(cid >> 32)
+        entry = ids.get(push_id) if ids is not None else None
+        return entry[1] if entry is not None else None
+
+    def add(self, push_id: str, version: int = 0) -> None:
+        """Note push_id as applied at shard version `version`."""
+        cid = closure_of(push_id)
+        if cid is None:
+            self._other[push_id] = version
             if len(self._other) > min(OTHER_IDS, self._window):
                 self._other.popitem(last=False)
             return
         ids = self._prefix(cid >> 32)
-        ids[push_id] = cid
+        ids[push_id] = (cid, version)
         if len(ids) > self._window:
             ids.popitem(last=False)
 
-    def _prefix(self, prefix: int) -> OrderedDict[str, int]:
+    def _prefix(self, prefix: int) -> OrderedDict[str, tuple[int, int]]:
         ids = self._by_prefix.get(prefix)
         if ids is None:
             ids = self._by_prefix[prefix] = OrderedDict()
@@ -99,16 +113,23 @@ class PushRecord:
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps (JSON-able)."""
-        return {"ids": [pid for ids in self._by_prefix.values() for pid in ids] + list(self._other),
+        closures = [(pid, version) for ids in self._by_prefix.values() for pid, (_, version) in ids.items()]
+        pairs = closures + list(self._other.items())
+        return {"ids": [pid for pid, _ in pairs], "versions": [version for _, version in pairs],
                 "final_below": sorted(self._final_below.values())}
 
     @classmethod
-    def from_state(cls, state: dict[str, Any] | list[str], window: int = 1_000_000) -> PushRecord:
-        """A record from `state()` (or the plain id list older checkpoints hold)."""
+    def from_state(cls, state: dict[str, Any] | list[str], window: int = 1_000_000,
+                   version: int = 0) -> PushRecord:
+        """A record from `state()` (or the plain id list older checkpoints hold). Ids saved without their
+        version (older checkpoints) get `version`: the shard's version in that checkpoint, which holds them."""
         record = cls(window)
         ids, marks = (state, []) if isinstance(state, list) else (state.get("ids", []), state.get("final_below", []))
-        for pid in ids:
-            record.add(pid)
+        versions = [] if isinstance(state, list) else state.get("versions", [])
+        if len(versions) != len(ids):
+            versions = [version] * len(ids)
+        for pid, applied in zip(ids, versions):
+            record.add(pid, int(applied))
         for mark in marks:
             record.advance(int(mark))
         return record

@@ -263,7 +263,8 @@ class VariableStore:
         with shard.lock:
             shard.record.advance(final_below)
             if push_id and shard.record.seen(push_id):
-                return PushResult(shard.version, False)
+                applied = shard.record.applied_at(push_id)  # the version it made (lost-update accounting)
+                return PushResult(shard.version if applied is None else applied, False)
             t = shard.version + 1
             if local is None:
                 opt.apply_dense(shard.spec.optimizer, shard.value, grad, shard.slots, t)
@@ -271,7 +272,7 @@ class VariableStore:
                 opt.apply_sparse(shard.spec.optimizer, shard.value, local, grad, shard.slots, t)
             shard.version = t
             if push_id:
-                shard.record.add(push_id)
+                shard.record.add(push_id, t)
             return PushResult(shard.version, True)
 
     @staticmethod

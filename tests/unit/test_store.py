@@ -132,3 +132,26 @@ def test_a_random_initial_value_is_drawn_in_its_dtype_without_a_float64_copy(kin
     assert value.dtype == np.float32 and peak < 1.2 * value.nbytes  # was 3 x: a float64 draw, then its cast
     np.testing.assert_array_equal(value, initial_value(big, kind, 0.5, seed=3))  # restarts agree
     assert (abs(float(value.std()) - 0.5) < 0.01) if kind == "normal" else (np.abs(value).max() <= 0.5)
+
+
+def test_a_repeated_push_answers_with_the_version_it_made_not_the_current_one():
+    """The coordinator counts updates a PS restart lost by version: a retried push that reported the
+    shard's current version would hide the version it made (one lost update uncounted)."""
+    from pscluster.server.push_record import PushRecord
+
+    store = VariableStore()
+    spec = ShardSpec("c", 0, 1, (), (), 0, "<i8", OptimizerConfig("sgd", 1.0), False, 0)
+    store.create(spec, np.zeros((), np.int64))
+    one = [PushItem(("c", 0), np.array(-1, np.int64))]
+    first = store.push("c7.0", one)[0]
+    store.push("c8.0", one)
+    store.push("c9.0", one)
+    again = store.push("c7.0", one)[0]  # the retry of closure 7 after its reply was lost
+    assert (first.version, first.applied) == (1, True)
+    assert (again.version, again.applied) == (1, False)
+    assert int(store.get(("c", 0)).value) == 3
+    # a checkpoint keeps the versions; an older checkpoint without them restores with the shard's version
+    restored = PushRecord.from_state(store.get(("c", 0)).record.state())
+    assert restored.applied_at("c8.0") == 2
+    old = PushRecord.from_state({"ids": ["c7.0"], "final_below": []}, version=3)
+    assert old.applied_at("c7.0") == 3
