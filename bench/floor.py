@@ -14,10 +14,13 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import threading
 import time
 from typing import Any
 
 import numpy as np
+
+from pscluster.framing import recv_into
 
 HIDDEN = 128
 SPLIT = 392  # w1's rows per PS (w1 is split in two shards, as in examples/mnist.py)
@@ -29,27 +32,20 @@ def _size(ps: int) -> int:
     return sum(int(np.prod(s)) for s in SHAPES[ps])
 
 
-def _recv_into(conn: socket.socket, view: memoryview) -> bool:
-    got = 0
-    while got < len(view):
-        n = conn.recv_into(view[got:])
-        if n == 0:
-            return False
-        got += n
-    return True
-
-
 def _ps(index: int, ports: Any, lr: float) -> None:
     rng = np.random.default_rng(index)
     values = [(rng.uniform(-0.05, 0.05, s)).astype(np.float32) for s in SHAPES[index]]
     listener = socket.create_server(("127.0.0.1", 0))
     ports.put((index, listener.getsockname()[1]))
-    import threading
 
     def serve(conn: socket.socket) -> None:
         grads = np.empty(_size(index), np.float32)
         out = np.empty_like(grads)
-        while _recv_into(conn, memoryview(grads).cast("B")):
+        while True:
+            try:
+                recv_into(conn, memoryview(grads).cast("B"))
+            except ConnectionError:  # the worker is done
+                break
             offset = 0
             for value in values:
                 g = grads[offset:offset + value.size].reshape(value.shape)
@@ -77,7 +73,7 @@ def _worker(seed: int, ports: list[int], steps: int, ready: Any, start: Any, don
     values = [np.empty(_size(i), np.float32) for i in range(2)]
     for conn, v in zip(conns, values):  # the first exchange (zero gradient) brings the initial values
         conn.sendall(np.zeros_like(v))
-        _recv_into(conn, memoryview(v).cast("B"))
+        recv_into(conn, memoryview(v).cast("B"))
     rng = np.random.default_rng(seed)
     ready.put(seed)
     start.wait()
@@ -92,7 +88,7 @@ def _worker(seed: int, ports: list[int], steps: int, ready: Any, start: Any, don
         conns[0].sendall(np.concatenate([gw1[:SPLIT].reshape(-1), gb1, gb2]))
         conns[1].sendall(np.concatenate([gw1[SPLIT:].reshape(-1), gw2.reshape(-1)]))
         for conn, v in zip(conns, values):
-            _recv_into(conn, memoryview(v).cast("B"))
+            recv_into(conn, memoryview(v).cast("B"))
     end = os.times()
     done.put((end.user + end.system) - (cpu.user + cpu.system))
     for conn in conns:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import pickle
 import time
 import traceback
 from dataclasses import dataclass
@@ -11,6 +10,7 @@ from dataclasses import dataclass
 import cloudpickle
 
 from pscluster.client import PSClient
+from pscluster import closures
 from pscluster.closures import FunctionCache
 from pscluster.metrics import WorkerMetrics
 from pscluster.context import ClosureScope
@@ -33,18 +33,6 @@ class Outcome:
     seconds: float = 0.0
     versions: tuple[tuple[str, int, int, int], ...] = ()  # (variable, shard, version, PS incarnation)
     scalars: tuple[tuple[str, float], ...] = ()  # report(): (name, mean over the closure)
-
-
-_PLAIN = (float, int, bool, str, bytes, type(None))
-
-
-def dumps_result(value: object) -> bytes:
-    """A closure's return value pickled; a plain number or string (a step's loss) skips cloudpickle's
-    by-value machinery, which costs ~10x more and pickles these the same way."""
-    if type(value) in _PLAIN:
-        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    pickled: bytes = cloudpickle.dumps(value)
-    return pickled
 
 
 class ClosureRunner:
@@ -78,7 +66,7 @@ class ClosureRunner:
                 value = fn(*args, **kwargs)
                 if scope.token is not None:  # its pushes are in: count it towards the step
                     self.client.step_done(closure_id, scope.token.step, self.datasets.info.worker_id)
-            result = dumps_result(value)
+            result = closures.dumps(value)
             versions = tuple((k[0], k[1], v, k[2]) for k, v in scope.versions.items())
             scalars = tuple((name, total / count) for name, (total, count) in scope.scalars.items())
         except PsclusterError as exc:

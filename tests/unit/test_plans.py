@@ -67,7 +67,7 @@ def test_plain_results_pickle_like_cloudpickle():
 
     import cloudpickle
 
-    from pscluster.worker.runner import dumps_result
+    from pscluster.closures import dumps as dumps_result
 
     for value in (0.25, 3, True, "loss", b"x", None, [1.0, 2.0], {"a": np.float32(1)}):
         assert pickle.loads(dumps_result(value)) == value
