@@ -629,8 +629,17 @@ class BulkRequest(_message.Message):
     CLOSURE_FIELD_NUMBER: _builtins.int
     TAKE_TOKEN_FIELD_NUMBER: _builtins.int
     STEP_DONE_FIELD_NUMBER: _builtins.int
+    SHM_ATTACH_FIELD_NUMBER: _builtins.int
+    SHM_BYTES_FIELD_NUMBER: _builtins.int
+    SHM_REPLY_FIELD_NUMBER: _builtins.int
     token: _builtins.str
     """the first frame's only"""
+    shm_bytes: _builtins.int
+    """Same-host payloads: this request's payload is the first `shm_bytes` of the connection's segment
+    (its frame carries no payload bytes), and the reply's tensors may come back the same way.
+    """
+    shm_reply: _builtins.bool
+    """the reply's payload may come back through the segment"""
     @_builtins.property
     def pull(self) -> Global___PullRequest: ...
     @_builtins.property
@@ -645,6 +654,8 @@ class BulkRequest(_message.Message):
 
     @_builtins.property
     def step_done(self) -> Global___StepDoneRequest: ...
+    @_builtins.property
+    def shm_attach(self) -> Global___ShmAttach: ...
     def __init__(
         self,
         *,
@@ -654,16 +665,49 @@ class BulkRequest(_message.Message):
         closure: Global___RunClosureRequest | None = ...,
         take_token: Global___TokenRequest | None = ...,
         step_done: Global___StepDoneRequest | None = ...,
+        shm_attach: Global___ShmAttach | None = ...,
+        shm_bytes: _builtins.int = ...,
+        shm_reply: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["closure", b"closure", "op", b"op", "pull", b"pull", "push", b"push", "step_done", b"step_done", "take_token", b"take_token"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["closure", b"closure", "op", b"op", "pull", b"pull", "push", b"push", "shm_attach", b"shm_attach", "step_done", b"step_done", "take_token", b"take_token"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["closure", b"closure", "op", b"op", "pull", b"pull", "push", b"push", "step_done", b"step_done", "take_token", b"take_token", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["closure", b"closure", "op", b"op", "pull", b"pull", "push", b"push", "shm_attach", b"shm_attach", "shm_bytes", b"shm_bytes", "shm_reply", b"shm_reply", "step_done", b"step_done", "take_token", b"take_token", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["pull", "push", "closure", "take_token", "step_done"]  # noqa: Y015
+    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["pull", "push", "closure", "take_token", "step_done", "shm_attach"]  # noqa: Y015
     _WhichOneofArgType_op: _TypeAlias = _typing.Literal["op", b"op"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_op) -> _WhichOneofReturnType_op | None: ...
 
 Global___BulkRequest: _TypeAlias = BulkRequest  # noqa: Y015
+
+@_typing.final
+class ShmAttach(_message.Message):
+    """A same-host client offers a shared-memory segment for this connection's payloads: a file under
+    /dev/shm the server maps if it can open it and reads `nonce` at its start (else the connection keeps
+    carrying payloads itself). Layout: SHM_HEADER bytes (the nonce), then one payload region.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    NONCE_FIELD_NUMBER: _builtins.int
+    SIZE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    nonce: _builtins.bytes
+    size: _builtins.int
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        nonce: _builtins.bytes = ...,
+        size: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "nonce", b"nonce", "size", b"size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShmAttach: _TypeAlias = ShmAttach  # noqa: Y015
 
 @_typing.final
 class BulkReply(_message.Message):
@@ -676,9 +720,12 @@ class BulkReply(_message.Message):
     CLOSURE_FIELD_NUMBER: _builtins.int
     TOKEN_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
+    SHM_BYTES_FIELD_NUMBER: _builtins.int
     code: _builtins.int
     """a grpc.StatusCode value; 0 is OK"""
     message: _builtins.str
+    shm_bytes: _builtins.int
+    """the reply's payload is in the connection's segment, not on the socket"""
     @_builtins.property
     def pull(self) -> Global___PullReply:
         """tensors carry dtype and shape only; their bytes are the payload"""
@@ -701,10 +748,11 @@ class BulkReply(_message.Message):
         closure: Global___RunClosureReply | None = ...,
         token: Global___TokenReply | None = ...,
         step: Global___StepReply | None = ...,
+        shm_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["closure", b"closure", "pull", b"pull", "push", b"push", "step", b"step", "token", b"token"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["closure", b"closure", "code", b"code", "message", b"message", "pull", b"pull", "push", b"push", "step", b"step", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["closure", b"closure", "code", b"code", "message", b"message", "pull", b"pull", "push", b"push", "shm_bytes", b"shm_bytes", "step", b"step", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

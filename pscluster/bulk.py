@@ -20,11 +20,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pscluster import codec
+from pscluster import codec, shm
 from pscluster.errors import InternalError, UnavailableError, from_status
-from pscluster.framing import (PREFIX, STATUS_BY_VALUE, connect, recv_exact, recv_into, send_buffer,
-                               send_hello)
+from pscluster.framing import (PREFIX, STATUS_BY_VALUE, connect, read_reply, recv_exact, recv_into, send_buffer,
+                               send_frame, send_hello)
 from pscluster.proto import pscluster_pb2 as pb
+from pscluster.shm import Segment
 from pscluster.tensors import PullPlan, PushPlan, ValueTargets
 
 THREADED_BYTES = 2 << 20
@@ -48,12 +49,29 @@ class BulkCall:
         return sum(p.nbytes for p in self.payloads) + sum(t.nbytes for t in self.targets)
 
 
+class _Conn:
+    """A pooled connection to one PS: its socket and, on the same host, its shared-memory segment."""
+
+    def __init__(self, sock: socket.socket, local: bool) -> None:
+        self.sock = sock
+        self.fresh = True  # the hello is not sent yet
+        self.local = local  # may offer the PS a segment (pscluster/shm.py)
+        self.segment: Segment | None = None
+
+    def close(self) -> None:
+        """Close the socket and unmap the segment."""
+        self.sock.close()
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
+
+
 class BulkClient:
     """Connection pools to the bulk ports of every PS task."""
 
     def __init__(self, hosts: Sequence[str], port_of: Callable[[int], int], token: str | None,
                  timeout: float, pool: ThreadPoolExecutor, io_timeout: float = 30.0,
-                 tls_context: ssl.SSLContext | None = None) -> None:
+                 tls_context: ssl.SSLContext | None = None, shared_memory: bool = True) -> None:
         self._hosts = list(hosts)
         self._port_of = port_of  # asks the PS (gRPC Status) for its bulk port
         self._token = token or ""
@@ -61,7 +79,9 @@ class BulkClient:
         self._io_timeout = io_timeout
         self._pool = pool
         self._tls = tls_context
-        self._free: list[list[socket.socket]] = [[] for _ in hosts]
+        # TLS means the bytes were asked to go through TLS: no segment then
+        self._shared_memory = shared_memory and tls_context is None and shm.available()
+        self._free: list[list[_Conn]] = [[] for _ in hosts]
         self._ports: list[int | None] = [None] * len(hosts)
         self._lock = threading.Lock()
 
@@ -82,10 +102,10 @@ class BulkClient:
         for conn in stale:
             conn.close()
 
-    def _acquire(self, ps: int) -> tuple[socket.socket, bool]:
+    def _acquire(self, ps: int) -> _Conn:
         with self._lock:
             if self._free[ps]:
-                return self._free[ps].pop(), False
+                return self._free[ps].pop()
             port = self._ports[ps]
         if port is None:
             port = self._port_of(ps)
@@ -94,18 +114,18 @@ class BulkClient:
             with self._lock:
                 self._ports[ps] = port
         try:
-            conn = connect(self._hosts[ps], port, self._timeout, self._tls)
+            sock = connect(self._hosts[ps], port, self._timeout, self._tls)
         except OSError as exc:
             with self._lock:
                 self._ports[ps] = None  # a restarted PS listens on a new port
             raise UnavailableError(f"ps {ps} bulk port {self._hosts[ps]}:{port}: {exc}") from exc
-        return conn, True
+        return _Conn(sock, self._shared_memory and shm.is_local_peer(sock))
 
-    def _release(self, ps: int, conn: socket.socket) -> None:
+    def _release(self, ps: int, conn: _Conn) -> None:
         with self._lock:
             self._free[ps].append(conn)
 
-    def _fail(self, ps: int, conn: socket.socket, exc: BaseException) -> UnavailableError:
+    def _fail(self, ps: int, conn: _Conn, exc: BaseException) -> UnavailableError:
         conn.close()
         with self._lock:
             self._ports[ps] = None
@@ -114,46 +134,104 @@ class BulkClient:
             self._free[ps].clear()
         return UnavailableError(f"ps {ps} ({self._hosts[ps]}) bulk connection failed: {exc}")
 
-    def _send(self, call: BulkCall, conn: socket.socket, fresh: bool) -> None:
-        if fresh:
-            send_hello(conn, self._token)
-        conn.settimeout(self._io_timeout + call.wait_s)
-        header = call.request.SerializeToString()
+    def _segment(self, conn: _Conn, nbytes: int) -> Segment | None:
+        """conn's segment if nbytes fit in it; a new one if they do not and a segment is worth it here."""
+        if conn.segment is not None and nbytes <= conn.segment.capacity:
+            return conn.segment
+        if not conn.local or not shm.MIN_BYTES <= nbytes <= shm.MAX_BYTES:
+            return None
+        if conn.segment is not None:
+            conn.segment.close()
+            conn.segment = None
+        try:
+            segment, nonce = Segment.create(shm.size_for(nbytes))
+        except OSError:  # /dev/shm full or not writable: this connection carries its payloads itself
+            conn.local = False
+            return None
+        try:
+            offer = pb.ShmAttach(name=segment.name, nonce=nonce, size=shm.HEADER_BYTES + segment.capacity)
+            send_frame(conn.sock, pb.BulkRequest(shm_attach=offer).SerializeToString())
+            reply, payload_len = read_reply(conn.sock)
+        finally:
+            shm.unlink(segment.name)
+        if reply.code or payload_len:  # not the same host after all, or a PS without segments
+            segment.close()
+            conn.local = False
+            if payload_len:
+                raise ConnectionError("a segment offer was answered with a payload")
+            return None
+        conn.segment = segment
+        return segment
+
+    def _send(self, call: BulkCall, conn: _Conn) -> None:
+        sock = conn.sock
+        if conn.fresh:
+            send_hello(sock, self._token)
+            conn.fresh = False
+        sock.settimeout(self._io_timeout + call.wait_s)
+        payload_bytes = sum(p.nbytes for p in call.payloads)
+        segment = self._segment(conn, max(payload_bytes, sum(t.nbytes for t in call.targets)))
+        request = call.request
+        request.shm_reply = segment is not None
+        request.shm_bytes = payload_bytes if segment is not None else 0
+        if segment is not None and payload_bytes:
+            offset = 0
+            for payload in call.payloads:
+                n = payload.nbytes
+                segment.region[offset:offset + n] = np.ascontiguousarray(payload).reshape(-1).view(np.uint8)
+                offset += n
+            header = request.SerializeToString()
+            sock.sendall(PREFIX.pack(len(header), 0) + header)
+            return
+        header = request.SerializeToString()
         # the frame's head and the small payloads after it leave in one send (a W2 push: 5 syscalls -> 2)
-        pending = [PREFIX.pack(len(header), sum(p.nbytes for p in call.payloads)), header]
+        pending = [PREFIX.pack(len(header), payload_bytes), header]
         for payload in call.payloads:
             if payload.nbytes <= COALESCE_BYTES:
                 pending.append(np.ascontiguousarray(payload).tobytes())
                 continue
-            conn.sendall(b"".join(pending))
+            sock.sendall(b"".join(pending))
             pending = []
-            send_buffer(conn, np.ascontiguousarray(payload).data)
+            send_buffer(sock, np.ascontiguousarray(payload).data)
         if pending:
-            conn.sendall(b"".join(pending))
+            sock.sendall(b"".join(pending))
 
-    def _receive(self, call: BulkCall, conn: socket.socket) -> None:
-        header_len, payload_len = PREFIX.unpack(recv_exact(conn, PREFIX.size))
+    def _receive(self, call: BulkCall, conn: _Conn) -> None:
+        sock = conn.sock
+        header_len, payload_len = PREFIX.unpack(recv_exact(sock, PREFIX.size))
         reply = pb.BulkReply()
-        reply.ParseFromString(recv_exact(conn, header_len))
+        reply.ParseFromString(recv_exact(sock, header_len))
         if reply.code:
             if payload_len:
-                recv_exact(conn, payload_len)
+                recv_exact(sock, payload_len)
             raise from_status(STATUS_BY_VALUE.get(reply.code, STATUS_BY_VALUE[13]),
                               f"ps {call.ps}: {reply.message}")
         declined = reply.HasField("push") and not reply.pull.tensors  # a push-pull an accumulating PS answered
         if call.targets and not declined:
-            if payload_len != sum(t.nbytes for t in call.targets) or len(reply.pull.tensors) != len(call.targets):
-                raise InternalError(f"ps {call.ps}: bulk reply of {payload_len} bytes does not match the request")
-            for target in call.targets:
-                recv_into(conn, target.reshape(-1).view(np.uint8).data)
+            expected = sum(t.nbytes for t in call.targets)
+            shared = reply.shm_bytes
+            if (shared and (payload_len or conn.segment is None or shared > conn.segment.capacity)) or \
+                    (shared or payload_len) != expected or len(reply.pull.tensors) != len(call.targets):
+                raise InternalError(f"ps {call.ps}: bulk reply of {payload_len} + {shared} shared bytes does not "
+                                    f"match the request")
+            if shared:
+                assert conn.segment is not None
+                offset = 0
+                for target in call.targets:
+                    n = target.nbytes
+                    target.reshape(-1).view(np.uint8)[:] = conn.segment.region[offset:offset + n]
+                    offset += n
+            else:
+                for target in call.targets:
+                    recv_into(sock, target.reshape(-1).view(np.uint8).data)
             if reply.HasField("push"):  # fused push-pull: the values are in the targets
                 reply.push.values.extend(reply.pull.tensors)
         call.reply = reply
 
     def _one(self, call: BulkCall) -> None:
-        conn, fresh = self._acquire(call.ps)
+        conn = self._acquire(call.ps)
         try:
-            self._send(call, conn, fresh)
+            self._send(call, conn)
             self._receive(call, conn)
         except (OSError, ConnectionError) as exc:
             raise self._fail(call.ps, conn, exc) from exc
@@ -171,12 +249,12 @@ class BulkClient:
             for fut in [self._pool.submit(self._one, c) for c in calls]:
                 fut.result()
             return
-        opened: list[tuple[BulkCall, socket.socket]] = []
+        opened: list[tuple[BulkCall, _Conn]] = []
         try:
             for call in calls:
-                conn, fresh = self._acquire(call.ps)
+                conn = self._acquire(call.ps)
                 opened.append((call, conn))
-                self._send(call, conn, fresh)
+                self._send(call, conn)
             while opened:
                 call, conn = opened[0]
                 self._receive(call, conn)

@@ -79,7 +79,7 @@ class PSClient:
             self._tensors = BulkTensors(BulkClient(
                 [a.rpartition(":")[0] for a in settings.cluster.ps], self._bulk_port, settings.token_value(),
                 settings.rpc_timeout_s, self._pool, io_timeout=settings.socket_timeout_s,
-                tls_context=tls.client_context(files) if files else None))
+                tls_context=tls.client_context(files) if files else None, shared_memory=settings.shared_memory))
 
     def _bulk_port(self, ps: int) -> int:
         return int(self._call(ps, "Status", pb.PsStatusRequest()).bulk_port)

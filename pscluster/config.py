@@ -114,6 +114,8 @@ class Settings(_Frozen):
     metrics_port: int | None = Field(default=None, ge=0, lt=65536)  # serve Prometheus metrics (0: any port)
     metrics_host: str = "127.0.0.1"  # the metrics port serves without a token: loopback unless told otherwise
     bulk_transport: bool = True  # pull/push tensors over the PS's raw TCP port; False: gRPC only
+    # same-host bulk connections (no TLS) carry payloads through shared memory (pscluster/shm.py)
+    shared_memory: bool = True
     # async jobs (coordinator): fused push-pull, ps-lite's PushPull. A closure's push brings back the pushed
     # variables' new values, and the worker's next pull of exactly those variables, if within
     # push_pull_max_age_s (a worker setting), uses them instead of another round trip (pscluster/fresh.py)
@@ -282,6 +284,7 @@ _ENV_FIELDS = {
     "PSCLUSTER_METRICS_HOST": "metrics_host",
     "PSCLUSTER_LOGDIR": "logdir",
     "PSCLUSTER_PUSH_PULL": "push_pull",
+    "PSCLUSTER_SHARED_MEMORY": "shared_memory",
     "PSCLUSTER_PUSH_PULL_MAX_AGE_S": "push_pull_max_age_s",
     "PSCLUSTER_TLS_DIR": "tls_dir",
     "PSCLUSTER_TLS_CA_FILE": "tls_ca_file",

@@ -270,6 +270,8 @@ class FrameServer:
                 self._conns.discard(conn)
             self.budget.release(peer, authed)
             conn.close()
+            for release in state.get("on_close", ()):  # what handlers tied to this connection (a segment)
+                release()
 
     def _handshake(self, raw: socket.socket) -> socket.socket | None:
         """The TLS side of a connection (the handshake bounded by auth_timeout_s), role checked; None if refused."""

@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import math
 import socket
+import ssl
 import time
 from typing import Any
 
 import numpy as np
 
-from pscluster import codec
-from pscluster.errors import InvalidArgumentError
-from pscluster.framing import PREFIX, FrameServer, recv_into, refuse_payload, send_buffer, send_frame
+from pscluster import codec, shm
+from pscluster.errors import FailedPreconditionError, InvalidArgumentError
+from pscluster.framing import PREFIX, FrameServer, drain, recv_into, refuse_payload, send_buffer, send_frame
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.server.ps import ParameterServerCore
 from pscluster.server.store import PushItem, Shard
@@ -53,9 +54,26 @@ class BulkHandlers:
     def server(self, host: str, token: str | None, max_header_bytes: int, port: int = 0,
                **limits: Any) -> FrameServer:
         """A FrameServer with this PS's handlers on port (0: any free port), not started; limits: framing.limits."""
+        self._max_shared = min(shm.MAX_BYTES, int(limits.get("max_payload_bytes", shm.MAX_BYTES)))
         return FrameServer(host, token, {"pull": self.pull, "push": self.push, "take_token": self.take_token,
-                                         "step_done": self.step_done}, max_header_bytes, name="bulk", port=port,
-                           **limits)
+                                         "step_done": self.step_done, "shm_attach": self.shm_attach},
+                           max_header_bytes, name="bulk", port=port, **limits)
+
+    def shm_attach(self, conn: socket.socket, request: pb.BulkRequest, payload_len: int,
+                   state: dict[str, Any]) -> None:
+        """Map a same-host client's segment for this connection's payloads (pscluster/shm.py)."""
+        refuse_payload(conn, payload_len, "shm_attach")
+        if isinstance(conn, ssl.SSLSocket) or not shm.is_local_peer(conn):
+            raise FailedPreconditionError("shared memory is for plain connections from this host")
+        offer = request.shm_attach
+        segment = shm.Segment.attach(offer.name, offer.nonce, offer.size, self._max_shared)
+        old = state.get("shm")
+        if old is not None:
+            old.close()
+        else:
+            state.setdefault("on_close", []).append(lambda: state["shm"].close())
+        state["shm"] = segment
+        send_frame(conn, pb.BulkReply().SerializeToString())
 
     def take_token(self, conn: socket.socket, request: pb.BulkRequest, payload_len: int,
                    state: dict[str, Any]) -> None:
@@ -81,12 +99,18 @@ class BulkHandlers:
         """Receive a push's payload, validate it whole, apply it, reply."""
         started = time.perf_counter()
         req = request.push
+        segment = _shared_payload(conn, request, payload_len, state)
+        if segment is not None:
+            payload_len = request.shm_bytes
         scratch: np.ndarray | None = state.get("scratch")
         if payload_len <= REUSE_BYTES and (scratch is None or scratch.size < payload_len):
             scratch = state["scratch"] = np.empty(payload_len, np.uint8)
         buf = scratch[:payload_len] if scratch is not None and payload_len <= REUSE_BYTES else \
             np.empty(payload_len, np.uint8)
-        recv_into(conn, buf.data)
+        if segment is not None:
+            buf[:] = segment.region[:payload_len]  # a copy: the client cannot change it after validation
+        else:
+            recv_into(conn, buf.data)
         try:
             items = push_items(req.items, buf, payload_len)
             results = self.core.push(req.push_id, req.step, items, req.final_below)
@@ -100,7 +124,7 @@ class BulkHandlers:
         if req.return_values and self.core.returns_values(req.items):
             # fused push-pull: the shards' values after this push follow, as a pull's would
             self._reply_with_values(conn, reply, [(None, (i.ref.variable, i.ref.shard_index)) for i in req.items],
-                                    state)
+                                    state, request.shm_reply)
             return
         send_frame(conn, reply.SerializeToString(), 0)
 
@@ -110,12 +134,14 @@ class BulkHandlers:
         refuse_payload(conn, payload_len, "pull")
         wanted = [(codec.decode_ids(item.ids) if item.HasField("ids") else None,
                    (item.ref.variable, item.ref.shard_index)) for item in request.pull.items]
-        total = self._reply_with_values(conn, pb.BulkReply(), wanted, state)
+        total = self._reply_with_values(conn, pb.BulkReply(), wanted, state, request.shm_reply)
         self._observe("pull", total, started)
 
     def _reply_with_values(self, conn: socket.socket, reply: pb.BulkReply,
-                           wanted: list[tuple[np.ndarray | None, tuple[str, int]]], state: dict[str, Any]) -> int:
-        """Send reply with `reply.pull` describing each wanted shard (or its rows `ids`), then their bytes."""
+                           wanted: list[tuple[np.ndarray | None, tuple[str, int]]], state: dict[str, Any],
+                           shared: bool = False) -> int:
+        """Send reply with `reply.pull` describing each wanted shard (or its rows `ids`), then their bytes
+        (in the connection's segment if `shared` asks and they fit, else after the header)."""
         parts: list[tuple[np.ndarray | None, Any]] = []
         tensors, versions = [], []
         total = 0
@@ -134,6 +160,12 @@ class BulkHandlers:
             versions.append(version)
         reply.pull.tensors.extend(tensors)
         reply.pull.versions.extend(versions)
+        segment: shm.Segment | None = state.get("shm") if shared else None
+        if segment is not None and total <= segment.capacity:
+            self._copy_parts(segment.region, parts)
+            reply.shm_bytes = total
+            send_frame(conn, reply.SerializeToString())
+            return total
         header = reply.SerializeToString()
         try:
             self._send_parts(conn, PREFIX.pack(len(header), total) + header, parts, state)
@@ -142,6 +174,17 @@ class BulkHandlers:
         except Exception as exc:  # the header is out: an error frame now would be read as tensor bytes
             raise ConnectionError(f"pull failed mid-reply: {type(exc).__name__}: {exc}") from exc
         return total
+
+    def _copy_parts(self, region: np.ndarray, parts: list[tuple[np.ndarray | None, Any]]) -> None:
+        """Each part's bytes into region, one after another (a shard's under its lock)."""
+        fill = 0
+        for rows, shard in parts:
+            if rows is not None:
+                region[fill:fill + rows.nbytes] = np.ascontiguousarray(rows).reshape(-1).view(np.uint8)
+                fill += rows.nbytes
+            else:
+                self.core.store.copy_into(shard, region[fill:fill + shard.value.nbytes])
+                fill += shard.value.nbytes
 
     def _send_parts(self, conn: socket.socket, head: bytes, parts: list[tuple[np.ndarray | None, Any]],
                     state: dict[str, Any]) -> None:
@@ -176,6 +219,23 @@ class BulkHandlers:
                 conn.sendall(piece)  # outside the shard lock: a stalled reader stalls only this thread
         if fill:
             conn.sendall(out[:fill].data)
+
+
+def _shared_payload(conn: socket.socket, request: pb.BulkRequest, payload_len: int,
+                    state: dict[str, Any]) -> shm.Segment | None:
+    """The connection's segment when request's payload is in it; None when the payload is on the socket.
+
+    Raises:
+        InvalidArgumentError: a shared payload without a segment, larger than it, or also on the socket.
+    """
+    if not request.shm_bytes:
+        return None
+    segment: shm.Segment | None = state.get("shm")
+    if payload_len or segment is None or request.shm_bytes > segment.capacity:
+        drain(conn, payload_len)
+        raise InvalidArgumentError(f"a payload of {request.shm_bytes} shared bytes needs an attached segment that "
+                                   f"holds them, and no bytes on the socket ({payload_len} sent)")
+    return segment
 
 
 def push_items(described: Any, buf: np.ndarray, payload_len: int) -> list[PushItem]:

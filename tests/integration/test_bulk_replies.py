@@ -1,12 +1,14 @@
 """Bulk pulls and pushes mixing small and large tensors in one request: bytes land in the right place.
 
 Small parts travel together with the frame's head (one send); a part that does not fit the PS's 1 MiB
-copy buffer is sent piece by piece, and small parts after it are staged again. Real sockets, in-process PS.
+copy buffer is sent piece by piece, and small parts after it are staged again. Real sockets, in-process PS;
+both with payloads on the socket and through a same-host shared-memory segment.
 """
 
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import pytest
 
 from pscluster import codec
 from pscluster.bulk import BulkCall, BulkClient
@@ -19,7 +21,8 @@ from pscluster.server.store import ShardSpec
 SHAPES = {"a": (3,), "big": (768, 1024), "b": (5, 4), "huge": (1024, 600), "c": ()}  # 3 MiB, 2.3 MiB
 
 
-def test_a_pull_and_a_push_mixing_small_and_large_shards_and_rows_move_every_byte_in_order():
+@pytest.mark.parametrize("shared_memory", [False, True])
+def test_a_pull_and_a_push_mixing_small_and_large_shards_and_rows_move_every_byte_in_order(shared_memory):
     core = ParameterServerCore(0, 1)
     rng = np.random.default_rng(0)
     values = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in SHAPES.items()}
@@ -28,7 +31,8 @@ def test_a_pull_and_a_push_mixing_small_and_large_shards_and_rows_move_every_byt
                     value.copy(), "zeros", 0.0, 0)
     frames = BulkHandlers(core).server("127.0.0.1", None, 1 << 20).start()
     pool = ThreadPoolExecutor(2)
-    client = BulkClient(["127.0.0.1"], lambda ps: frames.port, None, timeout=5.0, pool=pool, io_timeout=20.0)
+    client = BulkClient(["127.0.0.1"], lambda ps: frames.port, None, timeout=5.0, pool=pool, io_timeout=20.0,
+                        shared_memory=shared_memory)
     try:
         ids = np.array([700, 3, 3, 511], np.int64)
         items = [pb.PullItem(ref=pb.ShardRef(variable=name)) for name in SHAPES]
@@ -49,6 +53,8 @@ def test_a_pull_and_a_push_mixing_small_and_large_shards_and_rows_move_every_byt
         assert call.reply is not None and list(call.reply.push.applied) == [True] * len(SHAPES)
         for name in SHAPES:
             np.testing.assert_array_equal(core.store.get((name, 0)).value, values[name] - 0.5)
+        segments = [conn.segment for conn in client._free[0]]
+        assert all(s is not None for s in segments) if shared_memory else segments == [None]
     finally:
         client.close()
         frames.stop()
