@@ -10,7 +10,8 @@ The client creates the segment (0600, `O_EXCL`), writes a random nonce at its st
 to attach. The PS maps it only if it can open it and reads the same nonce, which proves a shared
 filesystem and host (a remote PS, or one in another container, cannot); then both ends unlink the
 name, so nothing is left behind when either dies. A request or reply uses the segment only if it
-fits; anything else, and every connection with TLS, stays on the socket. Requests on a connection
+fits; anything else, and every connection with TLS, stays on the socket, as does everything when the
+segment cannot be allocated (a container's small /dev/shm). Requests on a connection
 are sequential, so one region serves both directions. The PS copies a pushed payload out before it
 validates it, so the client cannot change a gradient between validation and apply.
 
@@ -35,7 +36,7 @@ PREFIX = "pscluster-"
 HEADER_BYTES = 64  # the nonce, padded so the region starts cache-line aligned
 NONCE_BYTES = 16
 MIN_BYTES = 64 << 10  # below this a payload rides the socket: one copy more or less is not worth a segment
-MAX_BYTES = 256 << 20  # per connection; larger payloads ride the socket
+MAX_BYTES = 64 << 20  # per connection (a worker holds one per PS connection); larger payloads ride the socket
 
 
 def available() -> bool:
@@ -76,7 +77,9 @@ class Segment:
         nonce = secrets.token_bytes(NONCE_BYTES)
         fd = os.open(os.path.join(DIRECTORY, name), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
-            os.ftruncate(fd, size)
+            # allocated now, not on first touch: a full /dev/shm (a container's 64 MiB default) must be an
+            # error here, not a SIGBUS when a payload is copied in
+            os.posix_fallocate(fd, 0, size)
             mapping = mmap.mmap(fd, size)
         except BaseException:
             os.unlink(os.path.join(DIRECTORY, name))

@@ -124,3 +124,21 @@ def test_bad_offers_and_shared_payloads_without_a_segment_are_refused_and_change
     shard = core.store.get(("w", 0))
     assert shard.version == 0
     np.testing.assert_array_equal(shard.value, np.ones(SHAPE, np.float32))
+
+
+def test_a_segment_that_cannot_be_allocated_leaves_the_connection_on_the_socket(ps, tmp_path, monkeypatch):
+    core, frames = ps
+    pool = ThreadPoolExecutor(1)
+    client = BulkClient(["127.0.0.1"], lambda _: frames.port, None, timeout=5.0, pool=pool, io_timeout=10.0)
+    monkeypatch.setattr(shm, "DIRECTORY", str(tmp_path / "missing"))  # as full or absent as /dev/shm gets
+    try:
+        target = np.empty(SHAPE, np.float32)
+        call = BulkCall(0, pb.BulkRequest(push=_push()), payloads=[np.full(SHAPE, 0.5, np.float32)],
+                        targets=[target])
+        client.run([call])
+        assert call.reply is not None and call.reply.shm_bytes == 0
+        np.testing.assert_array_equal(target, np.full(SHAPE, 0.5, np.float32))
+        assert [(c.local, c.segment) for c in client._free[0]] == [(False, None)]
+    finally:
+        client.close()
+        pool.shutdown()
