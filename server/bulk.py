@@ -27,13 +27,15 @@ import numpy as np
 
 from pscluster import codec, shm
 from pscluster.errors import FailedPreconditionError, InvalidArgumentError
-from pscluster.framing import PREFIX, FrameServer, drain, recv_into, refuse_payload, send_buffer, send_frame
+from pscluster.frame_server import FrameServer
+from pscluster.framing import PREFIX, drain, recv_into, refuse_payload, send_buffer, send_frame
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.server.ps import ParameterServerCore
 from pscluster.server.store import PushItem, Shard
 
 PULL_COPY_BYTES = 1 << 20  # per pulling connection; see the module docstring
 REUSE_BYTES = 64 << 20  # pushes up to this size land in a per-connection buffer (no page faults)
+INLINE_BYTES = 1 << 20  # larger pushes and pulls get a thread, so their copies never delay the small ones
 
 
 class BulkHandlers:
@@ -57,7 +59,34 @@ class BulkHandlers:
         self._max_shared = min(shm.MAX_BYTES, int(limits.get("max_payload_bytes", shm.MAX_BYTES)))
         return FrameServer(host, token, {"pull": self.pull, "push": self.push, "take_token": self.take_token,
                                          "step_done": self.step_done, "shm_attach": self.shm_attach},
-                           max_header_bytes, name="bulk", port=port, **limits)
+                           max_header_bytes, name="bulk", port=port, inline=self.inline, **limits)
+
+    def inline(self, request: pb.BulkRequest, state: dict[str, Any]) -> bool:
+        """Whether request may be served on the frame server's loop thread: a dense push or pull whose
+        bytes go through the connection's segment, at most INLINE_BYTES each way, answered at once."""
+        segment: shm.Segment | None = state.get("shm")
+        if segment is None:
+            return False
+        kind = request.WhichOneof("op")
+        if kind == "push":
+            if request.shm_bytes > INLINE_BYTES:
+                return False
+            if not request.push.return_values:
+                return True
+            refs = [(item.ref, item.HasField("ids")) for item in request.push.items]
+        elif kind == "pull":
+            refs = [(item.ref, item.HasField("ids")) for item in request.pull.items]
+        else:
+            return False  # a token may wait for other workers; the rest is rare
+        if not request.shm_reply:
+            return False
+        total = 0
+        for ref, rows in refs:
+            shard = None if rows else self.core.store.find((ref.variable, ref.shard_index))
+            if shard is None:
+                return False  # rows are sized by their ids; an unknown shard's NOT_FOUND comes from a thread
+            total += shard.value.nbytes
+        return total <= min(segment.capacity, INLINE_BYTES)
 
     def shm_attach(self, conn: socket.socket, request: pb.BulkRequest, payload_len: int,
                    state: dict[str, Any]) -> None:

@@ -6,9 +6,9 @@ import logging
 
 import grpc
 
-from pscluster import daemon, framing, rpc, tls
+from pscluster import daemon, frame_server, rpc, tls
 from pscluster.config import Settings
-from pscluster.framing import stop_with
+from pscluster.frame_server import stop_with
 from pscluster.metrics import PsMetrics
 from pscluster.metrics import serve as metrics_serve
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
@@ -36,7 +36,7 @@ def start(settings: Settings) -> tuple[grpc.Server, int, ParameterServerCore]:
     if settings.bulk_transport:
         bulk = BulkHandlers(core).server(settings.bind_host, settings.token_value(),
                                          settings.max_message_bytes, port=settings.framed_port or 0,
-                                         **framing.limits(settings, tls.BULK_ROLES)).start()
+                                         **frame_server.limits(settings, tls.BULK_ROLES)).start()
         core.bulk_port = bulk.port
     servicer = ParameterServerServicer(core, settings.chunk_bytes)
     server, port = rpc.create_server(

@@ -10,13 +10,13 @@ from collections.abc import Callable
 
 import grpc
 
-from pscluster import context, daemon, framing, rpc, tls
+from pscluster import context, daemon, frame_server, rpc, tls
 from pscluster.client import PSClient
 from pscluster.config import Settings
 from pscluster.datasets import WorkerDatasets, WorkerInfo
 from pscluster.daemon import Waiter
 from pscluster.errors import PsclusterError, StartupError
-from pscluster.framing import stop_with
+from pscluster.frame_server import stop_with
 from pscluster.metrics import serve as metrics_serve
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
@@ -134,7 +134,7 @@ def start(settings: Settings, ps_resolver: Callable[[int], str] | None = None
     if settings.bulk_transport:
         frames = closure_server(servicer, settings.bind_host, settings.token_value(),
                                 settings.max_message_bytes, port=settings.framed_port or 0,
-                                **framing.limits(settings, tls.CLOSURE_ROLES)).start()
+                                **frame_server.limits(settings, tls.CLOSURE_ROLES)).start()
         servicer.closure_port = frames.port
         stop_with(server, frames)
     return server, port, servicer

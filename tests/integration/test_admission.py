@@ -1,5 +1,5 @@
 """Peers without the token cannot exhaust a framed port, and authenticated ones cannot make it allocate
-what they merely announce: real sockets against an in-process PS (server/bulk.py over framing.FrameServer).
+what they merely announce: real sockets against an in-process PS (server/bulk.py over frame_server.FrameServer).
 """
 
 import logging

@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from pscluster import errors, framing, rpc
+from pscluster.frame_server import FrameServer
 from pscluster.proto import pscluster_pb2 as pb
 
 CLASSES = sorted(set(errors.ERRORS_BY_CODE.values()), key=lambda c: c.__name__)
@@ -36,7 +37,7 @@ def _raising(request_kinds):
 
 @pytest.fixture
 def frame_server():
-    server = framing.FrameServer("127.0.0.1", None, _raising(["pull"]), 1 << 16, name="test").start()
+    server = FrameServer("127.0.0.1", None, _raising(["pull"]), 1 << 16, name="test").start()
     yield server
     server.stop()
 
@@ -57,7 +58,7 @@ def test_every_error_class_round_trips_over_the_framed_transport(frame_server, c
         for cls in CLASSES:
             err = _framed_call(conn, cls.__name__)
             assert type(err) is cls and f"raised {cls.__name__}" in str(err)
-        with caplog.at_level(logging.ERROR, logger="pscluster.framing"):
+        with caplog.at_level(logging.ERROR, logger="pscluster.frame_server"):
             err = _framed_call(conn, "Boom")
         assert type(err) is errors.InternalError and "Boom: raised Boom" in str(err)
         assert "test pull request failed" in caplog.text

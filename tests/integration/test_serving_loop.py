@@ -1,0 +1,131 @@
+"""The bulk port's serving loop: small shared-memory requests are served from one thread, and nothing
+a client does there can hold up another client.
+
+A real PS core behind a real FrameServer on 127.0.0.1. A connection whose requests go through its
+segment is served by the loop (no thread of its own); one that stops reading its replies is handed
+to a thread of its own while another client goes on being served; idle and stopped connections end.
+"""
+
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from pscluster import codec, framing, shm
+from pscluster.bulk import BulkCall, BulkClient
+from pscluster.proto import pscluster_pb2 as pb
+from pscluster.server.bulk import BulkHandlers
+from pscluster.server.optimizers import OptimizerConfig
+from pscluster.server.ps import ParameterServerCore
+from pscluster.server.store import ShardSpec
+
+pytestmark = pytest.mark.skipif(not shm.available(), reason="this host has no writable /dev/shm")
+SHAPE = (256, 128)  # 128 KB: served inline
+
+
+def _server(**limits):
+    core = ParameterServerCore(0, 1)
+    core.create(ShardSpec("w", 0, 1, SHAPE, SHAPE, 0, "<f4", OptimizerConfig("sgd", 1.0)),
+                np.zeros(SHAPE, np.float32), "zeros", 0.0, 0)
+    return core, BulkHandlers(core).server("127.0.0.1", None, 1 << 16, **limits).start()
+
+
+def _conn_threads():
+    return [t for t in threading.enumerate() if t.name == "bulk-conn"]
+
+
+_ids = iter(range(1 << 30))
+
+
+def _push_pull(client, value):
+    target = np.empty(SHAPE, np.float32)
+    push = pb.PushRequest(push_id=f"p{next(_ids)}", return_values=True,
+                          items=[pb.PushItem(ref=pb.ShardRef(variable="w"), grad=codec.header(np.float32, SHAPE))])
+    call = BulkCall(0, pb.BulkRequest(push=push), payloads=[np.full(SHAPE, value, np.float32)], targets=[target])
+    client.run([call])
+    return target
+
+
+def _wait(predicate, seconds=5.0):
+    deadline = time.monotonic() + seconds
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return predicate()
+
+
+@pytest.fixture
+def pool():
+    pool = ThreadPoolExecutor(2)
+    yield pool
+    pool.shutdown()
+
+
+def test_shared_memory_requests_are_served_by_the_loop_without_a_thread_per_connection(pool):
+    core, frames = _server()
+    clients = [BulkClient(["127.0.0.1"], lambda _: frames.port, None, timeout=5.0, pool=pool, io_timeout=10.0)
+               for _ in range(3)]
+    try:
+        for step in range(1, 6):
+            for client in clients:
+                got = _push_pull(client, 1.0)
+        np.testing.assert_array_equal(got, np.full(SHAPE, -15.0, np.float32))  # 15 pushes of 1.0, lr 1
+        assert frames.connections == 3
+        assert _wait(lambda: not _conn_threads())  # each went back to the loop after its segment offer
+        assert [t for t in threading.enumerate() if t.name == "bulk-loop"]
+    finally:
+        for client in clients:
+            client.close()
+        frames.stop()
+    assert _wait(lambda: frames.connections == 0)
+    assert not [t for t in threading.enumerate() if t.name in ("bulk-loop", "bulk-conn")]
+
+
+def test_a_connection_that_stops_reading_gets_its_own_thread_and_the_others_go_on(pool):
+    core, frames = _server(io_timeout_s=30.0)
+    segment, nonce = shm.Segment.create(shm.size_for(SHAPE[0] * SHAPE[1] * 4))
+    stalled = socket.socket()
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # its replies back up after a few dozen
+    stalled.connect(("127.0.0.1", frames.port))
+    client = BulkClient(["127.0.0.1"], lambda _: frames.port, None, timeout=5.0, pool=pool, io_timeout=10.0)
+    try:
+        framing.send_hello(stalled, None)
+        offer = pb.ShmAttach(name=segment.name, nonce=nonce, size=shm.HEADER_BYTES + segment.capacity)
+        framing.send_frame(stalled, pb.BulkRequest(shm_attach=offer).SerializeToString())
+        assert framing.read_reply(stalled)[0].code == 0
+        shm.unlink(segment.name)
+        pull = pb.BulkRequest(pull=pb.PullRequest(items=[pb.PullItem(ref=pb.ShardRef(variable="w"))]),
+                              shm_reply=True)
+        frame = framing.PREFIX.pack(pull.ByteSize(), 0) + pull.SerializeToString()
+        stalled.settimeout(0.5)
+        try:
+            for _ in range(1_000_000):  # pull after pull, never reading a reply, until the PS stops taking them
+                stalled.sendall(frame)
+        except TimeoutError:
+            pass
+        assert _wait(lambda: len(_conn_threads()) == 1)  # the stalled reader's own thread, blocked on its send
+        started = time.monotonic()
+        for step in range(20):
+            got = _push_pull(client, 0.5)
+        assert time.monotonic() - started < 5.0  # the loop never waited on the stalled reader
+        np.testing.assert_array_equal(got, np.full(SHAPE, -10.0, np.float32))
+    finally:
+        stalled.close()
+        segment.close()
+        client.close()
+        frames.stop()
+
+
+def test_a_connection_idle_in_the_loop_is_closed_after_idle_timeout(pool):
+    core, frames = _server(idle_timeout_s=0.5)
+    client = BulkClient(["127.0.0.1"], lambda _: frames.port, None, timeout=5.0, pool=pool, io_timeout=10.0)
+    try:
+        _push_pull(client, 1.0)
+        _push_pull(client, 1.0)
+        assert _wait(lambda: not _conn_threads()) and frames.connections == 1
+        assert _wait(lambda: frames.connections == 0, seconds=4.0)
+    finally:
+        client.close()
+        frames.stop()
