@@ -78,17 +78,19 @@ def raw_grpc(nbytes: int, runs: int) -> dict[str, float]:
     return {"grpc_stream_gbps": nbytes / stream_s / 1e9, "grpc_one_message_gbps": nbytes / one_s / 1e9}
 
 
-def pscluster_transfer(nbytes: int, runs: int, bulk: bool = True, tls: bool = False) -> dict[str, float]:
-    """GB/s of pull and push (+SGD on the PS) of one float32 variable in 2 shards over 2 PS (mutual TLS if tls)."""
+def pscluster_transfer(nbytes: int, runs: int, bulk: bool = True, tls: bool = False,
+                       shared_memory: bool = False) -> dict[str, float]:
+    """GB/s of pull and push (+SGD on the PS) of one float32 variable in 2 shards over 2 PS (mutual TLS if tls;
+    over loopback TCP unless shared_memory, which same-host clients use by default)."""
     with local_cluster(2, 0, tls=tls) as cluster:
-        with ps.PSClient(cluster.settings(bulk_transport=bulk)) as client:
+        with ps.PSClient(cluster.settings(bulk_transport=bulk, shared_memory=shared_memory)) as client:
             var = client.create_variable("big", shape=(nbytes // 4 // 1024, 1024), dtype="float32",
                                          partitioner=ps.FixedShardsPartitioner(2), optimizer=ps.SGD(0.0))
             grad = np.ones(var.shape, np.float32)
             client.pull([var])
             pull_s, pulls = median_of(lambda: timed(lambda: client.pull([var])), runs)
             push_s, pushes = median_of(lambda: timed(lambda: client.push([(var, grad)])), runs)
-    tag = ("" if bulk else "_grpc") + ("_tls" if tls else "")
+    tag = ("" if bulk else "_grpc") + ("_tls" if tls else "") + ("_shm" if shared_memory else "")
     return {f"ps_pull{tag}_gbps": nbytes / pull_s / 1e9, f"ps_push{tag}_gbps": nbytes / push_s / 1e9}
 
 
@@ -99,6 +101,7 @@ def b1(runs: int = 5, nbytes: int = 100 * MB) -> dict[str, float]:
     out.update(raw_grpc(nbytes, runs))
     out.update(pscluster_transfer(nbytes, runs))
     out.update(pscluster_transfer(nbytes, runs, bulk=False))
+    out.update(pscluster_transfer(nbytes, runs, shared_memory=True))
     out["pull_vs_tcp"] = out["ps_pull_gbps"] / out["tcp_pull_gbps"]
     out["push_vs_tcp"] = out["ps_push_gbps"] / out["tcp_push_gbps"]
     return out

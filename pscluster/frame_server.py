@@ -36,7 +36,7 @@ tls_role = tls.role_of_peercert
 Handler = Callable[[socket.socket, pb.BulkRequest, int, dict[str, Any]], None]
 # inline(request, state): whether a payload-less request may be served on the loop thread (small, immediate reply)
 Inline = Callable[[pb.BulkRequest, dict[str, Any]], bool]
-PEEK_BYTES = 4096  # a request header the loop serves fits in this
+PEEK_BYTES = 16 << 10  # a request header the loop serves fits in this (larger ones keep their thread)
 
 
 class FrameServer:
@@ -179,8 +179,8 @@ class FrameServer:
             if request is None:
                 return False
             self._run(conn, request, payload_len, served.state)
-            if self._loop is not None and not payload_len and self._inline is not None and \
-                    self._inline(request, served.state):
+            if self._loop is not None and not payload_len and PREFIX.size + header_len <= PEEK_BYTES and \
+                    self._inline is not None and self._inline(request, served.state):
                 self._loop.adopt(served)
                 return True
         return False

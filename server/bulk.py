@@ -65,7 +65,9 @@ class BulkHandlers:
         """Whether request may be served on the frame server's loop thread: a dense push or pull whose
         bytes go through the connection's segment, at most INLINE_BYTES each way, answered at once."""
         segment: shm.Segment | None = state.get("shm")
-        if segment is None:
+        if segment is None or state.get("takes_tokens"):
+            # a token may wait for other workers, so it is never served by the loop; moving its connection
+            # to a thread and back every step would cost a thread per step
             return False
         kind = request.WhichOneof("op")
         if kind == "push":
@@ -77,7 +79,7 @@ class BulkHandlers:
         elif kind == "pull":
             refs = [(item.ref, item.HasField("ids")) for item in request.pull.items]
         else:
-            return False  # a token may wait for other workers; the rest is rare
+            return False  # tokens may wait; the rest is rare
         if not request.shm_reply:
             return False
         total = 0
@@ -108,6 +110,8 @@ class BulkHandlers:
                    state: dict[str, Any]) -> None:
         """A sync/bounded token from this PS's queue (PS 0), as the TakeToken RPC."""
         refuse_payload(conn, payload_len, "take_token")
+        # a connection that takes sync tokens keeps a thread of its own (see `inline`)
+        state["takes_tokens"] = True
         req = request.take_token
         step, replica = self.core.sync.take_token(req.closure_id, req.worker, req.timeout_s or 30.0)
         send_frame(conn, pb.BulkReply(token=pb.TokenReply(step=step, replica=replica)).SerializeToString())

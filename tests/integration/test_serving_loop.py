@@ -21,6 +21,7 @@ from pscluster.server.bulk import BulkHandlers
 from pscluster.server.optimizers import OptimizerConfig
 from pscluster.server.ps import ParameterServerCore
 from pscluster.server.store import ShardSpec
+from pscluster.server.sync_replicas import attach
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="this host has no writable /dev/shm")
 SHAPE = (256, 128)  # 128 KB: served inline
@@ -126,6 +127,24 @@ def test_a_connection_idle_in_the_loop_is_closed_after_idle_timeout(pool):
         _push_pull(client, 1.0)
         assert _wait(lambda: not _conn_threads()) and frames.connections == 1
         assert _wait(lambda: frames.connections == 0, seconds=4.0)
+    finally:
+        client.close()
+        frames.stop()
+
+
+def test_a_connection_that_takes_sync_tokens_keeps_its_own_thread(pool):
+    core, frames = _server()
+    attach(core).configure("bounded", 1, 1, 100)
+    client = BulkClient(["127.0.0.1"], lambda _: frames.port, None, timeout=5.0, pool=pool, io_timeout=10.0)
+    try:
+        _push_pull(client, 1.0)
+        assert _wait(lambda: not _conn_threads())  # loop-served so far
+        call = BulkCall(0, pb.BulkRequest(take_token=pb.TokenRequest(closure_id=1, worker="w", timeout_s=5.0)))
+        client.run([call])
+        assert call.reply is not None
+        for _ in range(3):
+            _push_pull(client, 1.0)
+        assert len(_conn_threads()) == 1  # a token wait must never hold the loop: this connection stays off it
     finally:
         client.close()
         frames.stop()
