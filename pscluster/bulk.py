@@ -154,7 +154,7 @@ class BulkClient:
             reply, payload_len = read_reply(conn.sock)
         finally:
             shm.unlink(segment.name)
-        if reply.code or payload_len:  # not the same host after all, or a PS without segments
+        if payload_len or reply.code:  # not the same host after all, or a PS without segments
             segment.close()
             conn.local = False
             if payload_len:
@@ -175,11 +175,7 @@ class BulkClient:
         request.shm_reply = segment is not None
         request.shm_bytes = payload_bytes if segment is not None else 0
         if segment is not None and payload_bytes:
-            offset = 0
-            for payload in call.payloads:
-                n = payload.nbytes
-                segment.region[offset:offset + n] = np.ascontiguousarray(payload).reshape(-1).view(np.uint8)
-                offset += n
+            segment.write(call.payloads)
             header = request.SerializeToString()
             sock.sendall(PREFIX.pack(len(header), 0) + header)
             return
@@ -208,19 +204,15 @@ class BulkClient:
                               f"ps {call.ps}: {reply.message}")
         declined = reply.HasField("push") and not reply.pull.tensors  # a push-pull an accumulating PS answered
         if call.targets and not declined:
-            expected = sum(t.nbytes for t in call.targets)
             shared = reply.shm_bytes
-            if (shared and (payload_len or conn.segment is None or shared > conn.segment.capacity)) or \
-                    (shared or payload_len) != expected or len(reply.pull.tensors) != len(call.targets):
+            segment = conn.segment if shared and not payload_len else None
+            fits = not shared or (segment is not None and shared <= segment.capacity)
+            if not fits or (shared or payload_len) != sum(t.nbytes for t in call.targets) or \
+                    len(reply.pull.tensors) != len(call.targets):
                 raise InternalError(f"ps {call.ps}: bulk reply of {payload_len} + {shared} shared bytes does not "
                                     f"match the request")
-            if shared:
-                assert conn.segment is not None
-                offset = 0
-                for target in call.targets:
-                    n = target.nbytes
-                    target.reshape(-1).view(np.uint8)[:] = conn.segment.region[offset:offset + n]
-                    offset += n
+            if segment is not None:
+                segment.read_into(call.targets)
             else:
                 for target in call.targets:
                     recv_into(sock, target.reshape(-1).view(np.uint8).data)

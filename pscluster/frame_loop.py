@@ -71,10 +71,8 @@ class ServingLoop:
     def adopt(self, served: Served) -> None:
         """Serve this connection from the loop from now on (any thread may call it)."""
         with self._lock:
-            if self._stop.is_set():
-                stopping = True
-            else:
-                stopping = False
+            stopping = self._stop.is_set()
+            if not stopping:
                 self._incoming.append(served)
         if stopping:
             self._end(served)

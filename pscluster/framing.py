@@ -31,7 +31,6 @@ STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 CHUNK = 4 << 20  # bytes per send call of a payload: the unit of progress that io timeouts measure
 
 
-
 GROW_BYTES = 1 << 20  # above this, a buffer grows with the bytes that arrive instead of being allocated up front
 
 

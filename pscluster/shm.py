@@ -26,6 +26,7 @@ import mmap
 import os
 import secrets
 import socket
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -116,6 +117,22 @@ class Segment:
             raise FailedPreconditionError(f"shared-memory segment {name} is another host's")
         unlink(name)
         return cls(name, mapping)
+
+    def write(self, arrays: Sequence[np.ndarray]) -> None:
+        """arrays' bytes into the region, one after another (they must fit)."""
+        offset = 0
+        for array in arrays:
+            n = array.nbytes
+            self.region[offset:offset + n] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+            offset += n
+
+    def read_into(self, targets: Sequence[np.ndarray]) -> None:
+        """The region's bytes into targets (C-contiguous), one after another."""
+        offset = 0
+        for target in targets:
+            n = target.nbytes
+            target.reshape(-1).view(np.uint8)[:] = self.region[offset:offset + n]
+            offset += n
 
     def close(self) -> None:
         """Unmap (the region's views must be gone)."""

@@ -21,6 +21,7 @@ import math
 import socket
 import ssl
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,7 @@ class BulkHandlers:
         # a dense shard's reply header (dtype, shape) never changes: built once per shard object, not per
         # pull; one entry per shard key (a restored or recreated shard replaces its entry)
         self._headers: dict[tuple[str, int], tuple[Shard, pb.Tensor]] = {}
+        self._max_shared = shm.MAX_BYTES  # the largest segment region a client may offer (server() narrows it)
 
     def _header_of(self, shard: Shard) -> pb.Tensor:
         entry = self._headers.get(shard.spec.key)
@@ -56,7 +58,7 @@ class BulkHandlers:
     def server(self, host: str, token: str | None, max_header_bytes: int, port: int = 0,
                **limits: Any) -> FrameServer:
         """A FrameServer with this PS's handlers on port (0: any free port), not started; limits: framing.limits."""
-        self._max_shared = min(shm.MAX_BYTES, int(limits.get("max_payload_bytes", shm.MAX_BYTES)))
+        self._max_shared = min(self._max_shared, int(limits.get("max_payload_bytes", shm.MAX_BYTES)))
         return FrameServer(host, token, {"pull": self.pull, "push": self.push, "take_token": self.take_token,
                                          "step_done": self.step_done, "shm_attach": self.shm_attach},
                            max_header_bytes, name="bulk", port=port, inline=self.inline, **limits)
@@ -75,16 +77,16 @@ class BulkHandlers:
                 return False
             if not request.push.return_values:
                 return True
-            refs = [(item.ref, item.HasField("ids")) for item in request.push.items]
+            items: Iterable[pb.PushItem | pb.PullItem] = request.push.items
         elif kind == "pull":
-            refs = [(item.ref, item.HasField("ids")) for item in request.pull.items]
+            items = request.pull.items
         else:
             return False  # tokens may wait; the rest is rare
         if not request.shm_reply:
             return False
         total = 0
-        for ref, rows in refs:
-            shard = None if rows else self.core.store.find((ref.variable, ref.shard_index))
+        for item in items:
+            shard = None if item.HasField("ids") else self.core.store.find((item.ref.variable, item.ref.shard_index))
             if shard is None:
                 return False  # rows are sized by their ids; an unknown shard's NOT_FOUND comes from a thread
             total += shard.value.nbytes
