@@ -114,7 +114,11 @@ class PsMonitor:
         """Note shard versions reported by a finished closure."""
         with self._lock:
             for v in versions:
-                self._seen.setdefault((v.variable, v.shard_index, v.incarnation), VersionRanges()).add(v.version)
+                key = (v.variable, v.shard_index, v.incarnation)
+                ranges = self._seen.get(key)
+                if ranges is None:  # not setdefault: that would build a VersionRanges per report
+                    ranges = self._seen[key] = VersionRanges()
+                ranges.add(v.version)
 
     @property
     def lost_updates(self) -> int:

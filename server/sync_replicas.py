@@ -4,7 +4,7 @@ sync: PS 0 keeps the global step G and a token queue of N (`total_num_replicas`)
 A closure takes a token (G, replica) before its first pull and tags its pushes with G. Every shard
 accumulates the gradients tagged with its current step; when R (`replicas_to_aggregate`) have
 arrived it applies their average once and moves to the next step; a gradient tagged with an older
-step is stale: dropped and counted. A closure that finished its pushes reports StepDone(G); after
+step is stale: dropped and counted (a repeat of a push its step counted is dropped, not counted). A closure that finished its pushes reports StepDone(G); after
 R reports G advances and the tokens of the next step are released. Every reporting closure has
 pushed to every shard, so R reports mean every shard has seen R gradients of the step: no shard
 can be left behind, and no step waits for backups (N > R) or for a dead token holder, whose
@@ -44,6 +44,7 @@ class Accumulator:
     dense: np.ndarray | None = None
     rows: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
     contributors: set[str] = field(default_factory=set)
+    earlier: frozenset[str] = frozenset()  # who made the previous step (a repeat of theirs is not stale)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -114,9 +115,15 @@ class SyncReplicas:
             if acc is None or step > acc.step:  # first push of this shard, or a restore left it behind
                 acc = self._acc[key] = Accumulator(step)
         with acc.lock:
-            if step < acc.step or acc is not self._acc.get(key):
-                with self._cond:
-                    self.dropped += 1
+            current = acc is self._acc.get(key)
+            if step < acc.step or not current:
+                # a repeat of a push the step already counted (a client's retry after its reply was lost)
+                # is not a stale gradient: only a contribution no step took is dropped
+                counted = acc.contributors if not current and step == acc.step else \
+                    acc.earlier if step == acc.step - 1 else frozenset()
+                if push_id not in counted:
+                    with self._cond:
+                        self.dropped += 1
                 return PushResult(shard.version, False)
             if push_id in acc.contributors:
                 return PushResult(shard.version, False)
@@ -136,7 +143,7 @@ class SyncReplicas:
                 grads = np.concatenate([g for _, g in acc.rows]) / r
                 result = self.core.store.apply(shard, grads, ids, f"sync:{acc.step}")
             with self._cond:
-                self._acc[key] = Accumulator(acc.step + 1)
+                self._acc[key] = Accumulator(acc.step + 1, earlier=frozenset(acc.contributors))
             return result
 
     # -- token queue and clocks (PS 0) -----------------------------------------------------------

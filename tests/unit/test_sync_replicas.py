@@ -56,6 +56,20 @@ def test_stale_gradient_is_dropped_counted_and_not_applied():
     assert version_after == version
 
 
+def test_a_repeat_of_a_counted_push_after_its_step_applied_is_not_counted_as_dropped():
+    core, sync = core_with()
+    sync.configure("sync", 2, 3, 0)
+    run_step(core, sync, [np.ones((4, 3))] * 2, 0, 0)  # c0.0 and c1.0 made step 0
+    before, version = core.store.pull(("w", 0))
+    res = core.push("c1.0", 0, [PushItem(("w", 0), np.ones((4, 3)))])  # c1's retry: its reply was lost
+    assert res[0].applied is False and sync.dropped == 0
+    assert core.push("c5.0", 0, [PushItem(("w", 0), np.ones((4, 3)))])[0].applied is False  # a real backup
+    assert sync.dropped == 1
+    after, version_after = core.store.pull(("w", 0))
+    np.testing.assert_array_equal(before, after)
+    assert version_after == version
+
+
 def test_duplicate_push_id_counts_once():
     core, sync = core_with()
     sync.configure("sync", 2, 2, 0)
