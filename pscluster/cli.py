@@ -23,7 +23,7 @@ def _version() -> str:
 
 def _client(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", help="cluster spec file (YAML, TOML or JSON); else TF_CONFIG")
-    p.add_argument("--token-file", help="file holding the shared token (else PSCLUSTER_TOKEN)")
+    p.add_argument("--token-file", help="file holding the shared token (else PSCLUSTER_TOKEN_FILE, then PSCLUSTER_TOKEN)")
     _tls(p)
     p.add_argument("--log-level", default="INFO")
 
@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--checkpoint-dir", help="checkpoint directory, restored from when it holds a checkpoint "
                                              "(default: a temporary one)")
     up.add_argument("--write-cluster", help="write the cluster spec here for clients")
-    up.add_argument("--token-file", help="file holding the shared token (else PSCLUSTER_TOKEN)")
+    up.add_argument("--token-file", help="file holding the shared token (else PSCLUSTER_TOKEN_FILE, then PSCLUSTER_TOKEN)")
     _tls(up)
     up.add_argument("--log-level", default="INFO")
     ce = sub.add_parser("certs", help="create a CA and a certificate per task of a cluster file (TLS, mutual TLS)")

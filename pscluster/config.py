@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import logging
 import os
 import pathlib
 import tomllib
@@ -20,6 +21,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 from pscluster.errors import ConfigError
+
+log = logging.getLogger(__name__)
+_WARNED_OPEN_TOKEN_FILES: set[str] = set()  # one warning per file and process, not per load
 
 MiB = 1 << 20
 
@@ -326,11 +330,23 @@ def load_token(token_file: str | pathlib.Path | None = None, env: Mapping[str, s
             # an empty token would turn authentication off, silently, on a cluster meant to have it
             raise ConfigError(f"token_file {token_file} is empty; write the token into it "
                               "(python -c \"import secrets; print(secrets.token_hex(16))\" > FILE)")
+        _warn_if_others_can_read(str(token_file))
         return token
     from_env = env.get("PSCLUSTER_TOKEN")
     if from_env is not None and not from_env.strip():
         raise ConfigError("PSCLUSTER_TOKEN is set but empty; set it to the cluster's token or unset it")
     return from_env.strip() if from_env is not None else None
+
+
+def _warn_if_others_can_read(path: str) -> None:
+    """A token others on the host can read lets them act as any role: say so (as ssh does for keys)."""
+    try:
+        mode = os.stat(path).st_mode & 0o777
+    except OSError:
+        return
+    if mode & 0o077 and path not in _WARNED_OPEN_TOKEN_FILES:
+        _WARNED_OPEN_TOKEN_FILES.add(path)
+        log.warning("token_file %s can be read by other users (mode %03o); chmod 600 %s", path, mode, path)
 
 
 def load_settings(cluster_file: str | pathlib.Path | None = None,

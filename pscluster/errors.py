@@ -131,8 +131,8 @@ ERRORS_BY_CODE: dict[grpc.StatusCode, type[PsclusterError]] = {
 }
 
 
-TOKEN_HINT = ("this program's token comes from PSCLUSTER_TOKEN, --token-file or token_file in the cluster "
-              "file and must be the one the cluster was started with")
+TOKEN_HINT = ("this program's token comes from --token-file, PSCLUSTER_TOKEN_FILE, PSCLUSTER_TOKEN or token_file "
+              "in the cluster file and must be the one the cluster was started with")
 
 
 def from_status(code: grpc.StatusCode, details: str) -> PsclusterError:

@@ -41,7 +41,7 @@ class ClusterStatus:
 
 def _problem(err: PsclusterError) -> str:
     if isinstance(err, UnauthenticatedError):
-        return "unauthenticated: wrong or missing token (PSCLUSTER_TOKEN, --token-file)"
+        return "unauthenticated: wrong or missing token (--token-file, PSCLUSTER_TOKEN_FILE or PSCLUSTER_TOKEN)"
     return "unreachable"
 
 

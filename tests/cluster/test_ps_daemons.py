@@ -192,7 +192,7 @@ def test_a_client_with_the_wrong_token_gets_one_clear_error(cluster, client, bul
     v = client.create_variable("guarded_too", shape=(3,), optimizer=ps.SGD(1.0))
     settings = cluster.settings(token="not-the-token", bulk_transport=bulk_transport)
     with ps.PSClient(settings) as wrong:
-        with pytest.raises(UnauthenticatedError, match="PSCLUSTER_TOKEN, --token-file or token_file") as info:
+        with pytest.raises(UnauthenticatedError, match="PSCLUSTER_TOKEN_FILE, PSCLUSTER_TOKEN or token_file") as info:
             wrong.pull([v])
     assert info.value.__cause__ is None and info.value.__suppress_context__  # no grpc internals in the traceback
     assert client.pull([v])[0].tolist() == [0, 0, 0]

@@ -49,7 +49,7 @@ def test_status_when_no_task_answers_is_one_line_per_problem():
 
 
 def test_status_with_the_wrong_token_names_the_problem_once():
-    problem = "unauthenticated: wrong or missing token (PSCLUSTER_TOKEN, --token-file)"
+    problem = "unauthenticated: wrong or missing token (--token-file, PSCLUSTER_TOKEN_FILE or PSCLUSTER_TOKEN)"
     status = ClusterStatus(ps=[("127.0.0.1:7001", None, []), ("127.0.0.1:7002", None, [])],
                            ps_problems=[problem, problem], coordinator_error=problem,
                            coordinator_address="127.0.0.1:7000")

@@ -41,6 +41,25 @@ def test_token_file(tmp_path):
     assert s.token_value() == "secret"
 
 
+def test_a_token_file_others_can_read_is_used_with_a_warning_once(tmp_path, caplog):
+    path = tmp_path / "tok"
+    path.write_text("secret\n")
+    path.chmod(0o644)
+    env = {"TF_CONFIG": json.dumps({"cluster": {"ps": PS}}), "PSCLUSTER_TOKEN_FILE": str(path)}
+    with caplog.at_level("WARNING", logger="pscluster.config"):
+        assert load_settings(env=env).token_value() == "secret"
+        load_settings(env=env)
+    warnings = [r.getMessage() for r in caplog.records if "can be read by other users" in r.getMessage()]
+    assert len(warnings) == 1 and "mode 644" in warnings[0] and f"chmod 600 {path}" in warnings[0]
+    caplog.clear()
+    private = tmp_path / "private"
+    private.write_text("secret\n")
+    private.chmod(0o600)
+    with caplog.at_level("WARNING", logger="pscluster.config"):
+        load_settings(env={**env, "PSCLUSTER_TOKEN_FILE": str(private)})
+    assert not [r for r in caplog.records if "can be read by other users" in r.getMessage()]
+
+
 @pytest.mark.parametrize("data,field", [
     ({"cluster": {"ps": []}}, "cluster.ps"),
     ({"cluster": {"ps": ["nohost"]}}, "cluster.ps"),
