@@ -75,17 +75,13 @@ class BulkHandlers:
         if kind == "push":
             if request.shm_bytes > INLINE_BYTES:
                 return False
-            if not request.push.return_values:
-                return True
-            items: Iterable[pb.PushItem | pb.PullItem] = request.push.items
-        elif kind == "pull":
-            items = request.pull.items
-        else:
+            # a fused reply of dense shards is exactly as large as the push (`push` validates that) and
+            # goes back through the same segment; any other reply is a small header
+            return not request.push.return_values or request.shm_reply
+        if kind != "pull" or not request.shm_reply:
             return False  # tokens may wait; the rest is rare
-        if not request.shm_reply:
-            return False
         total = 0
-        for item in items:
+        for item in request.pull.items:
             shard = None if item.HasField("ids") else self.core.store.find((item.ref.variable, item.ref.shard_index))
             if shard is None:
                 return False  # rows are sized by their ids; an unknown shard's NOT_FOUND comes from a thread
@@ -146,9 +142,15 @@ class BulkHandlers:
             buf[:] = segment.region[:payload_len]  # a copy: the client cannot change it after validation
         else:
             recv_into(conn, buf.data)
+        fused = req.return_values and self.core.returns_values(req.items)
+        # a fused push-pull answered through the segment: each shard's new value is copied there while
+        # its update still holds the lock (a push of dense shards is validated to be exactly their size)
+        reply_segment: shm.Segment | None = state.get("shm") if fused and request.shm_reply else None
+        into = reply_segment.region[:payload_len] if reply_segment is not None and \
+            payload_len <= reply_segment.capacity else None
         try:
             items = push_items(req.items, buf, payload_len)
-            results = self.core.push(req.push_id, req.step, items, req.final_below)
+            results = self.core.push(req.push_id, req.step, items, req.final_below, into)
         finally:
             items = []
             del buf  # a large one-off buffer goes back to the OS before the reply, not after
@@ -156,8 +158,16 @@ class BulkHandlers:
         reply = pb.BulkReply(push=pb.PushReply(versions=[r.version for r in results],
                                                applied=[r.applied for r in results],
                                                incarnation=self.core.incarnation))
-        if req.return_values and self.core.returns_values(req.items):
-            # fused push-pull: the shards' values after this push follow, as a pull's would
+        if into is not None:
+            store = self.core.store
+            reply.pull.tensors.extend([self._header_of(store.get((i.ref.variable, i.ref.shard_index)))
+                                       for i in req.items])
+            reply.pull.versions.extend([r.current for r in results])
+            reply.shm_bytes = payload_len
+            send_frame(conn, reply.SerializeToString())
+            return
+        if fused:
+            # fused push-pull over the socket: the shards' values after this push follow, as a pull's would
             self._reply_with_values(conn, reply, [(None, (i.ref.variable, i.ref.shard_index)) for i in req.items],
                                     state, request.shm_reply)
             return
@@ -287,14 +297,13 @@ def push_items(described: Any, buf: np.ndarray, payload_len: int) -> list[PushIt
         shape = tuple(header.shape)
         if shape and min(shape) < 0:
             raise InvalidArgumentError(f"{item.ref.variable}: negative dimension in {shape}")
-        n = math.prod(shape) * dt.itemsize
-        if offset + n > payload_len:
+        end = offset + math.prod(shape) * dt.itemsize
+        if end > payload_len:
             raise InvalidArgumentError(f"{item.ref.variable}: payload holds fewer bytes than the shapes announce")
-        grad = buf[offset:offset + n].view(dt).reshape(shape)
-        offset += n
         ref = item.ref
-        items.append(PushItem((ref.variable, ref.shard_index), grad,
+        items.append(PushItem((ref.variable, ref.shard_index), buf[offset:end].view(dt).reshape(shape),
                               codec.decode_ids(item.ids) if item.HasField("ids") else None))
+        offset = end
     if offset != payload_len:
         raise InvalidArgumentError(f"payload of {payload_len} bytes, shapes announce {offset}")
     return items

@@ -72,12 +72,14 @@ class ParameterServerCore:
         """Pull several shards (or rows of them)."""
         return [self.store.pull(key, ids) for key, ids in items]
 
-    def push(self, push_id: str, step: int, items: Sequence[PushItem], final_below: int = 0) -> list[PushResult]:
-        """Apply (async) or accumulate (sync) a push; final_below: see VariableStore.push."""
+    def push(self, push_id: str, step: int, items: Sequence[PushItem], final_below: int = 0,
+             values_into: np.ndarray | None = None) -> list[PushResult]:
+        """Apply (async) or accumulate (sync) a push; final_below, values_into: see VariableStore.push
+        (an accumulating PS copies no values)."""
         if self.sync is not None and self.sync.accumulates:
             results: list[PushResult] = self.sync.push(push_id, step, items)
             return results
-        return self.store.push(push_id, items, final_below)
+        return self.store.push(push_id, items, final_below, values_into)
 
     def returns_values(self, items: Sequence[pb.PushItem]) -> bool:
         """Whether a fused push-pull of these pushed items gets values: only an async PS (an accumulating

@@ -24,6 +24,9 @@ OTHER_IDS = 4096
 PREFIXES = 16
 
 
+PushKey = tuple[str, "int | None"]  # a push id and the closure id in it (parsed once per push, not per shard)
+
+
 def closure_of(push_id: str) -> int | None:
     """The closure id in `c<closure id>.<n>`, or None for another kind of id."""
     if not push_id.startswith("c"):
@@ -35,6 +38,11 @@ def closure_of(push_id: str) -> int | None:
         return None
 
 
+def push_key(push_id: str) -> PushKey:
+    """push_id with its closure id, for the `*_key` methods."""
+    return push_id, closure_of(push_id)
+
+
 class PushRecord:
     """Applied push ids of one shard (see the module docstring); the shard's lock guards it."""
 
@@ -44,6 +52,7 @@ class PushRecord:
         self._by_prefix: OrderedDict[int, OrderedDict[str, tuple[int, int]]] = OrderedDict()
         self._final_below: dict[int, int] = {}
         self._other: OrderedDict[str, int] = OrderedDict()  # id -> version applied at
+        self._newest: tuple[int, OrderedDict[str, tuple[int, int]]] | None = None  # last prefix used, its ids
 
     def __len__(self) -> int:
         return sum(len(ids) for ids in self._by_prefix.values()) + len(self._other)
@@ -66,7 +75,11 @@ class PushRecord:
 
     def seen(self, push_id: str) -> bool:
         """True if push_id was applied, or is a late copy from a closure that is final already."""
-        cid = closure_of(push_id)
+        return self.seen_key(push_key(push_id))
+
+    def seen_key(self, key: PushKey) -> bool:
+        """`seen` for a parsed push id."""
+        push_id, cid = key
         if cid is None:
             return push_id in self._other
         ids = self._by_prefix.get(cid >> 32)
@@ -80,7 +93,11 @@ class PushRecord:
         A repeated push answers with this version, not the shard's current one: the coordinator counts the
         updates a PS restart lost by version, and the current version belongs to another push.
         """
-        cid = closure_of(push_id)
+        return self.applied_at_key(push_key(push_id))
+
+    def applied_at_key(self, key: PushKey) -> int | None:
+        """`applied_at` for a parsed push id."""
+        push_id, cid = key
         if cid is None:
             return self._other.get(push_id)
         ids = self._by_prefix.get(cid >> 32)
@@ -89,7 +106,11 @@ class PushRecord:
 
     def add(self, push_id: str, version: int = 0) -> None:
         """Note push_id as applied at shard version `version`."""
-        cid = closure_of(push_id)
+        self.add_key(push_key(push_id), version)
+
+    def add_key(self, key: PushKey, version: int = 0) -> None:
+        """`add` for a parsed push id."""
+        push_id, cid = key
         if cid is None:
             self._other[push_id] = version
             if len(self._other) > min(OTHER_IDS, self._window):
@@ -101,6 +122,9 @@ class PushRecord:
             ids.popitem(last=False)
 
     def _prefix(self, prefix: int) -> OrderedDict[str, tuple[int, int]]:
+        newest = self._newest
+        if newest is not None and newest[0] == prefix:  # one coordinator pushing: the common case
+            return newest[1]
         ids = self._by_prefix.get(prefix)
         if ids is None:
             ids = self._by_prefix[prefix] = OrderedDict()
@@ -109,6 +133,7 @@ class PushRecord:
                 self._final_below.pop(old, None)
         else:
             self._by_prefix.move_to_end(prefix)
+        self._newest = (prefix, ids)
         return ids
 
     def state(self) -> dict[str, Any]:

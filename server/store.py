@@ -11,13 +11,14 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from pscluster.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from pscluster.server import optimizers as opt
-from pscluster.server.push_record import PushRecord
+from pscluster.server.push_record import PushKey, PushRecord, push_key
 from pscluster.specs import Key as Key, ShardSpec as ShardSpec
 
 
@@ -43,8 +44,7 @@ class Shard:
         return f"{self.spec.variable}[{self.spec.shard_index}]"
 
 
-@dataclass(frozen=True)
-class PushItem:
+class PushItem(NamedTuple):
     """One shard's part of a push: a dense gradient, or row ids (global) with row gradients."""
 
     key: Key
@@ -52,12 +52,12 @@ class PushItem:
     ids: np.ndarray | None = None
 
 
-@dataclass(frozen=True)
-class PushResult:
+class PushResult(NamedTuple):
     """What a push did to one shard."""
 
     version: int
     applied: bool
+    current: int = -1  # the shard's version right after (of the bytes copied out by a fused push-pull)
 
 
 def initial_value(spec: ShardSpec, kind: str, value: float, seed: int) -> np.ndarray:
@@ -220,60 +220,85 @@ class VariableStore:
         checked = []
         seen: set[Key] = set()
         reject_nan = self._nan_policy == "reject"
+        shards = self._shards
         for item in items:
-            shard = self.get(item.key)
-            spec = shard.spec
-            if item.key in seen:
+            key, grad, ids = item
+            shard = shards.get(key)
+            if shard is None:
+                shard = self.get(key)  # raises NotFoundError
+            if key in seen:
                 raise InvalidArgumentError(f"{shard.name}: pushed twice in one request")
-            seen.add(item.key)
-            grad = item.grad
-            if grad.dtype != shard.dtype:
+            seen.add(key)
+            dtype = grad.dtype
+            if dtype != shard.dtype:
                 raise InvalidArgumentError(
                     f"{shard.name}: gradient dtype {grad.dtype} does not match variable dtype {shard.dtype}")
             local = None
-            if item.ids is None:
-                if grad.shape != spec.shape:
+            shape = shard.spec.shape
+            if ids is None:
+                if grad.shape != shape:
                     raise InvalidArgumentError(
-                        f"{shard.name}: gradient shape {grad.shape} does not match shard shape {spec.shape}")
+                        f"{shard.name}: gradient shape {grad.shape} does not match shard shape {shape}")
             else:
-                local = self._local_rows(shard, item.ids)
-                want = (item.ids.shape[0],) + spec.shape[1:]
+                local = self._local_rows(shard, ids)
+                want = (ids.shape[0],) + shape[1:]
                 if grad.shape != want:
                     raise InvalidArgumentError(
-                        f"{shard.name}: row gradients of shape {grad.shape} for {item.ids.shape[0]} ids; "
+                        f"{shard.name}: row gradients of shape {grad.shape} for {ids.shape[0]} ids; "
                         f"expected {want}")
-            if reject_nan and grad.dtype.kind == "f" and not np.isfinite(grad).all():
+            # logical_and.reduce, not .all(): the same test without a Python frame per shard
+            if reject_nan and dtype.kind == "f" and not np.logical_and.reduce(np.isfinite(grad), axis=None):
                 raise InvalidArgumentError(
                     f"{shard.name}: gradient holds NaN or Inf; rejected (nan_policy=reject)")
             checked.append((shard, item, local))
         return checked
 
-    def push(self, push_id: str, items: Sequence[PushItem], final_below: int = 0) -> list[PushResult]:
+    def push(self, push_id: str, items: Sequence[PushItem], final_below: int = 0,
+             values_into: np.ndarray | None = None) -> list[PushResult]:
         """Apply a push to its shards, at most once per push_id per shard (empty id: always).
 
         final_below: the pushing coordinator's mark (server/push_record.py): its closures below it are
         final, so their ids are forgotten and a late copy of their pushes is refused.
+        values_into: for a fused push-pull of dense shards, uint8 room for every shard's bytes in item
+        order; each shard's value right after this push is copied there under the same lock hold.
         """
         checked = self.validate_push(items)
-        return [self.apply(shard, item.grad, local, push_id, final_below) for shard, item, local in checked]
+        key = push_key(push_id) if push_id else None
+        if values_into is None:
+            return [self.apply(shard, item.grad, local, key, final_below) for shard, item, local in checked]
+        results = []
+        fill = 0
+        for shard, item, local in checked:
+            n = shard.value.nbytes
+            results.append(self.apply(shard, item.grad, local, key, final_below, values_into[fill:fill + n]))
+            fill += n
+        return results
 
-    def apply(self, shard: Shard, grad: np.ndarray, local: np.ndarray | None, push_id: str,
-              final_below: int = 0) -> PushResult:
-        """Apply one validated gradient under the shard's lock, unless push_id was applied already."""
+    def apply(self, shard: Shard, grad: np.ndarray, local: np.ndarray | None, push_id: str | PushKey | None,
+              final_below: int = 0, out: np.ndarray | None = None) -> PushResult:
+        """Apply one validated gradient under the shard's lock, unless push_id (an id, or one parsed by
+        `push_key`; empty or None: always apply) was applied already; with `out`, copy the shard's bytes
+        there before letting go of the lock."""
+        key = push_key(push_id) if isinstance(push_id, str) and push_id else push_id or None
+        record = shard.record
         with shard.lock:
-            shard.record.advance(final_below)
-            if push_id and shard.record.seen(push_id):
-                applied = shard.record.applied_at(push_id)  # the version it made (lost-update accounting)
-                return PushResult(shard.version if applied is None else applied, False)
+            record.advance(final_below)
+            if key is not None and record.seen_key(key):
+                applied = record.applied_at_key(key)  # the version it made (lost-update accounting)
+                if out is not None:
+                    out[:] = shard.value.reshape(-1).view(np.uint8)
+                return PushResult(shard.version if applied is None else applied, False, shard.version)
             t = shard.version + 1
             if local is None:
                 opt.apply_dense(shard.spec.optimizer, shard.value, grad, shard.slots, t)
             else:
                 opt.apply_sparse(shard.spec.optimizer, shard.value, local, grad, shard.slots, t)
             shard.version = t
-            if push_id:
-                shard.record.add(push_id, t)
-            return PushResult(shard.version, True)
+            if key is not None:
+                record.add_key(key, t)
+            if out is not None:
+                out[:] = shard.value.reshape(-1).view(np.uint8)
+            return PushResult(t, True, t)
 
     @staticmethod
     def _local_rows(shard: Shard, ids: np.ndarray) -> np.ndarray:

@@ -65,6 +65,12 @@ def test_a_fused_push_pull_goes_through_the_segment_and_nothing_outlives_the_con
     assert call.reply is not None and call.reply.shm_bytes == target.nbytes  # the values came back shared
     np.testing.assert_array_equal(target, np.full(SHAPE, 0.75, np.float32))
     np.testing.assert_array_equal(core.store.get(("w", 0)).value, target)
+    assert list(call.reply.pull.versions) == [1] and list(call.reply.push.applied) == [True]
+    target[:] = 0
+    again = BulkCall(0, pb.BulkRequest(push=_push()), payloads=[np.full(SHAPE, 0.25, np.float32)], targets=[target])
+    client.run([again])  # the same push id again (a retry): not applied twice, the current values come back
+    assert again.reply is not None and list(again.reply.push.applied) == [False]
+    np.testing.assert_array_equal(target, np.full(SHAPE, 0.75, np.float32))
     assert _mapped_segments() == before + 2  # this client's mapping and the PS's
     assert not [n for n in os.listdir(shm.DIRECTORY) if n.startswith(f"{shm.PREFIX}{os.getpid()}-")]
     client.close()

@@ -155,3 +155,19 @@ def test_a_repeated_push_answers_with_the_version_it_made_not_the_current_one():
     assert restored.applied_at("c8.0") == 2
     old = PushRecord.from_state({"ids": ["c7.0"], "final_below": []}, version=3)
     assert old.applied_at("c7.0") == 3
+
+
+def test_a_fused_push_copies_each_shards_value_after_it_and_a_repeat_copies_the_current_value():
+    store = store_with(spec("a", (4, 2)), spec("b", (3,), ordinal=1))
+    grads = [PushItem(("a", 0), np.ones((4, 2), np.float32)), PushItem(("b", 0), np.full(3, 2, np.float32))]
+    out = np.full(4 * 8 + 3 * 4, 0xAB, np.uint8)
+    res = store.push("c7.0", grads, values_into=out)
+    assert [(r.version, r.applied, r.current) for r in res] == [(1, True, 1), (1, True, 1)]
+    np.testing.assert_array_equal(out[:32].view(np.float32), -np.ones(8, np.float32))
+    np.testing.assert_array_equal(out[32:].view(np.float32), np.full(3, -2, np.float32))
+    store.push("c8.0", grads[:1])  # another closure moves "a" on
+    out[:] = 0
+    again = store.push("c7.0", grads, values_into=out)  # closure 7's retry: nothing applied twice
+    assert [(r.version, r.applied, r.current) for r in again] == [(1, False, 2), (1, False, 1)]
+    np.testing.assert_array_equal(out[:32].view(np.float32), np.full(8, -2, np.float32))  # "a" as it is now
+    np.testing.assert_array_equal(out[32:].view(np.float32), np.full(3, -2, np.float32))
