@@ -10,6 +10,7 @@ hang), plus a call's own `wait_s` while the PS may hold the reply on purpose (a 
 
 from __future__ import annotations
 
+import io
 import socket
 import ssl
 import sys
@@ -17,19 +18,21 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
 from pscluster import codec, shm
 from pscluster.errors import InternalError, UnavailableError, from_status
-from pscluster.framing import (PREFIX, STATUS_BY_VALUE, connect, read_reply, recv_exact, recv_into, send_buffer,
-                               send_frame, send_hello)
+from pscluster.framing import PREFIX, STATUS_BY_VALUE, connect, send_buffer, send_frame, send_hello
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.shm import Segment
 from pscluster.tensors import PullPlan, PushPlan, ValueTargets
 
 THREADED_BYTES = 2 << 20
 COALESCE_BYTES = 64 << 10  # payloads up to this size are copied into the send of the frame's head
+READ_BUFFER_BYTES = 64 << 10  # per connection; larger payloads are read straight into their targets
+MAX_HEADER_BYTES = 64 << 20  # a reply header larger than this is a broken stream, not a reply
 
 
 @dataclass
@@ -54,12 +57,38 @@ class _Conn:
 
     def __init__(self, sock: socket.socket, local: bool) -> None:
         self.sock = sock
+        # every read goes through this buffer: a reply's prefix and header (and a small payload) arrive in
+        # one recv, and the loops that fill a buffer run in C (the socket's timeout still bounds each recv)
+        self.reader = cast(io.BufferedReader, sock.makefile("rb", buffering=READ_BUFFER_BYTES))
         self.fresh = True  # the hello is not sent yet
         self.local = local  # may offer the PS a segment (pscluster/shm.py)
         self.segment: Segment | None = None
 
+    def read(self, n: int) -> bytes:
+        """Exactly n bytes (at most MAX_HEADER_BYTES at once), or ConnectionError at EOF."""
+        if n > MAX_HEADER_BYTES:
+            raise ConnectionError(f"a PS announced a {n}-byte reply header")
+        data = self.reader.read(n)
+        if len(data) != n:
+            raise ConnectionError("connection closed")
+        return data
+
+    def read_into(self, target: np.ndarray) -> None:
+        """Fill target (C-contiguous) with the next bytes, or ConnectionError at EOF."""
+        view = target.reshape(-1).view(np.uint8).data
+        if self.reader.readinto(view) != len(view):
+            raise ConnectionError("connection closed")
+
+    def read_reply(self) -> tuple[pb.BulkReply, int]:
+        """The next reply header and the length of the payload that follows it."""
+        header_len, payload_len = PREFIX.unpack(self.read(PREFIX.size))
+        reply = pb.BulkReply()
+        reply.ParseFromString(self.read(header_len))
+        return reply, payload_len
+
     def close(self) -> None:
         """Close the socket and unmap the segment."""
+        self.reader.close()
         self.sock.close()
         if self.segment is not None:
             self.segment.close()
@@ -151,7 +180,7 @@ class BulkClient:
         try:
             offer = pb.ShmAttach(name=segment.name, nonce=nonce, size=shm.HEADER_BYTES + segment.capacity)
             send_frame(conn.sock, pb.BulkRequest(shm_attach=offer).SerializeToString())
-            reply, payload_len = read_reply(conn.sock)
+            reply, payload_len = conn.read_reply()
         finally:
             shm.unlink(segment.name)
         if payload_len or reply.code:  # not the same host after all, or a PS without segments
@@ -193,13 +222,10 @@ class BulkClient:
             sock.sendall(b"".join(pending))
 
     def _receive(self, call: BulkCall, conn: _Conn) -> None:
-        sock = conn.sock
-        header_len, payload_len = PREFIX.unpack(recv_exact(sock, PREFIX.size))
-        reply = pb.BulkReply()
-        reply.ParseFromString(recv_exact(sock, header_len))
+        reply, payload_len = conn.read_reply()
         if reply.code:
             if payload_len:
-                recv_exact(sock, payload_len)
+                conn.read_into(np.empty(payload_len, np.uint8))
             raise from_status(STATUS_BY_VALUE.get(reply.code, STATUS_BY_VALUE[13]),
                               f"ps {call.ps}: {reply.message}")
         declined = reply.HasField("push") and not reply.pull.tensors  # a push-pull an accumulating PS answered
@@ -215,7 +241,7 @@ class BulkClient:
                 segment.read_into(call.targets)
             else:
                 for target in call.targets:
-                    recv_into(sock, target.reshape(-1).view(np.uint8).data)
+                    conn.read_into(target)
             if reply.HasField("push"):  # fused push-pull: the values are in the targets
                 reply.push.values.extend(reply.pull.tensors)
         call.reply = reply
