@@ -45,11 +45,17 @@ class BulkCall:
     targets: Sequence[np.ndarray] = ()  # pull: C-contiguous arrays to receive into, in item order
     wait_s: float = 0.0  # how long the PS may hold the reply on purpose (added to the io timeout)
     reply: pb.BulkReply | None = field(default=None)
+    payload_bytes: int = field(init=False)  # summed once here, not at each step of the call
+    target_bytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.payload_bytes = sum([p.nbytes for p in self.payloads])
+        self.target_bytes = sum([t.nbytes for t in self.targets])
 
     @property
     def nbytes(self) -> int:
         """Bytes this call moves in either direction."""
-        return sum(p.nbytes for p in self.payloads) + sum(t.nbytes for t in self.targets)
+        return self.payload_bytes + self.target_bytes
 
 
 class _Conn:
@@ -198,8 +204,8 @@ class BulkClient:
             send_hello(sock, self._token)
             conn.fresh = False
         sock.settimeout(self._io_timeout + call.wait_s)
-        payload_bytes = sum(p.nbytes for p in call.payloads)
-        segment = self._segment(conn, max(payload_bytes, sum(t.nbytes for t in call.targets)))
+        payload_bytes = call.payload_bytes
+        segment = self._segment(conn, max(payload_bytes, call.target_bytes))
         request = call.request
         request.shm_reply = segment is not None
         request.shm_bytes = payload_bytes if segment is not None else 0
@@ -233,7 +239,7 @@ class BulkClient:
             shared = reply.shm_bytes
             segment = conn.segment if shared and not payload_len else None
             fits = not shared or (segment is not None and shared <= segment.capacity)
-            if not fits or (shared or payload_len) != sum(t.nbytes for t in call.targets) or \
+            if not fits or (shared or payload_len) != call.target_bytes or \
                     len(reply.pull.tensors) != len(call.targets):
                 raise InternalError(f"ps {call.ps}: bulk reply of {payload_len} + {shared} shared bytes does not "
                                     f"match the request")
@@ -263,7 +269,7 @@ class BulkClient:
         if len(calls) == 1:
             self._one(calls[0])
             return
-        if sum(c.nbytes for c in calls) > THREADED_BYTES:
+        if sum([c.nbytes for c in calls]) > THREADED_BYTES:
             for fut in [self._pool.submit(self._one, c) for c in calls]:
                 fut.result()
             return
