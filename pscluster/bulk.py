@@ -85,6 +85,14 @@ class _Conn:
         if self.reader.readinto(view) != len(view):
             raise ConnectionError("connection closed")
 
+    def skip(self, n: int) -> None:
+        """Read and drop n bytes, a buffer's worth at a time (memory follows the bytes, not the n announced)."""
+        while n > 0:
+            piece = self.reader.read(min(n, READ_BUFFER_BYTES))
+            if not piece:
+                raise ConnectionError("connection closed")
+            n -= len(piece)
+
     def read_reply(self) -> tuple[pb.BulkReply, int]:
         """The next reply header and the length of the payload that follows it."""
         header_len, payload_len = PREFIX.unpack(self.read(PREFIX.size))
@@ -230,8 +238,7 @@ class BulkClient:
     def _receive(self, call: BulkCall, conn: _Conn) -> None:
         reply, payload_len = conn.read_reply()
         if reply.code:
-            if payload_len:
-                conn.read_into(np.empty(payload_len, np.uint8))
+            conn.skip(payload_len)
             raise from_status(STATUS_BY_VALUE.get(reply.code, STATUS_BY_VALUE[13]),
                               f"ps {call.ps}: {reply.message}")
         declined = reply.HasField("push") and not reply.pull.tensors  # a push-pull an accumulating PS answered

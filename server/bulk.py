@@ -21,7 +21,6 @@ import math
 import socket
 import ssl
 import time
-from collections.abc import Iterable
 from typing import Any
 
 import numpy as np

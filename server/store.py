@@ -11,8 +11,8 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -264,41 +264,40 @@ class VariableStore:
         """
         checked = self.validate_push(items)
         key = push_key(push_id) if push_id else None
-        if values_into is None:
-            return [self.apply(shard, item.grad, local, key, final_below) for shard, item, local in checked]
         results = []
         fill = 0
         for shard, item, local in checked:
-            n = shard.value.nbytes
-            results.append(self.apply(shard, item.grad, local, key, final_below, values_into[fill:fill + n]))
-            fill += n
+            out = None
+            if values_into is not None:
+                out = values_into[fill:fill + shard.value.nbytes]
+                fill += shard.value.nbytes
+            results.append(self.apply(shard, item.grad, local, key, final_below, out))
         return results
 
-    def apply(self, shard: Shard, grad: np.ndarray, local: np.ndarray | None, push_id: str | PushKey | None,
+    def apply(self, shard: Shard, grad: np.ndarray, local: np.ndarray | None, key: PushKey | None,
               final_below: int = 0, out: np.ndarray | None = None) -> PushResult:
-        """Apply one validated gradient under the shard's lock, unless push_id (an id, or one parsed by
-        `push_key`; empty or None: always apply) was applied already; with `out`, copy the shard's bytes
-        there before letting go of the lock."""
-        key = push_key(push_id) if isinstance(push_id, str) and push_id else push_id or None
+        """Apply one validated gradient under the shard's lock, unless the push of `key` (see `push_key`;
+        None: always apply) was applied already; with `out`, copy the shard's bytes there before letting
+        go of the lock."""
         record = shard.record
         with shard.lock:
             record.advance(final_below)
             if key is not None and record.seen_key(key):
                 applied = record.applied_at_key(key)  # the version it made (lost-update accounting)
-                if out is not None:
-                    out[:] = shard.value.reshape(-1).view(np.uint8)
-                return PushResult(shard.version if applied is None else applied, False, shard.version)
-            t = shard.version + 1
-            if local is None:
-                opt.apply_dense(shard.spec.optimizer, shard.value, grad, shard.slots, t)
+                result = PushResult(shard.version if applied is None else applied, False, shard.version)
             else:
-                opt.apply_sparse(shard.spec.optimizer, shard.value, local, grad, shard.slots, t)
-            shard.version = t
-            if key is not None:
-                record.add_key(key, t)
+                t = shard.version + 1
+                if local is None:
+                    opt.apply_dense(shard.spec.optimizer, shard.value, grad, shard.slots, t)
+                else:
+                    opt.apply_sparse(shard.spec.optimizer, shard.value, local, grad, shard.slots, t)
+                shard.version = t
+                if key is not None:
+                    record.add_key(key, t)
+                result = PushResult(t, True, t)
             if out is not None:
                 out[:] = shard.value.reshape(-1).view(np.uint8)
-            return PushResult(t, True, t)
+            return result
 
     @staticmethod
     def _local_rows(shard: Shard, ids: np.ndarray) -> np.ndarray:

@@ -4,10 +4,10 @@ sync: PS 0 keeps the global step G and a token queue of N (`total_num_replicas`)
 A closure takes a token (G, replica) before its first pull and tags its pushes with G. Every shard
 accumulates the gradients tagged with its current step; when R (`replicas_to_aggregate`) have
 arrived it applies their average once and moves to the next step; a gradient tagged with an older
-step is stale: dropped and counted (a repeat of a push its step counted is dropped, not counted). A closure that finished its pushes reports StepDone(G); after
-R reports G advances and the tokens of the next step are released. Every reporting closure has
-pushed to every shard, so R reports mean every shard has seen R gradients of the step: no shard
-can be left behind, and no step waits for backups (N > R) or for a dead token holder, whose
+step is stale: dropped and counted (a repeat of a push its step counted is dropped, not counted). A
+closure that finished its pushes reports StepDone(G); after R reports G advances and the tokens of
+the next step are released. Every reporting closure has pushed to every shard, so R reports mean
+every shard has seen R gradients of the step: no shard can be left behind, and no step waits for backups (N > R) or for a dead token holder, whose
 closure is rescheduled with the same id and gets its token back.
 
 bounded: pushes apply on arrival (async), but a worker may start a step only while its clock is at
@@ -27,6 +27,7 @@ import numpy as np
 
 from pscluster.errors import DeadlineExceededError, InvalidArgumentError
 from pscluster.server.ps import ParameterServerCore
+from pscluster.server.push_record import push_key
 from pscluster.server.store import PushItem, PushResult
 
 MODES = ("async", "sync", "bounded")
@@ -136,12 +137,13 @@ class SyncReplicas:
             if acc.count < self.replicas_to_aggregate:
                 return PushResult(shard.version, True)
             r = shard.value.dtype.type(self.replicas_to_aggregate)
+            step_key = push_key(f"sync:{acc.step}")
             if acc.dense is not None:
-                result = self.core.store.apply(shard, acc.dense / r, None, f"sync:{acc.step}")
+                result = self.core.store.apply(shard, acc.dense / r, None, step_key)
             else:
                 ids = np.concatenate([i for i, _ in acc.rows])
                 grads = np.concatenate([g for _, g in acc.rows]) / r
-                result = self.core.store.apply(shard, grads, ids, f"sync:{acc.step}")
+                result = self.core.store.apply(shard, grads, ids, step_key)
             with self._cond:
                 self._acc[key] = Accumulator(acc.step + 1, earlier=frozenset(acc.contributors))
             return result

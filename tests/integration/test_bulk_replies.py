@@ -59,3 +59,24 @@ def test_a_pull_and_a_push_mixing_small_and_large_shards_and_rows_move_every_byt
         client.close()
         frames.stop()
         pool.shutdown()
+
+
+def test_an_error_reply_with_a_payload_is_skipped_through_the_reader_and_the_stream_stays_in_step():
+    import socket
+    import threading
+
+    from pscluster.bulk import READ_BUFFER_BYTES, _Conn
+    from pscluster.framing import send_frame
+
+    ours, theirs = socket.socketpair()
+    conn = _Conn(ours, local=False)
+    junk = 3 * READ_BUFFER_BYTES + 17  # more than one buffer: skipped a buffer's worth at a time
+    sender = threading.Thread(target=lambda: (theirs.sendall(b"x" * junk),
+                                              send_frame(theirs, pb.BulkReply(message="next").SerializeToString())))
+    sender.start()
+    conn.skip(junk)
+    reply, payload_len = conn.read_reply()
+    sender.join(timeout=5)
+    assert reply.message == "next" and payload_len == 0
+    conn.close()
+    theirs.close()
