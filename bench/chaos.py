@@ -23,7 +23,7 @@ import numpy as np
 import pscluster as ps
 from bench.common import rss_kib
 from bench.training import mnist
-from pscluster.launcher import Daemon, LocalCluster
+from pscluster.ops.launcher import Daemon, LocalCluster
 
 
 def make_counted_step(params: list[ps.Variable], counter: ps.Variable):

@@ -12,7 +12,7 @@ import numpy as np
 
 import pscluster as ps
 from bench.common import local_cluster
-from pscluster.launcher import LocalCluster
+from pscluster.ops.launcher import LocalCluster
 
 
 def _noop() -> None:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pscluster.launcher import LocalCluster
+    from pscluster.ops.launcher import LocalCluster
 
 
 def median_of(fn: Callable[[], float], runs: int) -> tuple[float, list[float]]:
@@ -46,8 +46,8 @@ def reset_peak(pid: int) -> None:
 def local_cluster(num_ps: int, num_workers: int, tls: bool = False, **settings: Any) -> Iterator[LocalCluster]:
     """A started LocalCluster in a temporary directory removed afterwards; with tls, mutual TLS on every
     channel, certificates in that directory."""
-    from pscluster.certs import hosts_of, task_names, write_certs
-    from pscluster.launcher import LocalCluster
+    from pscluster.ops.certs import hosts_of, task_names, write_certs
+    from pscluster.ops.launcher import LocalCluster
 
     with tempfile.TemporaryDirectory(prefix="pscluster-bench-") as tmp:
         workdir = pathlib.Path(tmp)

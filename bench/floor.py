@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from pscluster.framing import recv_into
+from pscluster.net.framing import recv_into
 
 HIDDEN = 128
 SPLIT = 392  # w1's rows per PS (w1 is split in two shards, as in examples/mnist.py)

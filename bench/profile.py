@@ -23,22 +23,22 @@ import tempfile
 from collections.abc import Iterator
 
 from bench import training
-from pscluster.launcher import LocalCluster
+from pscluster.ops.launcher import LocalCluster
 
 # (component, path fragments of a frame's file); the innermost matching frame of a sample decides.
 COMPONENTS: list[tuple[str, tuple[str, ...]]] = [
     ("model", ("mnist.py",)),
     ("optimizer", ("server/optimizers.py",)),
     ("store+validation", ("server/store.py", "server/ps.py", "pscluster/specs.py")),
-    ("decode/encode", ("pscluster/codec.py", "pscluster/grpc_tensors.py", "google/protobuf", "_pb2")),
+    ("decode/encode", ("pscluster/net/codec.py", "pscluster/net/grpc_tensors.py", "google/protobuf", "_pb2")),
     ("pickling", ("cloudpickle", "pickle.py", "pscluster/closures.py", "copyreg")),
-    ("framing+sockets", ("pscluster/framing.py", "pscluster/frame_server.py", "pscluster/frame_loop.py",
-                         "pscluster/shm.py", "pscluster/bulk.py", "server/bulk.py", "worker/frames.py",
+    ("framing+sockets", ("pscluster/net/framing.py", "pscluster/net/frame_server.py", "pscluster/net/frame_loop.py",
+                         "pscluster/net/shm.py", "pscluster/net/bulk.py", "server/bulk.py", "worker/frames.py",
                          "socket.py", "selectors.py", "ssl.py")),
     ("grpc", ("grpc/", "grpc_")),
     ("locks+threads", ("threading.py", "queue.py", "concurrent/futures")),
-    ("closure runtime", ("worker/runner.py", "pscluster/context.py", "pscluster/client.py",
-                         "pscluster/datasets.py", "pscluster/variables.py", "pscluster/placement.py")),
+    ("closure runtime", ("worker/runner.py", "pscluster/client/context.py", "pscluster/client/client.py",
+                         "pscluster/datasets.py", "pscluster/client/variables.py", "pscluster/placement.py")),
     ("dispatch+scheduling", ("coordinator/",)),
     ("worker daemon", ("worker/",)),
     ("metrics+logging", ("prometheus_client", "logging/")),

@@ -13,7 +13,7 @@ import tempfile
 import time
 
 import pscluster as ps
-from pscluster.launcher import LocalCluster
+from pscluster.ops.launcher import LocalCluster
 
 
 def _table_steps(table: ps.Variable, batch: int, steps: int, warmup: int) -> dict[str, float]:

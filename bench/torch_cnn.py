@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 
 import pscluster as ps
 import pscluster.torch as ps_torch
-from pscluster.launcher import LocalCluster, free_port
+from pscluster.ops.launcher import LocalCluster, free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("pscluster_torch_mnist_example", ROOT / "examples" / "torch_mnist.py")

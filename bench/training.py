@@ -15,7 +15,7 @@ import cloudpickle
 import numpy as np
 
 import pscluster as ps
-from pscluster.launcher import LocalCluster
+from pscluster.ops.launcher import LocalCluster
 
 Probe = Callable[[LocalCluster], ContextManager[object]]
 ROOT = pathlib.Path(__file__).resolve().parents[1]

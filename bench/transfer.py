@@ -14,7 +14,7 @@ import numpy as np
 
 import pscluster as ps
 from bench.common import local_cluster, median_of, reset_peak, rss_kib, timed
-from pscluster.launcher import LocalCluster, free_port
+from pscluster.ops.launcher import LocalCluster, free_port
 
 HERE = pathlib.Path(__file__).resolve().parent
 MB = 1_000_000

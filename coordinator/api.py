@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Self
 
-from pscluster.client import PSClient
+from pscluster.client.client import PSClient
 from pscluster.coordinator.values import RemoteValue
 from pscluster.datasets import PerWorkerDataset
-from pscluster.variables import Variable
+from pscluster.client.variables import Variable
 
 
 DAEMON_SIDE = frozenset({"schedule_payload", "register", "heartbeat", "release", "snapshot", "lost_updates_by_variable"})

@@ -32,8 +32,12 @@ from typing import Any
 
 import grpc
 
-from pscluster import context, metrics, rpc
-from pscluster.client import PSClient
+from pscluster.client import context
+
+from pscluster.net import rpc
+
+from pscluster.ops import metrics
+from pscluster.client.client import PSClient
 from pscluster.config import Settings, load_settings
 from pscluster.coordinator import scheduler as sch
 from pscluster.coordinator.curves import TrainingCurves

@@ -23,10 +23,10 @@ from typing import Any, Literal, Protocol
 
 import grpc
 
-from pscluster import rpc, tls
+from pscluster.net import rpc, tls
 from pscluster.config import Settings
 from pscluster.coordinator import scheduler as sch
-from pscluster.framing import STATUS_BY_VALUE, connect, read_reply, send_frame, send_hello, wait_readable
+from pscluster.net.framing import STATUS_BY_VALUE, connect, read_reply, send_frame, send_hello, wait_readable
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 

@@ -6,7 +6,9 @@ import logging
 import threading
 import time
 
-from pscluster import daemon, rpc
+from pscluster.net import rpc
+
+from pscluster.ops import daemon
 from pscluster.config import Settings
 from pscluster.coordinator.coordinator import ClusterCoordinator
 from pscluster.proto import pscluster_pb2 as pb

@@ -26,8 +26,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from pscluster import rpc
-from pscluster.client import PSClient
+from pscluster.net import rpc
+from pscluster.client.client import PSClient
 from pscluster.errors import PsclusterError
 from pscluster.proto import pscluster_pb2 as pb
 

@@ -21,8 +21,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pscluster import context, rpc
-from pscluster.client import PSClient
+from pscluster.client import context
+
+from pscluster.net import rpc
+from pscluster.client.client import PSClient
 from pscluster.config import Settings
 from pscluster.coordinator.api import CoordinatorAPI
 from pscluster.coordinator.values import RemoteValue, reply_error

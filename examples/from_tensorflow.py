@@ -12,7 +12,7 @@ import sys
 import numpy as np
 
 import pscluster as ps
-from pscluster.launcher import LocalCluster
+from pscluster.ops.launcher import LocalCluster
 
 
 def parameter_server_strategy(cluster: LocalCluster) -> None:

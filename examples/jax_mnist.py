@@ -24,7 +24,7 @@ import numpy as np
 
 import pscluster as ps
 import pscluster.jax as ps_jax
-from pscluster.launcher import LocalCluster
+from pscluster.ops.launcher import LocalCluster
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from mnist import batches, load_mnist  # noqa: E402 - the demo's data, loaded the same way

@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 import pscluster as ps
-from pscluster.launcher import LocalCluster
+from pscluster.ops.launcher import LocalCluster
 
 
 # -- data -----------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from torch.nn import functional as F  # noqa: N812
 
 import pscluster as ps
 import pscluster.torch as ps_torch
-from pscluster.launcher import LocalCluster
+from pscluster.ops.launcher import LocalCluster
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from mnist import batches, load_mnist  # noqa: E402 - the demo's data, loaded the same way

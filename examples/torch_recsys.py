@@ -30,7 +30,7 @@ from torch import nn
 
 import pscluster as ps
 import pscluster.torch as ps_torch
-from pscluster.launcher import LocalCluster
+from pscluster.ops.launcher import LocalCluster
 
 LATENT = 4  # k, the dimension of the true user/item factors
 

@@ -71,7 +71,7 @@ class Settings(_Frozen):
     task_type: TaskType | None = None
     task_index: int = Field(default=0, ge=0)
     token: SecretStr | None = None
-    # TLS (pscluster/tls.py): a directory from `pscluster certs`, or the three files; with
+    # TLS (pscluster/net/tls.py): a directory from `pscluster certs`, or the three files; with
     # require_client_cert every daemon also checks its peers' certificates and roles (mutual TLS)
     tls_dir: pathlib.Path | None = None
     tls_ca_file: pathlib.Path | None = None
@@ -101,7 +101,7 @@ class Settings(_Frozen):
     # framed sockets (PS bulk port, worker closure port, their clients): a send or receive that makes no
     # progress for this long closes the connection; the client side sees a retryable UnavailableError
     socket_timeout_s: float = Field(default=30.0, gt=0)
-    # framed ports' admission (pscluster/admission.py, SECURITY.md): a peer has auth_timeout_s to send its
+    # framed ports' admission (pscluster/net/admission.py, SECURITY.md): a peer has auth_timeout_s to send its
     # token; an authenticated connection idle for idle_timeout_s is closed (clients reconnect)
     auth_timeout_s: float = Field(default=10.0, gt=0)
     idle_timeout_s: float = Field(default=600.0, gt=0)
@@ -118,11 +118,11 @@ class Settings(_Frozen):
     metrics_port: int | None = Field(default=None, ge=0, lt=65536)  # serve Prometheus metrics (0: any port)
     metrics_host: str = "127.0.0.1"  # the metrics port serves without a token: loopback unless told otherwise
     bulk_transport: bool = True  # pull/push tensors over the PS's raw TCP port; False: gRPC only
-    # same-host bulk connections (no TLS) carry payloads through shared memory (pscluster/shm.py)
+    # same-host bulk connections (no TLS) carry payloads through shared memory (pscluster/net/shm.py)
     shared_memory: bool = True
     # async jobs (coordinator): fused push-pull, ps-lite's PushPull. A closure's push brings back the pushed
     # variables' new values, and the worker's next pull of exactly those variables, if within
-    # push_pull_max_age_s (a worker setting), uses them instead of another round trip (pscluster/fresh.py)
+    # push_pull_max_age_s (a worker setting), uses them instead of another round trip (pscluster/client/fresh.py)
     push_pull: bool = False
     push_pull_max_age_s: float = Field(default=0.5, gt=0)
     max_inflight_per_worker: int = Field(default=2, ge=1, le=64)

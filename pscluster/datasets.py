@@ -24,7 +24,7 @@ from typing import Any
 
 import cloudpickle
 
-from pscluster import context
+from pscluster.client import context
 from pscluster.closures import pickle_by_reference, ship_user_modules
 from pscluster.errors import FailedPreconditionError
 

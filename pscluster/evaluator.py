@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from pscluster.checkpoint_files import complete_steps, read_variables
-from pscluster.client import PSClient
+from pscluster.client.client import PSClient
 from pscluster.config import Settings
 from pscluster.errors import ConfigError, PsclusterError
 
@@ -137,7 +137,7 @@ def serve(settings: Settings, eval_fn: str, source: str | None, every_s: float) 
     Raises:
         ConfigError: a bad --eval-fn or source.
     """
-    from pscluster import daemon
+    from pscluster.ops import daemon
 
     fn = load_eval_fn(eval_fn)
     source = source or ("checkpoints" if settings.checkpoint_dir is not None else "variables")

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from pscluster.codec import wire_dtype
+from pscluster.net.codec import wire_dtype
 from pscluster.errors import InvalidArgumentError
 from pscluster.proto import pscluster_pb2 as pb
 

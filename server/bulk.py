@@ -25,10 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from pscluster import codec, shm
+from pscluster.net import codec, shm
 from pscluster.errors import FailedPreconditionError, InvalidArgumentError
-from pscluster.frame_server import FrameServer
-from pscluster.framing import PREFIX, drain, recv_into, refuse_payload, send_buffer, send_frame
+from pscluster.net.frame_server import FrameServer
+from pscluster.net.framing import PREFIX, drain, recv_into, refuse_payload, send_buffer, send_frame
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.server.ps import ParameterServerCore
 from pscluster.server.store import PushItem, Shard
@@ -89,7 +89,7 @@ class BulkHandlers:
 
     def shm_attach(self, conn: socket.socket, request: pb.BulkRequest, payload_len: int,
                    state: dict[str, Any]) -> None:
-        """Map a same-host client's segment for this connection's payloads (pscluster/shm.py)."""
+        """Map a same-host client's segment for this connection's payloads (pscluster/net/shm.py)."""
         refuse_payload(conn, payload_len, "shm_attach")
         if isinstance(conn, ssl.SSLSocket) or not shm.is_local_peer(conn):
             raise FailedPreconditionError("shared memory is for plain connections from this host")

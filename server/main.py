@@ -6,11 +6,13 @@ import logging
 
 import grpc
 
-from pscluster import daemon, frame_server, rpc, tls
+from pscluster.net import frame_server, rpc, tls
+
+from pscluster.ops import daemon
 from pscluster.config import Settings
-from pscluster.frame_server import stop_with
-from pscluster.metrics import PsMetrics
-from pscluster.metrics import serve as metrics_serve
+from pscluster.net.frame_server import stop_with
+from pscluster.ops.metrics import PsMetrics
+from pscluster.ops.metrics import serve as metrics_serve
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 from pscluster.server.bulk import BulkHandlers
 from pscluster.server.ps import ParameterServerCore

@@ -1,6 +1,6 @@
 """A shard's exactly-once record: the push ids it applied, kept only while a copy can still arrive.
 
-A closure's n-th push has the id `c<closure id>.<n>` (pscluster/context.py), the same in every attempt,
+A closure's n-th push has the id `c<closure id>.<n>` (pscluster/client/context.py), the same in every attempt,
 so a rescheduled closure re-sends ids the shard may have applied already. A copy can arrive only while
 the closure is not final: once the coordinator has resolved it, no attempt of it may change anything.
 The coordinator says how far that holds: every push carries `final_below`, the lowest id among its

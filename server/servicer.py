@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import grpc
 import numpy as np
 
-from pscluster import codec
+from pscluster.net import codec
 from pscluster.errors import InvalidArgumentError
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc

@@ -13,7 +13,7 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 @pytest.fixture
 def fresh_cluster(tmp_path):
     """Factory for LocalClusters that are stopped at the end of the test."""
-    from pscluster.launcher import LocalCluster
+    from pscluster.ops.launcher import LocalCluster
 
     started = []
 

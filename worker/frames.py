@@ -5,8 +5,8 @@ from __future__ import annotations
 import socket
 from typing import Any
 
-from pscluster.frame_server import FrameServer
-from pscluster.framing import refuse_payload, send_frame
+from pscluster.net.frame_server import FrameServer
+from pscluster.net.framing import refuse_payload, send_frame
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.worker.servicer import WorkerServicer, outcome_to_pb
 

@@ -10,14 +10,18 @@ from collections.abc import Callable
 
 import grpc
 
-from pscluster import context, daemon, frame_server, rpc, tls
-from pscluster.client import PSClient
+from pscluster.client import context
+
+from pscluster.net import frame_server, rpc, tls
+
+from pscluster.ops import daemon
+from pscluster.client.client import PSClient
 from pscluster.config import Settings
 from pscluster.datasets import WorkerDatasets, WorkerInfo
-from pscluster.daemon import Waiter
+from pscluster.ops.daemon import Waiter
 from pscluster.errors import PsclusterError, StartupError
-from pscluster.frame_server import stop_with
-from pscluster.metrics import serve as metrics_serve
+from pscluster.net.frame_server import stop_with
+from pscluster.ops.metrics import serve as metrics_serve
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 from pscluster.worker.runner import ClosureRunner

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 
 import cloudpickle
 
-from pscluster.client import PSClient
+from pscluster.client.client import PSClient
 from pscluster import closures
 from pscluster.closures import FunctionCache
-from pscluster.metrics import WorkerMetrics
-from pscluster.context import ClosureScope
+from pscluster.ops.metrics import WorkerMetrics
+from pscluster.client.context import ClosureScope
 from pscluster.datasets import WorkerDatasets, WorkerInfo
 from pscluster.errors import PsclusterError
 

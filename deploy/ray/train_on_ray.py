@@ -1,6 +1,6 @@
 """Train the MNIST MLP on a Ray cluster: `python deploy/ray/train_on_ray.py --address auto`.
 
-PS tasks and workers run as Ray actors (pscluster.ray_launcher.RayCluster); the coordinator runs here,
+PS tasks and workers run as Ray actors (pscluster.ops.ray_launcher.RayCluster); the coordinator runs here,
 in the driver. For a multi-node cluster pass --host with an address every node can reach and a
 --checkpoint-dir on storage every node mounts.
 """
@@ -33,7 +33,7 @@ if __name__ == "__main__":
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     import ray
 
-    from pscluster.ray_launcher import RayCluster
+    from pscluster.ops.ray_launcher import RayCluster
 
     if args.address is None:  # a local runtime: every Ray component on --host (loopback by default), no dashboard
         ray.init(_node_ip_address=args.host, include_dashboard=False)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from pscluster.errors import InvalidArgumentError
-from pscluster.variables import unique_rows
+from pscluster.client.variables import unique_rows
 
 TABLE_TYPES = (nn.Embedding, nn.EmbeddingBag)
 TableModule = nn.Embedding | nn.EmbeddingBag

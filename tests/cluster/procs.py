@@ -14,9 +14,9 @@ import yaml
 
 import pscluster as ps
 from pscluster.coordinator.remote import RemoteCoordinator
-from pscluster.launcher import free_port
+from pscluster.ops.launcher import free_port
 
-BIN = [sys.executable, "-P", "-m", "pscluster.cli"]
+BIN = [sys.executable, "-P", "-m", "pscluster.ops.cli"]
 
 
 class Procs:

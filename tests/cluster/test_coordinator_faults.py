@@ -247,7 +247,7 @@ def test_restarted_coordinator_resumes_from_the_ps_state(fresh_cluster):
 def test_coordinator_daemon_serves_remote_clients_that_reconnect(fresh_cluster, tmp_path):
     cluster = fresh_cluster(1, 2, supervise=False)
     log = open(tmp_path / "coord.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "pscluster.cli", "coordinator", "--cluster",
+    proc = subprocess.Popen([sys.executable, "-m", "pscluster.ops.cli", "coordinator", "--cluster",
                              str(cluster.cluster_file)], stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 30

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import pscluster as ps
-from pscluster import rpc
+from pscluster.net import rpc
 from pscluster.coordinator.remote import RemoteCoordinator
 from pscluster.errors import InternalError, PsclusterError
 from pscluster.proto import pscluster_pb2 as pb

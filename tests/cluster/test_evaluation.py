@@ -91,6 +91,6 @@ def test_the_evaluator_pulls_live_variables_and_a_bad_eval_fn_is_one_line(fresh_
         ev.communicate(timeout=30)
     for spec, says in (("my_eval:missing", "my_eval has no function 'missing'"),
                        ("nope_module:f", "cannot import nope_module"), ("no-colon", "expected module:function")):
-        bad = subprocess.run([sys.executable, "-m", "pscluster.cli", "evaluator", "--cluster", str(cluster.cluster_file),
+        bad = subprocess.run([sys.executable, "-m", "pscluster.ops.cli", "evaluator", "--cluster", str(cluster.cluster_file),
                               "--eval-fn", spec], capture_output=True, text=True, timeout=60, cwd=tmp_path)
         assert bad.returncode == 2 and says in bad.stderr and "Traceback" not in bad.stderr, bad.stderr

@@ -136,7 +136,7 @@ def test_a_sigkilled_clients_queued_closures_are_cancelled_after_the_idle_timeou
         counter = observer.create_variable("killed_job_counter", shape=(), dtype="int64", optimizer=ps.SGD(1.0))
         ran = int(counter.pull())
         assert 3 <= ran < 200  # the rest were cancelled, not run
-        out = subprocess.run([sys.executable, "-m", "pscluster.cli", "status", "--cluster", str(daemon.cluster_file)],
+        out = subprocess.run([sys.executable, "-m", "pscluster.ops.cli", "status", "--cluster", str(daemon.cluster_file)],
                              capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
         assert "jobs" in out.stdout and observer.job in out.stdout
         killed = next(line for line in out.stdout.splitlines() if job in line)

@@ -73,7 +73,7 @@ def test_status_command_shows_ps_variables_and_workers(fresh_cluster):
     try:
         coord.wait_for_workers(1)
         coord.create_variable("embedding", shape=(100, 8), sparse=True, partitioner=ps.FixedShardsPartitioner(2))
-        out = subprocess.run([sys.executable, "-m", "pscluster.cli", "status", "--cluster", str(cluster.cluster_file)],
+        out = subprocess.run([sys.executable, "-m", "pscluster.ops.cli", "status", "--cluster", str(cluster.cluster_file)],
                              capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
         assert out.returncode == 0, out.stderr
         for text in ("parameter servers", "embedding", "1/2", "2/2", "(50, 8)", "sgd sparse", "workers", "alive"):
@@ -81,14 +81,14 @@ def test_status_command_shows_ps_variables_and_workers(fresh_cluster):
     finally:
         coord.shutdown()
     cluster.kill(cluster.ps[1])
-    out = subprocess.run([sys.executable, "-m", "pscluster.cli", "status", "--cluster", str(cluster.cluster_file)],
+    out = subprocess.run([sys.executable, "-m", "pscluster.ops.cli", "status", "--cluster", str(cluster.cluster_file)],
                          capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
     assert out.returncode == 1 and "unreachable" in out.stdout
 
 
 def test_up_runs_a_supervised_cluster_and_leaves_nothing_behind(tmp_path):
     spec = tmp_path / "cluster.yaml"
-    proc = subprocess.Popen([sys.executable, "-m", "pscluster.cli", "up", "--ps", "1", "--workers", "1",
+    proc = subprocess.Popen([sys.executable, "-m", "pscluster.ops.cli", "up", "--ps", "1", "--workers", "1",
                              "--checkpoint-dir", str(tmp_path / "up"), "--write-cluster", str(spec)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

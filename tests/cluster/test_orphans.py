@@ -8,7 +8,7 @@ import time
 
 PROGRAM = """
 import sys, threading
-from pscluster.launcher import LocalCluster
+from pscluster.ops.launcher import LocalCluster
 cluster = LocalCluster(2, 0, workdir=sys.argv[1], supervise=False).start()
 print(" ".join(str(d.pid) for d in cluster.ps), flush=True)
 threading.Event().wait()

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 import pscluster as ps
-from pscluster import codec
+from pscluster.net import codec
 from pscluster.errors import (AlreadyExistsError, DeadlineExceededError, InvalidArgumentError, UnauthenticatedError,
                               from_status)
-from pscluster.launcher import LocalCluster
+from pscluster.ops.launcher import LocalCluster
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
-from pscluster.rpc import TOKEN_KEY
+from pscluster.net.rpc import TOKEN_KEY
 
 TOKEN = "test-token-4f1c"
 pytestmark = pytest.mark.cluster

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import pscluster as ps
-from pscluster import context
+from pscluster.client import context
 
 pytestmark = pytest.mark.cluster
 

@@ -31,7 +31,7 @@ def counter_step(counter):
 
 
 def test_train_on_ray_kill_a_worker_actor_counter_is_exact_and_all_on_loopback(local_ray):
-    from pscluster.ray_launcher import RayCluster
+    from pscluster.ops.ray_launcher import RayCluster
 
     cluster = RayCluster(num_ps=2, num_workers=2).start()
     coord = ps.ClusterCoordinator(cluster.settings(), ps_resolver=cluster.resolver)
@@ -61,7 +61,7 @@ def test_train_on_ray_kill_a_worker_actor_counter_is_exact_and_all_on_loopback(l
 
 
 def test_a_ps_actor_restarted_by_ray_with_a_new_address_is_found_and_accounting_stays_exact(local_ray, tmp_path):
-    from pscluster.ray_launcher import RayCluster
+    from pscluster.ops.ray_launcher import RayCluster
 
     cluster = RayCluster(num_ps=2, num_workers=2, checkpoint_dir=str(tmp_path / "ckpt")).start()
     coord = ps.ClusterCoordinator(cluster.settings(checkpoint_every_s=1.0), ps_resolver=cluster.resolver)

@@ -47,7 +47,7 @@ def two_counters_step(counters):
 
 @pytest.mark.timeout(300)
 def test_a_lost_node_takes_a_ps_and_workers_ray_restarts_them_on_a_new_node_and_the_job_finds_them(two_nodes, tmp_path):
-    from pscluster.ray_launcher import RayCluster
+    from pscluster.ops.ray_launcher import RayCluster
 
     nodes, before = two_nodes
     cluster = RayCluster(num_ps=2, num_workers=2, checkpoint_dir=str(tmp_path / "ckpt")).start()

@@ -5,7 +5,7 @@ import pytest
 import yaml
 
 import pscluster as ps
-from pscluster.launcher import free_port
+from pscluster.ops.launcher import free_port
 from tests.cluster.procs import Procs, read_until
 
 pytestmark = pytest.mark.cluster

@@ -13,7 +13,7 @@ def status(cluster, *extra, token=None):
     env = {k: v for k, v in os.environ.items() if not k.startswith("PSCLUSTER_TOKEN")}
     if token:
         env["PSCLUSTER_TOKEN"] = token
-    return subprocess.run([sys.executable, "-P", "-m", "pscluster.cli", "status", "--cluster",
+    return subprocess.run([sys.executable, "-P", "-m", "pscluster.ops.cli", "status", "--cluster",
                            str(cluster.cluster_file), *extra], capture_output=True, text=True, timeout=60, env=env)
 
 

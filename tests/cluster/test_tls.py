@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 
 import pscluster as ps
-from pscluster import framing, tls
-from pscluster.certs import hosts_of, task_names, write_certs
+from pscluster.net import framing, tls
+from pscluster.ops.certs import hosts_of, task_names, write_certs
 from pscluster.config import validate
 from pscluster.errors import PermissionDeniedError, UnavailableError
-from pscluster.launcher import LocalCluster
+from pscluster.ops.launcher import LocalCluster
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
-from pscluster.rpc import open_channel
+from pscluster.net.rpc import open_channel
 
 pytestmark = pytest.mark.cluster
 
@@ -112,7 +112,7 @@ def test_certs_command_writes_a_ca_and_role_certificates_with_the_cluster_addres
     from cryptography import x509
 
     (tmp_path / "c.yaml").write_text("ps: ['10.0.0.5:7001', 'ps-1.example:7002']\ncoordinator: '10.0.0.4:7000'\n")
-    out = subprocess.run([sys.executable, "-m", "pscluster.cli", "certs", "--cluster", str(tmp_path / "c.yaml"),
+    out = subprocess.run([sys.executable, "-m", "pscluster.ops.cli", "certs", "--cluster", str(tmp_path / "c.yaml"),
                           "--out", str(tmp_path / "tls"), "--workers", "2"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -125,7 +125,7 @@ def test_certs_command_writes_a_ca_and_role_certificates_with_the_cluster_addres
     assert {str(ip) for ip in san.get_values_for_type(x509.IPAddress)} >= {"10.0.0.5", "10.0.0.4", "127.0.0.1"}
     assert "ps-1.example" in san.get_values_for_type(x509.DNSName)
     assert san.get_values_for_type(x509.UniformResourceIdentifier) == ["pscluster://role/worker"]
-    again = subprocess.run([sys.executable, "-m", "pscluster.cli", "certs", "--cluster", str(tmp_path / "c.yaml"),
+    again = subprocess.run([sys.executable, "-m", "pscluster.ops.cli", "certs", "--cluster", str(tmp_path / "c.yaml"),
                             "--out", str(tmp_path / "tls")], capture_output=True, text=True, timeout=60)
     assert again.returncode == 2 and "exists; choose an empty --out directory" in again.stderr
 

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 import pscluster as ps
-from pscluster.launcher import PortPlan
+from pscluster.ops.launcher import PortPlan
 from tests.cluster.procs import Procs, free_range, read_until
 
 pytestmark = pytest.mark.cluster

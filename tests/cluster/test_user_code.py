@@ -46,7 +46,7 @@ def test_local_cluster_starts_from_a_directory_holding_a_pscluster_folder(tmp_pa
     checkout = tmp_path / "checkout"
     (checkout / "pscluster").mkdir(parents=True)
     (checkout / "pscluster" / "__init__.py").write_text("")  # a checkout's folder, shadowing the install
-    (checkout / "pscluster" / "cli.py").write_text("raise SystemExit('pscluster.cli shadowed by the cwd')\n")
+    (checkout / "pscluster" / "cli.py").write_text("raise SystemExit('pscluster.ops.cli shadowed by the cwd')\n")
     monkeypatch.chdir(checkout)
     cluster = fresh_cluster(1, 1, supervise=False, workdir=tmp_path / "cluster")
     with ps.ClusterCoordinator(cluster.settings()) as coord:

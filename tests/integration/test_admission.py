@@ -13,12 +13,14 @@ import grpc
 import numpy as np
 import pytest
 
-from pscluster import errors, rpc
-from pscluster.admission import ConnectionBudget
-from pscluster.bulk import BulkCall, BulkClient
-from pscluster.framing import PREFIX, STATUS_BY_VALUE, read_reply, send_hello
+from pscluster import errors
+
+from pscluster.net import rpc
+from pscluster.net.admission import ConnectionBudget
+from pscluster.net.bulk import BulkCall, BulkClient
+from pscluster.net.framing import PREFIX, STATUS_BY_VALUE, read_reply, send_hello
 from pscluster.proto import pscluster_pb2 as pb
-from pscluster.refusals import RefusalLog
+from pscluster.net.refusals import RefusalLog
 from pscluster.server.bulk import BulkHandlers
 from pscluster.server.ps import ParameterServerCore
 from pscluster.specs import OptimizerConfig, ShardSpec

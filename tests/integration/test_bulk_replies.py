@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from pscluster import codec
-from pscluster.bulk import BulkCall, BulkClient
+from pscluster.net import codec
+from pscluster.net.bulk import BulkCall, BulkClient
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.server.bulk import BulkHandlers
 from pscluster.server.optimizers import OptimizerConfig
@@ -65,8 +65,8 @@ def test_an_error_reply_with_a_payload_is_skipped_through_the_reader_and_the_str
     import socket
     import threading
 
-    from pscluster.bulk import READ_BUFFER_BYTES, _Conn
-    from pscluster.framing import send_frame
+    from pscluster.net.bulk import READ_BUFFER_BYTES, _Conn
+    from pscluster.net.framing import send_frame
 
     ours, theirs = socket.socketpair()
     conn = _Conn(ours, local=False)

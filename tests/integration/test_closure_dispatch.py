@@ -4,7 +4,7 @@ import socket
 import threading
 
 from pscluster.coordinator.dispatch import FramedDispatcher
-from pscluster.framing import PREFIX
+from pscluster.net.framing import PREFIX
 from pscluster.proto import pscluster_pb2 as pb
 
 

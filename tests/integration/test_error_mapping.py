@@ -12,8 +12,10 @@ from concurrent import futures
 import grpc
 import pytest
 
-from pscluster import errors, framing, rpc
-from pscluster.frame_server import FrameServer
+from pscluster import errors
+
+from pscluster.net import framing, rpc
+from pscluster.net.frame_server import FrameServer
 from pscluster.proto import pscluster_pb2 as pb
 
 CLASSES = sorted(set(errors.ERRORS_BY_CODE.values()), key=lambda c: c.__name__)
@@ -58,7 +60,7 @@ def test_every_error_class_round_trips_over_the_framed_transport(frame_server, c
         for cls in CLASSES:
             err = _framed_call(conn, cls.__name__)
             assert type(err) is cls and f"raised {cls.__name__}" in str(err)
-        with caplog.at_level(logging.ERROR, logger="pscluster.frame_server"):
+        with caplog.at_level(logging.ERROR, logger="pscluster.net.frame_server"):
             err = _framed_call(conn, "Boom")
         assert type(err) is errors.InternalError and "Boom: raised Boom" in str(err)
         assert "test pull request failed" in caplog.text
@@ -98,6 +100,6 @@ def test_every_error_class_round_trips_over_grpc(grpc_channel, caplog):
     for cls in CLASSES:
         err = _grpc_call(grpc_channel, cls.__name__)
         assert type(err) is cls and f"raised {cls.__name__}" in str(err)
-    with caplog.at_level(logging.ERROR, logger="pscluster.rpc"):
+    with caplog.at_level(logging.ERROR, logger="pscluster.net.rpc"):
         err = _grpc_call(grpc_channel, "Boom")
     assert type(err) is errors.InternalError and "Boom: raised Boom" in str(err)

@@ -13,9 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pscluster import codec
+from pscluster.net import codec
 from pscluster.errors import PsclusterError
-from pscluster.framing import PREFIX, read_reply, send_hello
+from pscluster.net.framing import PREFIX, read_reply, send_hello
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.server.bulk import BulkHandlers
 from pscluster.server.ps import ParameterServerCore

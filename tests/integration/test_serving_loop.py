@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from pscluster import codec, framing, shm
-from pscluster.bulk import BulkCall, BulkClient
+from pscluster.net import codec, framing, shm
+from pscluster.net.bulk import BulkCall, BulkClient
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.server.bulk import BulkHandlers
 from pscluster.server.optimizers import OptimizerConfig

@@ -16,9 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from pscluster.bulk import BulkCall, BulkClient
+from pscluster.net.bulk import BulkCall, BulkClient
 from pscluster.errors import UnavailableError
-from pscluster.framing import PREFIX
+from pscluster.net.framing import PREFIX
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.server.bulk import BulkHandlers
 from pscluster.server.optimizers import OptimizerConfig

@@ -4,8 +4,8 @@ import select
 import socket
 import threading
 
-from pscluster import tls
-from pscluster.certs import write_certs
+from pscluster.net import tls
+from pscluster.ops.certs import write_certs
 
 
 def test_an_idle_tls_client_connection_is_not_woken_by_post_handshake_messages(tmp_path):

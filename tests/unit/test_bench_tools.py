@@ -30,7 +30,7 @@ def test_a_full_run_rewrites_the_table(tmp_path, monkeypatch):
 
 
 def test_a_sample_is_charged_to_its_innermost_known_frame():
-    text = ("thread (1);run (threading.py:982);train_step (mnist.py:113);push (pscluster/client.py:348);"
-            "send_frame (pscluster/framing.py:61) 7\n"
+    text = ("thread (1);run (threading.py:982);train_step (mnist.py:113);push (pscluster/client/client.py:348);"
+            "send_frame (pscluster/net/framing.py:61) 7\n"
             "thread (1);run (threading.py:982);mlp_grads (mnist.py:80) 3\nnot a sample\n")
     assert profile.parse_collapsed(text) == {"framing+sockets": 7, "model": 3}

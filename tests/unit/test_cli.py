@@ -5,9 +5,9 @@ import io
 import pytest
 from rich.console import Console
 
-from pscluster.cli import build_parser
+from pscluster.ops.cli import build_parser
 from pscluster.proto import pscluster_pb2 as pb
-from pscluster.status import ClusterStatus, render
+from pscluster.ops.status import ClusterStatus, render
 
 
 def test_version_prints_the_installed_version(capsys):

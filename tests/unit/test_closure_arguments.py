@@ -7,7 +7,7 @@ import numpy as np
 
 from pscluster.closures import dumps_arguments
 from pscluster.datasets import PerWorkerIterator
-from pscluster.variables import ShardPlacement, Variable
+from pscluster.client.variables import ShardPlacement, Variable
 
 
 def test_plain_arguments_round_trip_and_match_cloudpickle():

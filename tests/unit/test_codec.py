@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from pscluster import codec
+from pscluster.net import codec
 from pscluster.errors import InvalidArgumentError
 from pscluster.proto import pscluster_pb2 as pb
 

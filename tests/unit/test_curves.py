@@ -2,7 +2,7 @@
 
 import pytest
 
-from pscluster import context
+from pscluster.client import context
 from pscluster.coordinator.curves import TrainingCurves
 from pscluster.errors import InvalidArgumentError
 from tests.events import scalars

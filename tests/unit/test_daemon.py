@@ -8,7 +8,7 @@ import types
 import pytest
 
 from pscluster.closures import _is_user_module
-from pscluster.daemon import Waiter
+from pscluster.ops.daemon import Waiter
 from pscluster.errors import DeadlineExceededError, StartupError, UnauthenticatedError, UnavailableError
 
 
@@ -23,7 +23,7 @@ class Clock:
 def test_waiter_backs_off_and_logs_once_per_kind_of_failure(caplog):
     clock = Clock()
     waiter = Waiter("coordinator", "ps 1 at 127.0.0.1:7002", timeout=30.0, clock=clock)
-    with caplog.at_level(logging.INFO, logger="pscluster.daemon"):
+    with caplog.at_level(logging.INFO, logger="pscluster.ops.daemon"):
         delays = []
         for err in [UnavailableError("down")] * 6 + [DeadlineExceededError("slow")] * 2:
             delays.append(waiter.failed(err))

@@ -10,7 +10,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from pscluster.cli import build_parser
+from pscluster.ops.cli import build_parser
 from pscluster.config import validate
 
 DEPLOY = pathlib.Path(__file__).resolve().parents[2] / "deploy"

@@ -4,7 +4,7 @@ import time
 
 import numpy as np
 
-from pscluster.fresh import FreshValues
+from pscluster.client.fresh import FreshValues
 
 
 def test_values_are_taken_once_all_or_nothing():

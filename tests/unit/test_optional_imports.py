@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-CORE = ("pscluster", "pscluster.client", "pscluster.launcher", "pscluster.coordinator.coordinator",
-        "pscluster.server.main", "pscluster.worker.main", "pscluster.cli")
+CORE = ("pscluster", "pscluster.client.client", "pscluster.ops.launcher", "pscluster.coordinator.coordinator",
+        "pscluster.server.main", "pscluster.worker.main", "pscluster.ops.cli")
 
 
 @pytest.mark.parametrize("framework", [("torch",), ("jax", "jaxlib")], ids=["torch", "jax"])

@@ -11,7 +11,7 @@ from pscluster.placement import FixedShardsPartitioner, ps_for_ordinal, split_ro
 from pscluster.server import checkpoint
 from pscluster.server.optimizers import OptimizerConfig
 from pscluster.server.store import PushItem, ShardSpec, VariableStore
-from pscluster.variables import ShardPlacement, Variable
+from pscluster.client.variables import ShardPlacement, Variable
 
 OPTIMIZERS = {
     "sgd": OptimizerConfig("sgd", 0.1),

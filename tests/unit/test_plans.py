@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from pscluster import plans
+from pscluster.client import plans
 from pscluster.errors import InvalidArgumentError
-from pscluster.variables import ShardPlacement, Variable
+from pscluster.client.variables import ShardPlacement, Variable
 
 W = Variable("w", (6, 2), np.dtype(np.float32), (ShardPlacement(0, 0, 0, 4, 0), ShardPlacement(1, 1, 4, 2, 1)))
 B = Variable("b", (3,), np.dtype(np.float32), (ShardPlacement(0, 1, 0, 3, 2),))
@@ -75,7 +75,7 @@ def test_plain_results_pickle_like_cloudpickle():
 
 
 def test_payloads_leave_little_endian_and_contiguous_copying_only_when_needed():
-    from pscluster.bulk import _wire
+    from pscluster.net.bulk import _wire
 
     ready = np.arange(6, dtype="<f4").reshape(2, 3)
     assert _wire(ready) is ready

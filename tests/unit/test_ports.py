@@ -2,7 +2,7 @@
 
 import socket
 
-from pscluster.launcher import _ephemeral_floor, free_port
+from pscluster.ops.launcher import _ephemeral_floor, free_port
 
 
 def test_free_ports_are_below_the_ephemeral_range_and_bindable():

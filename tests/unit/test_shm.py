@@ -1,10 +1,10 @@
-"""Shared-memory segments (pscluster/shm.py): both ends see one region; bad offers are refused."""
+"""Shared-memory segments (pscluster/net/shm.py): both ends see one region; bad offers are refused."""
 
 import os
 
 import pytest
 
-from pscluster import shm
+from pscluster.net import shm
 from pscluster.errors import FailedPreconditionError
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="this host has no writable /dev/shm")

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
-from pscluster import rpc
+from pscluster.net import rpc
 from pscluster.config import Settings
 from pscluster.errors import PsclusterError, UnauthenticatedError
 from pscluster.proto import pscluster_pb2 as pb

@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import numpy as np
 
-from pscluster import codec, rpc
+from pscluster.net import codec, rpc
 from pscluster.errors import PsclusterError
 from pscluster.proto import pscluster_pb2 as pb
-from pscluster.tensors import PullPlan, PushPlan, ValueTargets
+from pscluster.client.tensors import PullPlan, PushPlan, ValueTargets
 
 if TYPE_CHECKING:
-    from pscluster.client import PSClient
+    from pscluster.client.client import PSClient
 
 
 

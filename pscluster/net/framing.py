@@ -1,5 +1,5 @@
 """Framed TCP transport shared by the bulk tensor path (PS) and closure dispatch (workers): the wire
-format and the socket I/O both ends use (the server is pscluster/frame_server.py).
+format and the socket I/O both ends use (the server is pscluster/net/frame_server.py).
 
 A frame is `<u32 header length><u64 payload length><header><payload>`; headers are BulkRequest /
 BulkReply messages.
@@ -22,7 +22,7 @@ import termios
 
 import grpc
 
-from pscluster.admission import HELLO_MAX_BYTES
+from pscluster.net.admission import HELLO_MAX_BYTES
 from pscluster.errors import InvalidArgumentError, PsclusterError
 from pscluster.proto import pscluster_pb2 as pb
 

@@ -129,7 +129,7 @@ def settings_from_args(args: argparse.Namespace, task_type: str | None) -> Setti
 def _certs(args: argparse.Namespace) -> int:
     import pathlib
 
-    from pscluster.certs import hosts_of, task_names, write_certs
+    from pscluster.ops.certs import hosts_of, task_names, write_certs
     from pscluster.config import read_cluster_file
 
     cluster: dict[str, Any] = read_cluster_file(pathlib.Path(args.cluster)) if args.cluster else \
@@ -161,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             serve_coordinator(settings_from_args(args, "coordinator"))
         elif args.command == "up":
-            from pscluster.launcher import up_main
+            from pscluster.ops.launcher import up_main
 
             return up_main(args)
         elif args.command == "evaluator":
@@ -171,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "certs":
             return _certs(args)
         elif args.command == "status":
-            from pscluster.status import show, wait_for_file
+            from pscluster.ops.status import show, wait_for_file
 
             if args.cluster and args.wait:
                 wait_for_file(args.cluster, args.wait)  # `pscluster up --write-cluster F &` may not have written it yet

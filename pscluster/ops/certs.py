@@ -4,7 +4,7 @@
 
 Every certificate is signed by the new CA and carries its task's role in the subject's common name
 (`ps-0`, `worker-1`, `coordinator`, `client`) and as a URI SAN `pscluster://role/<role>`, which is what
-mutual TLS checks (pscluster/tls.py). Its IP and DNS SANs are every host of the cluster file plus
+mutual TLS checks (pscluster/net/tls.py). Its IP and DNS SANs are every host of the cluster file plus
 127.0.0.1 and localhost (and `--host` additions), so a client verifies a daemon by the address it
 dials; and the DNS name `pscluster-<role>`, by which the coordinator verifies workers, whose
 addresses are not known in advance (a Kubernetes Deployment, Ray actors). Keys are written with mode 0600. The CA key stays in the directory to sign more later; keep it

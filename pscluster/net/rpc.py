@@ -19,9 +19,9 @@ from typing import Any, TypeVar
 import grpc
 
 from pscluster.config import Settings
-from pscluster import tls
+from pscluster.net import tls
 from pscluster.errors import ConfigError, PermissionDeniedError, PsclusterError, from_status
-from pscluster.refusals import RefusalLog
+from pscluster.net.refusals import RefusalLog
 
 log = logging.getLogger(__name__)
 _refusals = RefusalLog(log)

@@ -22,12 +22,12 @@ from typing import cast
 
 import numpy as np
 
-from pscluster import codec, shm
+from pscluster.net import codec, shm
 from pscluster.errors import InternalError, UnavailableError, from_status
-from pscluster.framing import PREFIX, STATUS_BY_VALUE, connect, send_buffer, send_frame, send_hello
+from pscluster.net.framing import PREFIX, STATUS_BY_VALUE, connect, send_buffer, send_frame, send_hello
 from pscluster.proto import pscluster_pb2 as pb
-from pscluster.shm import Segment
-from pscluster.tensors import PullPlan, PushPlan, ValueTargets
+from pscluster.net.shm import Segment
+from pscluster.client.tensors import PullPlan, PushPlan, ValueTargets
 
 THREADED_BYTES = 2 << 20
 COALESCE_BYTES = 64 << 10  # payloads up to this size are copied into the send of the frame's head
@@ -67,7 +67,7 @@ class _Conn:
         # one recv, and the loops that fill a buffer run in C (the socket's timeout still bounds each recv)
         self.reader = cast(io.BufferedReader, sock.makefile("rb", buffering=READ_BUFFER_BYTES))
         self.fresh = True  # the hello is not sent yet
-        self.local = local  # may offer the PS a segment (pscluster/shm.py)
+        self.local = local  # may offer the PS a segment (pscluster/net/shm.py)
         self.segment: Segment | None = None
 
     def read(self, n: int) -> bytes:

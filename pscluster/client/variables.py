@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pscluster import context
+from pscluster.client import context
 from pscluster.closures import pickle_by_reference
 from pscluster.errors import InvalidArgumentError
 

@@ -5,7 +5,7 @@ connection with the cluster token (and TLS roles); a handler serves each request
 and writing the reply) and raises PsclusterError for bad input, which the server maps onto the
 reply's status code, once, here. Each connection is served by a thread of its own, except that a
 server given an `inline` predicate serves the small requests of its plain connections from one loop
-thread (pscluster/frame_loop.py). The wire format and its I/O helpers are in pscluster/framing.py.
+thread (pscluster/net/frame_loop.py). The wire format and its I/O helpers are in pscluster/net/framing.py.
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from pscluster import tls
-from pscluster.admission import HELLO_MAX_BYTES, ConnectionBudget
+from pscluster.net import tls
+from pscluster.net.admission import HELLO_MAX_BYTES, ConnectionBudget
 from pscluster.config import Settings
 from pscluster.errors import (ConfigError, InternalError, InvalidArgumentError, PermissionDeniedError, PsclusterError,
                               ResourceExhaustedError, UnauthenticatedError, UnavailableError)
-from pscluster.frame_loop import Served, ServingLoop
-from pscluster.framing import PREFIX, recv_exact, refuse_payload, reply_error, unsent_bytes, wait_readable
+from pscluster.net.frame_loop import Served, ServingLoop
+from pscluster.net.framing import PREFIX, recv_exact, refuse_payload, reply_error, unsent_bytes, wait_readable
 from pscluster.proto import pscluster_pb2 as pb
-from pscluster.refusals import RefusalLog
+from pscluster.net.refusals import RefusalLog
 
 log = logging.getLogger(__name__)
 _refusals = RefusalLog(log)
@@ -68,7 +68,7 @@ class FrameServer:
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._accept, name=f"{name}-accept", daemon=True)
-        # small ready requests of plain connections are served from one loop thread (pscluster/frame_loop.py)
+        # small ready requests of plain connections are served from one loop thread (pscluster/net/frame_loop.py)
         self._inline = inline
         self._loop = ServingLoop(name, self._serve_ready, self._end, idle_timeout_s) \
             if inline is not None and tls_context is None else None

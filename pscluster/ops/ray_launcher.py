@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 
 from pscluster.config import Settings, load_settings
-from pscluster.launcher import free_port
+from pscluster.ops.launcher import free_port
 
 
 class _Directory:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from pscluster.errors import FailedPreconditionError, InvalidArgumentError
 
 if TYPE_CHECKING:
-    from pscluster.client import PSClient
+    from pscluster.client.client import PSClient
 
 _default_client: PSClient | None = None
 _local = threading.local()
@@ -53,7 +53,7 @@ class ClosureScope:
                  final_below: int = 0, push_pull: bool = False) -> None:
         self.closure_id = closure_id
         self.final_below = final_below  # the coordinator's mark at dispatch, sent with every push
-        self.push_pull = push_pull  # fused push-pull (pscluster/fresh.py): the job is async and asked for it
+        self.push_pull = push_pull  # fused push-pull (pscluster/client/fresh.py): the job is async and asked for it
         self.client = client
         self.worker = worker
         self.sync_mode = sync_mode or "async"

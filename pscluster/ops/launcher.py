@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from pscluster import daemon
+from pscluster.ops import daemon
 from pscluster.config import Settings, load_settings, load_token
 from pscluster.errors import ConfigError, DeadlineExceededError, FailedPreconditionError, StartupError
 
@@ -164,7 +164,7 @@ class LocalCluster:
     def _argv(self, role: str, index: int, restore: bool = False) -> list[str]:
         # -P: the working directory is not put on sys.path, so a `pscluster/` folder there (a checkout
         # next to a non-editable install) cannot shadow the installed package in the daemons.
-        argv = [sys.executable, "-P", "-m", "pscluster.cli", role, "--cluster", str(self.cluster_file),
+        argv = [sys.executable, "-P", "-m", "pscluster.ops.cli", role, "--cluster", str(self.cluster_file),
                 "--exit-with-parent", str(os.getpid())]
         if role == "ps":
             argv += ["--index", str(index), "--checkpoint-dir", str(self.checkpoint_dir)]

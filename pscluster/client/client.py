@@ -22,18 +22,20 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from pscluster import codec, context, plans, rpc, tls
-from pscluster.bulk import BulkClient, BulkTensors
-from pscluster.grpc_tensors import GrpcTensors
+from pscluster.client import context, plans
+
+from pscluster.net import codec, rpc, tls
+from pscluster.net.bulk import BulkClient, BulkTensors
+from pscluster.net.grpc_tensors import GrpcTensors
 from pscluster.config import Settings
 from pscluster.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, PsclusterError, UnavailableError
 from pscluster.placement import Partitioner, ps_for_ordinal, split_rows
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 from pscluster.specs import OptimizerConfig, ShardSpec, spec_to_pb
-from pscluster.fresh import FreshValues
-from pscluster.tensors import PullPlan, PushPlan, TensorTransport, ValueTargets
-from pscluster.variables import ShardPlacement, Variable
+from pscluster.client.fresh import FreshValues
+from pscluster.client.tensors import PullPlan, PushPlan, TensorTransport, ValueTargets
+from pscluster.client.variables import ShardPlacement, Variable
 
 Grads = plans.Grads
 T = TypeVar("T")
@@ -72,7 +74,7 @@ class PSClient:
         # restarted from a checkpoint older than the variable: one entry per variable, not per step
         self._definitions: dict[str, list[tuple[int, str, Any]]] = {}
         self._timeout = settings.rpc_timeout_s
-        self.fresh = FreshValues(settings.push_pull_max_age_s)  # fused push-pull values (pscluster/fresh.py)
+        self.fresh = FreshValues(settings.push_pull_max_age_s)  # fused push-pull values (pscluster/client/fresh.py)
         self._tensors: TensorTransport = GrpcTensors(self)
         if settings.bulk_transport:
             files = tls.files(settings)
@@ -296,7 +298,7 @@ class PSClient:
     def pull(self, variables: Sequence[Variable]) -> list[np.ndarray]:
         """Current values of variables: one request per PS task, all in parallel, reassembled. In a closure
         of an async job with `push_pull`, the values this worker's last push brought back, if recent
-        enough (pscluster/fresh.py)."""
+        enough (pscluster/client/fresh.py)."""
         plans.check_variables(variables, "pull")
         scope = context.current_scope()
         if scope is not None and scope.push_pull:
@@ -342,7 +344,7 @@ class PSClient:
         Every shard of a table gets a part (empty for shards without rows): each shard then counts every
         update of the table, so Adam's bias correction does not depend on how the table is sharded.
         In a closure of an async job with `push_pull`, a dense push also brings back the values
-        (pscluster/fresh.py).
+        (pscluster/client/fresh.py).
         """
         scope = context.current_scope()
         fused = scope is not None and scope.push_pull and not rows
