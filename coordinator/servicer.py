@@ -7,17 +7,52 @@ and Status always find a free thread.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 
+from pscluster.config import Settings
+from pscluster.coordinator.clients import LongPolls
 from pscluster.coordinator.job_queues import MAIN
+from pscluster.coordinator.joins import JobSessions
+from pscluster.coordinator.values import RemoteValue
 from pscluster.errors import DeadlineExceededError
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 
-if TYPE_CHECKING:
-    from pscluster.coordinator.coordinator import ClusterCoordinator
+
+
+class CoordinatorCore(Protocol):
+    """What the servicer calls (ClusterCoordinator is the one implementation)."""
+
+    settings: Settings
+    long_polls: LongPolls
+    sessions: JobSessions
+
+    def schedule_payload(self, payload: bytes, *, retain: bool = False, job: str = MAIN) -> RemoteValue:
+        """Queue a serialized closure in job."""
+
+    def remote_value(self, closure_id: int) -> RemoteValue:
+        """The RemoteValue of a scheduled closure."""
+
+    def release(self, closure_id: int) -> None:
+        """A remote client fetched closure_id's result."""
+
+    def configure_sync(self, mode: str = "sync", replicas_to_aggregate: int | None = None,
+                       total_num_replicas: int | None = None, staleness: int = 0, *, job: str = MAIN) -> int:
+        """Choose the update mode; the global step."""
+
+    def checkpoint(self, step: int | None = None, *, job: str = MAIN) -> list[str]:
+        """Write a checkpoint of every PS."""
+
+    def status(self) -> pb.CoordinatorStatus:
+        """Queue, counters, workers and jobs."""
+
+    def register(self, worker_id: str, address: str, closure_port: int = 0, timeout: float = 5.0) -> int:
+        """Register a worker; its index."""
+
+    def heartbeat(self, worker_id: str, leaving: bool) -> bool:
+        """Record a heartbeat; False if the worker must re-register."""
 
 
 def error_to_pb(exc: BaseException) -> pb.UserError:
@@ -40,7 +75,7 @@ def error_to_pb(exc: BaseException) -> pb.UserError:
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     """Thin translation layer over a ClusterCoordinator."""
 
-    def __init__(self, coordinator: ClusterCoordinator) -> None:
+    def __init__(self, coordinator: CoordinatorCore) -> None:
         self.coordinator = coordinator
 
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterReply:

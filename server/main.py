@@ -10,7 +10,7 @@ from pscluster.net import frame_server, rpc, tls
 
 from pscluster.ops import daemon
 from pscluster.config import Settings
-from pscluster.net.frame_server import stop_with
+from pscluster.net.frame_server import Listeners
 from pscluster.ops.metrics import PsMetrics
 from pscluster.ops.metrics import serve as metrics_serve
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
@@ -21,8 +21,8 @@ from pscluster.server.servicer import ParameterServerServicer
 log = logging.getLogger(__name__)
 
 
-def start(settings: Settings) -> tuple[grpc.Server, int, ParameterServerCore]:
-    """Build the PS core (restoring if asked), start its gRPC server; returns (server, port, core)."""
+def start(settings: Settings) -> tuple[Listeners, int, ParameterServerCore]:
+    """Build the PS core (restoring if asked), start its gRPC server and bulk port; returns (listeners, port, core)."""
     from pscluster.server import sync_replicas
 
     core = ParameterServerCore(
@@ -44,9 +44,7 @@ def start(settings: Settings) -> tuple[grpc.Server, int, ParameterServerCore]:
     server, port = rpc.create_server(
         settings, lambda s: pb_grpc.add_ParameterServerServicer_to_server(servicer, s),
         name=f"ps{settings.task_index}")
-    if bulk is not None:
-        stop_with(server, bulk)
-    return server, port, core
+    return Listeners(server, bulk), port, core
 
 
 def serve(settings: Settings) -> None:

@@ -20,7 +20,7 @@ from pscluster.config import Settings
 from pscluster.datasets import WorkerDatasets, WorkerInfo
 from pscluster.ops.daemon import Waiter
 from pscluster.errors import PsclusterError, StartupError
-from pscluster.net.frame_server import stop_with
+from pscluster.net.frame_server import Listeners
 from pscluster.ops.metrics import serve as metrics_serve
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
@@ -121,7 +121,7 @@ class Heartbeater:
 
 
 def start(settings: Settings, ps_resolver: Callable[[int], str] | None = None
-          ) -> tuple[grpc.Server, int, WorkerServicer]:
+          ) -> tuple[Listeners, int, WorkerServicer]:
     """Start the worker's gRPC server (and its framed closure port); returns (server, port, servicer).
 
     ps_resolver: where PS i is now, for PS tasks a scheduler may move (see PSClient).
@@ -135,13 +135,13 @@ def start(settings: Settings, ps_resolver: Callable[[int], str] | None = None
         else f"{settings.bind_host}:{settings.port or 0}"
     server, port = rpc.create_server(settings, lambda s: pb_grpc.add_WorkerServicer_to_server(servicer, s),
                                      address=address, name="worker")
+    frames = None
     if settings.bulk_transport:
         frames = closure_server(servicer, settings.bind_host, settings.token_value(),
                                 settings.max_message_bytes, port=settings.framed_port or 0,
                                 **frame_server.limits(settings, tls.CLOSURE_ROLES)).start()
         servicer.closure_port = frames.port
-        stop_with(server, frames)
-    return server, port, servicer
+    return Listeners(server, frames), port, servicer
 
 
 def serve(settings: Settings) -> None:

@@ -26,6 +26,7 @@ from pscluster.client import context, plans
 
 from pscluster.net import codec, rpc, tls
 from pscluster.net.bulk import BulkClient, BulkTensors
+from pscluster.net.channels import Channels
 from pscluster.net.grpc_tensors import GrpcTensors
 from pscluster.config import Settings
 from pscluster.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, PsclusterError, UnavailableError
@@ -34,7 +35,7 @@ from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 from pscluster.specs import OptimizerConfig, ShardSpec, spec_to_pb
 from pscluster.client.fresh import FreshValues
-from pscluster.client.tensors import PullPlan, PushPlan, TensorTransport, ValueTargets
+from pscluster.net.transport import PullPlan, PushPlan, TensorTransport, ValueTargets
 from pscluster.client.variables import ShardPlacement, Variable
 
 Grads = plans.Grads
@@ -42,9 +43,9 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
-def _step_tag(step: int = 0) -> int:
-    """The step to tag a push with: the running closure's sync token (taken now if needed), else step."""
-    scope = context.current_scope()
+def _token_step(scope: context.ClosureScope | None, step: int = 0) -> int:
+    """The step to tag a pull or push with: in a sync or bounded job, the closure's token step, taking its
+    token now if it has none yet (a step's first pull is where a worker joins the step); else step."""
     token = scope.ensure_token() if scope is not None else None
     return token.step if token is not None else step
 
@@ -62,11 +63,7 @@ class PSClient:
         self.settings = settings
         self.retry_for = retry_for
         self._resolver = resolver
-        self._addresses = list(settings.cluster.ps)
-        self._channels = [rpc.open_channel(addr, settings) for addr in settings.cluster.ps]
-        self._retired: list[grpc.Channel] = []  # channels of PS tasks that moved (relocate), closed later
-        self.stubs = [pb_grpc.ParameterServerStub(ch) for ch in self._channels]
-        self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.stubs)), thread_name_prefix="ps-stream")
+        self._net = Channels(settings, settings.cluster.ps)
         self._lock = threading.Lock()
         self._known: dict[str, Variable] | None = None
         self._creating: dict[str, tuple[Variable, threading.Event]] = {}  # names whose shards are being created
@@ -75,16 +72,18 @@ class PSClient:
         self._definitions: dict[str, list[tuple[int, str, Any]]] = {}
         self._timeout = settings.rpc_timeout_s
         self.fresh = FreshValues(settings.push_pull_max_age_s)  # fused push-pull values (pscluster/client/fresh.py)
-        self._tensors: TensorTransport = GrpcTensors(self)
+        self._tensors: TensorTransport = GrpcTensors(self._net)
         if settings.bulk_transport:
             files = tls.files(settings)
             self._tensors = BulkTensors(BulkClient(
-                [a.rpartition(":")[0] for a in settings.cluster.ps], self._bulk_port, settings.token_value(),
-                settings.rpc_timeout_s, self._pool, io_timeout=settings.socket_timeout_s,
+                [a.rpartition(":")[0] for a in settings.cluster.ps], self._net.bulk_port, settings.token_value(),
+                settings.rpc_timeout_s, self._net.pool, io_timeout=settings.socket_timeout_s,
                 tls_context=tls.client_context(files) if files else None, shared_memory=settings.shared_memory))
 
-    def _bulk_port(self, ps: int) -> int:
-        return int(self._call(ps, "Status", pb.PsStatusRequest()).bulk_port)
+    @property
+    def stubs(self) -> list[pb_grpc.ParameterServerStub]:
+        """The gRPC stub of every PS task (a PS that moved has a new one)."""
+        return self._net.stubs
 
     @property
     def num_ps(self) -> int:
@@ -94,9 +93,7 @@ class PSClient:
     def close(self) -> None:
         """Close channels, bulk connections and the stream pool."""
         self._tensors.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        for ch in self._channels + self._retired:
-            ch.close()
+        self._net.close()
 
     def __enter__(self) -> PSClient:
         return self
@@ -110,7 +107,7 @@ class PSClient:
         while True:
             try:  # with a resolver, retries come in short rounds, asking between them where the PS is
                 return rpc.call(getattr(self.stubs[ps], method), request, timeout=self._timeout,
-                                what=f"ps {ps} ({self._addresses[ps]}) {method}",
+                                what=self._net.what(ps, method),
                                 retry_for=min(budget, 1.0) if self._resolver is not None else budget)
             except PsclusterError as err:
                 if not (err.retryable and self._resolver is not None and time.monotonic() < deadline):
@@ -126,18 +123,8 @@ class PSClient:
         except Exception as exc:  # noqa: BLE001 - the directory may be restarting too: the next round asks again
             log.warning("ps %d: cannot resolve its address (%s)", ps, exc)
             return False
-        with self._lock:
-            if not address or address == self._addresses[ps]:
-                return False
-            # the old channel stays open a while: another thread may be calling through it right now
-            self._retired.append(self._channels[ps])
-            stale = self._retired[:-8]
-            del self._retired[:-8]
-            self._addresses[ps] = address
-            self._channels[ps] = rpc.open_channel(address, self.settings)
-            self.stubs[ps] = pb_grpc.ParameterServerStub(self._channels[ps])
-        for channel in stale:
-            channel.close()
+        if not self._net.move(ps, address):
+            return False
         self.fresh.clear()
         self._tensors.moved(ps, address)
         log.warning("ps %d moved to %s", ps, address)
@@ -151,7 +138,7 @@ class PSClient:
             try:
                 out.append(fut.result())
             except grpc.RpcError as exc:
-                err = rpc.translate(exc, f"ps {ps} ({self._addresses[ps]}) {method}")
+                err = rpc.translate(exc, self._net.what(ps, method))
                 if not err.retryable:
                     raise err from None
                 out.append(self._call(ps, method, req))
@@ -319,7 +306,7 @@ class PSClient:
             InvalidArgumentError: an `out` of the wrong shape, dtype or layout, or ids out of range.
         """
         plan, scatter = plans.pull_plan(dense, rows)
-        _step_tag()
+        _token_step(context.current_scope())
         self._pull_plan(plan)
         for out, sel, part in scatter:
             out[sel] = part
@@ -346,10 +333,11 @@ class PSClient:
         In a closure of an async job with `push_pull`, a dense push also brings back the values
         (pscluster/client/fresh.py).
         """
-        scope = context.current_scope()
+        scope = context.current_scope()  # once per push: the id, the step tag, the mark and the record use it
         fused = scope is not None and scope.push_pull and not rows
         plan, targets, values = plans.push_plan(grads, rows, fused)
-        versions, replies = self._push_plan(plan, push_id or context.push_id(), _step_tag(step), targets if fused else None)
+        pid = push_id or (scope.next_push_id() if scope is not None else context.push_id())
+        versions, replies = self._push_plan(plan, pid, _token_step(scope, step), scope, targets if fused else None)
         if fused and sum(len(r.values) for r in replies) == sum(len(items) for items in plan.values()):
             self.fresh.put(values)  # every PS answered with values (none accumulates, nothing streamed)
         return versions
@@ -359,22 +347,19 @@ class PSClient:
         """Row gradients of a table; only those rows change. Returns the new version of every shard."""
         return self.push((), push_id, step, rows=[(var, np.asarray(ids), grads)])
 
-    def _push_plan(self, plan: PushPlan, pid: str, step: int,
+    def _push_plan(self, plan: PushPlan, pid: str, step: int, scope: context.ClosureScope | None,
                    targets: ValueTargets | None = None) -> tuple[list[int], list[pb.PushReply]]:
         refs = [item.ref for items in plan.values() for item, _ in items]
-        scope = context.current_scope()
         head = pb.PushRequest(push_id=pid, step=step, final_below=scope.final_below if scope is not None else 0,
                               return_values=targets is not None)
         replies = self._retrying(lambda: self._tensors.push(plan, head, targets))
-        self._record(refs, replies)
+        if scope is not None:
+            self._record(scope, refs, replies)
         return [v for r in replies for v in r.versions], replies
 
     @staticmethod
-    def _record(refs: Sequence[pb.ShardRef], replies: Sequence[pb.PushReply]) -> None:
+    def _record(scope: context.ClosureScope, refs: Sequence[pb.ShardRef], replies: Sequence[pb.PushReply]) -> None:
         """Note in the running closure's scope which shard versions its pushes produced."""
-        scope = context.current_scope()
-        if scope is None:
-            return
         pairs = [(v, r.incarnation) for r in replies for v in r.versions]
         for ref, (version, incarnation) in zip(refs, pairs):
             key = (ref.variable, ref.shard_index, incarnation)

@@ -12,30 +12,14 @@ import math
 import threading
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from pscluster.errors import FailedPreconditionError, InvalidArgumentError
+from pscluster.client.variables import Backend, set_thread_client
+from pscluster.client.variables import current_client as current_client
+from pscluster.client.variables import set_default_client as set_default_client
+from pscluster.errors import InvalidArgumentError
 
-if TYPE_CHECKING:
-    from pscluster.client.client import PSClient
-
-_default_client: PSClient | None = None
 _local = threading.local()
-
-
-def set_default_client(client: PSClient | None) -> None:
-    """Make client the process's default (the coordinator's or the worker's)."""
-    global _default_client
-    _default_client = client
-
-
-def current_client() -> PSClient:
-    """The PS client for this thread: the closure's, else the process default."""
-    client = getattr(_local, "client", None) or _default_client
-    if client is None:
-        raise FailedPreconditionError(
-            "no PS client in this process: create a ClusterCoordinator or PSClient first")
-    return client
 
 
 @dataclass(frozen=True)
@@ -49,7 +33,7 @@ class Token:
 class ClosureScope:
     """Identity of the closure running on this thread: ids for its pushes, its worker, its datasets."""
 
-    def __init__(self, closure_id: int, client: PSClient, worker: Any = None, sync_mode: str = "async",
+    def __init__(self, closure_id: int, client: Backend, worker: Any = None, sync_mode: str = "async",
                  final_below: int = 0, push_pull: bool = False) -> None:
         self.closure_id = closure_id
         self.final_below = final_below  # the coordinator's mark at dispatch, sent with every push
@@ -63,12 +47,13 @@ class ClosureScope:
         self.scalars: dict[str, tuple[float, int]] = {}  # report(): name -> (sum, count)
 
     def __enter__(self) -> ClosureScope:
-        self._saved = (getattr(_local, "scope", None), getattr(_local, "client", None))
-        _local.scope, _local.client = self, self.client
+        self._saved = (getattr(_local, "scope", None), set_thread_client(self.client))
+        _local.scope = self
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _local.scope, _local.client = self._saved
+        _local.scope, client = self._saved
+        set_thread_client(client)
 
     def ensure_token(self) -> Token | None:
         """In sync/bounded mode, take this closure's token (once) before its first pull or push."""

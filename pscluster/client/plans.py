@@ -1,7 +1,7 @@
 """Which bytes go to which PS task: pull and push plans built from variables, without any I/O.
 
 A PSClient validates what the caller passed and turns it into one request per PS task here, then hands
-the plan to its TensorTransport (pscluster/client/tensors.py). Everything in this module is plain Python over
+the plan to its TensorTransport (pscluster/net/transport.py). Everything in this module is plain Python over
 numpy views, so it is tested without sockets.
 """
 
@@ -16,7 +16,7 @@ import numpy as np
 from pscluster.net import codec
 from pscluster.errors import InvalidArgumentError
 from pscluster.proto import pscluster_pb2 as pb
-from pscluster.client.tensors import PullPlan, PushPlan, ValueTargets
+from pscluster.net.transport import PullPlan, PushPlan, ValueTargets
 from pscluster.client.variables import ShardPlacement, Variable
 
 Grads = Sequence[tuple[Variable, np.ndarray]]

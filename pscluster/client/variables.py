@@ -11,14 +11,15 @@
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
-from pscluster.client import context
 from pscluster.closures import pickle_by_reference
-from pscluster.errors import InvalidArgumentError
+from pscluster.errors import FailedPreconditionError, InvalidArgumentError
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ class Variable:
 
     def pull(self) -> np.ndarray:
         """The current value, every shard pulled in parallel and reassembled."""
-        return context.current_client().pull([self])[0]
+        return current_client().pull([self])[0]
 
     def read_value(self) -> np.ndarray:
         """Alias of pull(), as TF's Variable.read_value."""
@@ -88,25 +89,25 @@ class Variable:
 
     def push(self, grad: np.ndarray) -> list[int]:
         """Send a dense gradient; the PS applies it with this variable's optimizer. Returns shard versions."""
-        return context.current_client().push([(self, grad)])
+        return current_client().push([(self, grad)])
 
     def pull_rows(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Rows `ids` (int64) of an embedding table."""
-        return context.current_client().pull_rows(self, ids)
+        return current_client().pull_rows(self, ids)
 
     def push_rows(self, ids: Sequence[int] | np.ndarray, grads: np.ndarray) -> list[int]:
         """Row gradients for rows `ids`; only those rows (and their slots) change."""
-        return context.current_client().push_rows(self, ids, grads)
+        return current_client().push_rows(self, ids, grads)
 
 
 def pull(variables: Sequence[Variable]) -> list[np.ndarray]:
     """Pull several variables at once: one request per PS task, all in parallel."""
-    return context.current_client().pull(variables)
+    return current_client().pull(variables)
 
 
 def push(grads: Sequence[tuple[Variable, np.ndarray]]) -> list[int]:
     """Push gradients of several variables at once (one push id, one request per PS task)."""
-    return context.current_client().push(grads)
+    return current_client().push(grads)
 
 
 def unique_rows(name: str, ids: np.ndarray, rows: int) -> np.ndarray:
@@ -135,3 +136,58 @@ def check_table_ids(tables: Sequence[str], given: Sequence[str]) -> None:
     if unknown or missing:
         raise InvalidArgumentError(f"pull(ids=...): sparse tables are {sorted(tables)}; got ids for unknown "
                                    f"{unknown} and none for {missing}")
+
+
+class Backend(Protocol):
+    """What handles and adapters need of a PS client (PSClient is the one implementation)."""
+
+    def pull(self, variables: Sequence[Variable]) -> list[np.ndarray]:
+        """Current values of variables."""
+
+    def pull_into(self, dense: Sequence[tuple[Variable, np.ndarray]],
+                  rows: Sequence[tuple[Variable, np.ndarray, np.ndarray]] = ()) -> None:
+        """Fill arrays in place with whole variables and table rows."""
+
+    def pull_rows(self, var: Variable, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Rows ids of a table."""
+
+    def push(self, grads: Sequence[tuple[Variable, np.ndarray]], push_id: str | None = None, step: int = 0,
+             rows: Sequence[tuple[Variable, np.ndarray, np.ndarray]] = ()) -> list[int]:
+        """Dense and row gradients under one push id; the new shard versions."""
+
+    def push_rows(self, var: Variable, ids: Sequence[int] | np.ndarray, grads: np.ndarray,
+                  push_id: str | None = None, step: int = 0) -> list[int]:
+        """Row gradients of a table."""
+
+    def take_token(self, closure_id: int, worker: str, timeout: float = 30.0) -> tuple[int, int]:
+        """A sync token (step, replica) from PS 0's queue."""
+
+
+_default_client: Backend | None = None
+_thread = threading.local()  # .client: the running closure's client, set by its ClosureScope
+
+
+def set_default_client(client: Backend | None) -> None:
+    """Make client the process's default (the coordinator's or the worker's)."""
+    global _default_client
+    _default_client = client
+
+
+def set_thread_client(client: Backend | None) -> Backend | None:
+    """Make client this thread's (a closure's scope does); returns the one it replaces."""
+    previous: Backend | None = getattr(_thread, "client", None)
+    _thread.client = client
+    return previous
+
+
+def current_client() -> Backend:
+    """The PS client for this thread: the closure's, else the process default.
+
+    Raises:
+        FailedPreconditionError: no client in this process.
+    """
+    client = getattr(_thread, "client", None) or _default_client
+    if client is None:
+        raise FailedPreconditionError(
+            "no PS client in this process: create a ClusterCoordinator or PSClient first")
+    return client

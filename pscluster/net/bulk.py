@@ -27,7 +27,7 @@ from pscluster.errors import InternalError, UnavailableError, from_status
 from pscluster.net.framing import PREFIX, STATUS_BY_VALUE, connect, send_buffer, send_frame, send_hello
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.net.shm import Segment
-from pscluster.client.tensors import PullPlan, PushPlan, ValueTargets
+from pscluster.net.transport import PullPlan, PushPlan, ValueTargets
 
 THREADED_BYTES = 2 << 20
 COALESCE_BYTES = 64 << 10  # payloads up to this size are copied into the send of the frame's head
@@ -115,8 +115,9 @@ class BulkClient:
     def __init__(self, hosts: Sequence[str], port_of: Callable[[int], int], token: str | None,
                  timeout: float, pool: ThreadPoolExecutor, io_timeout: float = 30.0,
                  tls_context: ssl.SSLContext | None = None, shared_memory: bool = True) -> None:
+        """port_of(ps): PS ps's bulk port, asked (one attempt) when a connection is first needed."""
         self._hosts = list(hosts)
-        self._port_of = port_of  # asks the PS (gRPC Status) for its bulk port
+        self._port_of = port_of
         self._token = token or ""
         self._timeout = timeout  # connect
         self._io_timeout = io_timeout

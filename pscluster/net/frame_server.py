@@ -18,6 +18,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import grpc
+
 from pscluster.net import tls
 from pscluster.net.admission import HELLO_MAX_BYTES, ConnectionBudget
 from pscluster.config import Settings
@@ -324,12 +326,15 @@ def limits(settings: Settings, roles: frozenset[str] | None = None) -> dict[str,
             "roles": roles if files and files.require_client_cert else None}
 
 
-def stop_with(server: Any, frames: FrameServer) -> None:
-    """Make `server.stop(grace)` (a grpc.Server's) also stop `frames`, so one call ends both listeners."""
-    grpc_stop = server.stop
+class Listeners:
+    """A daemon's gRPC server and its framed port (if any), stopped as one."""
 
-    def stop(grace: float | None) -> threading.Event:
-        frames.stop()
-        return grpc_stop(grace)  # type: ignore[no-any-return]
+    def __init__(self, server: grpc.Server, frames: FrameServer | None = None) -> None:
+        self.grpc = server
+        self.frames = frames
 
-    server.stop = stop
+    def stop(self, grace: float | None) -> threading.Event:
+        """Stop the framed port, then the gRPC server (with grace); the Event is set once gRPC has stopped."""
+        if self.frames is not None:
+            self.frames.stop()
+        return self.grpc.stop(grace)

@@ -21,8 +21,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pscluster.errors import ConfigError
-
-ROLE_URI = "pscluster://role/"
+from pscluster.net.tls import ROLE_URI
 ROLES = ("ps", "worker", "coordinator", "client")
 
 

@@ -1,0 +1,91 @@
+"""The gRPC channels of a client to its PS tasks, as one value a transport is handed.
+
+A transport needs the stubs, the fan-out pool and a few settings; it gets them here instead of reaching
+into the client. Every call makes one attempt and raises the mapped PsclusterError: the client retries,
+once, around the whole operation (so `retry_for` is what a caller waits).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+
+from pscluster.config import Settings
+from pscluster.net import rpc
+from pscluster.proto import pscluster_pb2 as pb
+from pscluster.proto import pscluster_pb2_grpc as pb_grpc
+
+Call = tuple[int, str, Any]  # (PS task, method name, request)
+
+
+class Channels:
+    """One channel and stub per PS task (swapped when a PS moves), and the pool that fans calls out."""
+
+    def __init__(self, settings: Settings, addresses: Sequence[str]) -> None:
+        self.settings = settings
+        self.addresses = list(addresses)
+        self._channels = [rpc.open_channel(addr, settings) for addr in self.addresses]
+        self._retired: list[grpc.Channel] = []  # channels of PS tasks that moved, closed a few moves later
+        self.stubs = [pb_grpc.ParameterServerStub(ch) for ch in self._channels]
+        self.pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.stubs)), thread_name_prefix="ps-stream")
+        self._lock = threading.Lock()
+
+    def what(self, ps: int, method: str) -> str:
+        """How errors name a call: 'ps 1 (127.0.0.1:7001) Push'."""
+        return f"ps {ps} ({self.addresses[ps]}) {method}"
+
+    def call(self, ps: int, method: str, request: Any, timeout: float | None = None) -> Any:
+        """One attempt of a unary call.
+
+        Raises:
+            PsclusterError: the call's mapped status.
+        """
+        return rpc.call(getattr(self.stubs[ps], method), request, what=self.what(ps, method),
+                        timeout=self.settings.rpc_timeout_s if timeout is None else timeout)
+
+    def bulk_port(self, ps: int) -> int:
+        """PS ps's bulk-tensor port, from its Status (one attempt)."""
+        return int(self.call(ps, "Status", pb.PsStatusRequest()).bulk_port)
+
+    def gather(self, calls: Sequence[Call]) -> list[Any]:
+        """One attempt of each unary call, all in parallel; replies in call order.
+
+        Raises:
+            PsclusterError: the first failed call's mapped status (after every call has finished).
+        """
+        futs = [getattr(self.stubs[ps], m).future(req, timeout=self.settings.rpc_timeout_s) for ps, m, req in calls]
+        out, first = [], None
+        for (ps, method, _), fut in zip(calls, futs):
+            try:
+                out.append(fut.result())
+            except grpc.RpcError as exc:
+                first = first or rpc.translate(exc, self.what(ps, method))
+        if first is not None:
+            raise first
+        return out
+
+    def move(self, ps: int, address: str) -> bool:
+        """PS ps now listens at address: open a channel there. False if it was already there."""
+        with self._lock:
+            if not address or address == self.addresses[ps]:
+                return False
+            # the old channel stays open a while: another thread may be calling through it right now
+            self._retired.append(self._channels[ps])
+            stale = self._retired[:-8]
+            del self._retired[:-8]
+            self.addresses[ps] = address
+            self._channels[ps] = rpc.open_channel(address, self.settings)
+            self.stubs[ps] = pb_grpc.ParameterServerStub(self._channels[ps])
+        for channel in stale:
+            channel.close()
+        return True
+
+    def close(self) -> None:
+        """Close every channel and stop the pool."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        for ch in self._channels + self._retired:
+            ch.close()
