@@ -1,4 +1,4 @@
-# pscluster: `make demo` trains MNIST on a local cluster; `make test` runs the type check and the whole test suite.
+# pscluster: `make demo` trains MNIST on a local cluster; `make test` runs the lint gate (ruff, mypy --strict) and the whole test suite.
 # Both create .venv with Python 3.11 and install everything they need.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
@@ -27,6 +27,7 @@ proto: $(STAMP)
 	$(PY) proto/generate.py
 
 lint: $(STAMP)
+	$(PY) -m ruff check .
 	$(PY) tools/typecheck.py
 
 clean:

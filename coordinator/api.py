@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Self
 
-from pscluster.client.client import PSClient
 from pscluster.coordinator.values import RemoteValue
-from pscluster.datasets import PerWorkerDataset
-from pscluster.client.variables import Variable
 
+from pscluster.client.client import PSClient
+from pscluster.client.variables import Variable
+from pscluster.datasets import PerWorkerDataset
 
 DAEMON_SIDE = frozenset({"schedule_payload", "register", "heartbeat", "release", "snapshot", "lost_updates_by_variable"})
 CLIENT_SIDE = frozenset({"close"})  # detach without ending the job (RemoteCoordinator(settings, job=...) re-attaches)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from pscluster.coordinator.values import RemoteValue
+
 from pscluster.errors import ResourceExhaustedError
 
 

@@ -31,30 +31,34 @@ from concurrent.futures import Future
 from typing import Any
 
 import grpc
-
-from pscluster.client import context
-
-from pscluster.net import rpc
-
-from pscluster.ops import metrics
-from pscluster.client.client import PSClient
-from pscluster.config import Settings, load_settings
 from pscluster.coordinator import scheduler as sch
-from pscluster.coordinator.curves import TrainingCurves
-from pscluster.coordinator.dispatch import ClosureSender
-from pscluster.coordinator.ps_monitor import PsMonitor
 from pscluster.coordinator.api import CoordinatorAPI
 from pscluster.coordinator.checkpoints import AutoCheckpointer
 from pscluster.coordinator.clients import LongPolls, RetainedValues
+from pscluster.coordinator.curves import TrainingCurves
+from pscluster.coordinator.dispatch import ClosureSender
 from pscluster.coordinator.job_queues import MAIN
 from pscluster.coordinator.joins import JobJoins, JobSessions
+from pscluster.coordinator.ps_monitor import PsMonitor
 from pscluster.coordinator.snapshot import RateMeter, Snapshot, take, to_status
 from pscluster.coordinator.values import RemoteValue, reply_error
-from pscluster.errors import (AbortedError, DeadlineExceededError, InternalError, NotFoundError, PsclusterError,
-                              UnavailableError)
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
+
+from pscluster.client import context
+from pscluster.client.client import PSClient
 from pscluster.closures import ClosureEncoder
+from pscluster.config import Settings, load_settings
+from pscluster.errors import (
+    AbortedError,
+    DeadlineExceededError,
+    InternalError,
+    NotFoundError,
+    PsclusterError,
+    UnavailableError,
+)
+from pscluster.net import rpc
+from pscluster.ops import metrics
 
 log = logging.getLogger(__name__)
 _STOP = object()
@@ -362,7 +366,7 @@ class ClusterCoordinator(CoordinatorAPI):
             if isinstance(event, sch.Tick):
                 self._rates.sample(self._state, now)
             return actions
-        except Exception as exc:  # noqa: BLE001 - the loop must survive; a bug is logged loudly
+        except Exception as exc:
             log.exception("coordinator loop: failed on %s", event)
             return exc
 

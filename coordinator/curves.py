@@ -58,7 +58,7 @@ class TrainingCurves:
         while not self._stop.wait(self._interval):
             try:
                 self._write()
-            except Exception:  # noqa: BLE001 - a full disk must not end training; said once per interval
+            except Exception:
                 log.exception("training curves: writing %s failed", self.path)
 
     def _write(self) -> None:

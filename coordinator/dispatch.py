@@ -22,13 +22,13 @@ from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
 import grpc
-
-from pscluster.net import rpc, tls
-from pscluster.config import Settings
 from pscluster.coordinator import scheduler as sch
-from pscluster.net.framing import STATUS_BY_VALUE, connect, read_reply, send_frame, send_hello, wait_readable
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
+
+from pscluster.config import Settings
+from pscluster.net import rpc, tls
+from pscluster.net.framing import STATUS_BY_VALUE, connect, read_reply, send_frame, send_hello, wait_readable
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class FramedDispatcher:
                                          f"({STATUS_BY_VALUE.get(reply.code)}: {reply.message})")
                     else:
                         self._on_reply(pending[0], pending[1], reply.closure)
-                except Exception as exc:  # noqa: BLE001 - never leave the attempt unanswered
+                except Exception as exc:
                     log.exception("closure %d: reply from %s could not be handled", pending[0], pending[1])
                     self._on_failure(pending[0], pending[1], f"its reply could not be handled ({exc})")
 
@@ -221,7 +221,7 @@ class GrpcDispatcher:
             self._on_reply(cid, wid, fut.result())
         except grpc.RpcError as exc:
             self._on_failure(cid, wid, f"failed a closure RPC ({rpc.translate(exc, 'RunClosure')})")
-        except Exception as exc:  # noqa: BLE001 - grpc would swallow it and the attempt would hang
+        except Exception as exc:
             log.exception("closure %d: reply from %s could not be handled", cid, wid)
             self._on_failure(cid, wid, f"its reply could not be handled ({exc})")
 

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable
 
 from pscluster.coordinator import events
+
 from pscluster.errors import DeadlineExceededError, NotFoundError
 
 

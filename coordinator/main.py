@@ -6,13 +6,13 @@ import logging
 import threading
 import time
 
-from pscluster.net import rpc
-
-from pscluster.ops import daemon
-from pscluster.config import Settings
 from pscluster.coordinator.coordinator import ClusterCoordinator
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
+
+from pscluster.config import Settings
+from pscluster.net import rpc
+from pscluster.ops import daemon
 
 log = logging.getLogger(__name__)
 

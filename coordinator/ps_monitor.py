@@ -26,10 +26,11 @@ import threading
 import time
 from collections.abc import Callable
 
-from pscluster.net import rpc
+from pscluster.proto import pscluster_pb2 as pb
+
 from pscluster.client.client import PSClient
 from pscluster.errors import PsclusterError
-from pscluster.proto import pscluster_pb2 as pb
+from pscluster.net import rpc
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ class PsMonitor:
             try:
                 self._check()
                 failures = 0
-            except Exception as exc:  # noqa: BLE001 - never end the thread silently: retry, then report
+            except Exception as exc:
                 failures += 1
                 log.warning("ps-monitor: check failed (%d of %d in a row): %s", failures, self._max_failures, exc,
                             exc_info=failures == self._max_failures)

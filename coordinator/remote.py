@@ -21,17 +21,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pscluster.client import context
-
-from pscluster.net import rpc
-from pscluster.client.client import PSClient
-from pscluster.config import Settings
 from pscluster.coordinator.api import CoordinatorAPI
 from pscluster.coordinator.values import RemoteValue, reply_error
-from pscluster.errors import DeadlineExceededError, FailedPreconditionError, PsclusterError, ResourceExhaustedError
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
+
+from pscluster.client import context
+from pscluster.client.client import PSClient
 from pscluster.closures import ClosureEncoder
+from pscluster.config import Settings
+from pscluster.errors import DeadlineExceededError, FailedPreconditionError, PsclusterError, ResourceExhaustedError
+from pscluster.net import rpc
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,32 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
-from pscluster.coordinator.events import (  # noqa: F401 - re-exported: sch.Submit, sch.Dispatch, ...
-    Submit, OpenJob, KeepJob, EndJob, Register, Heartbeat, Leave, Finished, TransportFailed, Tick, PsDown,
-    PsUp, SetConcurrency, ErrorReported, Dispatch, Resolve, Cancel, Abandon, WorkerGone, Registered, WatchPs,
-    FailUnscheduled, JobEnded, Event, Action,
+from pscluster.coordinator.events import (
+    Abandon,
+    Action,
+    Cancel,
+    Dispatch,
+    EndJob,
+    ErrorReported,
+    Event,
+    FailUnscheduled,
+    Finished,
+    Heartbeat,
+    JobEnded,
+    KeepJob,
+    Leave,
+    OpenJob,
+    PsDown,
+    PsUp,
+    Register,
+    Registered,
+    Resolve,
+    SetConcurrency,
+    Submit,
+    Tick,
+    TransportFailed,
+    WatchPs,
+    WorkerGone,
 )
 from pscluster.coordinator.job_queues import MAIN, JobQueues
 

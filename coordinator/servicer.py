@@ -10,16 +10,15 @@ from __future__ import annotations
 from typing import Protocol
 
 import grpc
-
-from pscluster.config import Settings
 from pscluster.coordinator.clients import LongPolls
 from pscluster.coordinator.job_queues import MAIN
 from pscluster.coordinator.joins import JobSessions
 from pscluster.coordinator.values import RemoteValue
-from pscluster.errors import DeadlineExceededError
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 
+from pscluster.config import Settings
+from pscluster.errors import DeadlineExceededError
 
 
 class CoordinatorCore(Protocol):

@@ -6,10 +6,10 @@ import threading
 from typing import Any
 
 import cloudpickle
-
-from pscluster.errors import ClosureError, DeadlineExceededError
 from pscluster.proto import pscluster_pb2 as pb
+
 from pscluster.closures import load_error
+from pscluster.errors import ClosureError, DeadlineExceededError
 
 
 def reply_error(closure_id: int, err: pb.UserError) -> BaseException:

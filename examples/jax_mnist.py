@@ -27,7 +27,7 @@ import pscluster.jax as ps_jax
 from pscluster.ops.launcher import LocalCluster
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from mnist import batches, load_mnist  # noqa: E402 - the demo's data, loaded the same way
+from mnist import batches, load_mnist
 
 
 def init_params(seed: int = 0, hidden: int = 256) -> dict[str, dict[str, jax.Array]]:

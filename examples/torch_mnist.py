@@ -30,7 +30,7 @@ import pscluster.torch as ps_torch
 from pscluster.ops.launcher import LocalCluster
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from mnist import batches, load_mnist  # noqa: E402 - the demo's data, loaded the same way
+from mnist import batches, load_mnist
 
 
 class CNN(nn.Module):

@@ -12,13 +12,13 @@ from __future__ import annotations
 from typing import Any
 
 from pscluster.client.client import PSClient
-from pscluster.closures import ship_module
 from pscluster.client.context import Token, report, sync_token, worker_info
+from pscluster.client.variables import Variable, pull, push
+from pscluster.closures import ship_module
 from pscluster.config import ClusterSpec, Settings, load_settings
 from pscluster.errors import ClosureError, ConfigError, PsclusterError
 from pscluster.optimizers import SGD, Adagrad, Adam, Momentum
 from pscluster.placement import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner
-from pscluster.client.variables import Variable, pull, push
 
 __all__ = [
     "Adagrad", "Adam", "ClosureError", "ClusterCoordinator", "ClusterSpec", "ConfigError",

@@ -28,7 +28,6 @@ from pscluster.client import context
 from pscluster.closures import pickle_by_reference, ship_user_modules
 from pscluster.errors import FailedPreconditionError
 
-
 MAX_ITERATORS = 64  # per worker process: an epoch's iterator each, so a long run's epochs do not pile up
 
 

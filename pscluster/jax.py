@@ -33,12 +33,11 @@ import numpy as np
 from jax import tree_util
 
 from pscluster import optimizers
-
 from pscluster.client import context
+from pscluster.client.variables import Variable, check_table_ids, unique_rows
 from pscluster.errors import InvalidArgumentError
 from pscluster.optimizers import OptimizerConfig
 from pscluster.placement import Partitioner
-from pscluster.client.variables import Variable, check_table_ids, unique_rows
 
 
 class Pulled(NamedTuple):

@@ -24,14 +24,14 @@ import time
 from typing import Any
 
 import numpy as np
-
-from pscluster.net import codec, shm
-from pscluster.errors import FailedPreconditionError, InvalidArgumentError
-from pscluster.net.frame_server import FrameServer
-from pscluster.net.framing import PREFIX, drain, recv_into, refuse_payload, send_buffer, send_frame
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.server.ps import ParameterServerCore
 from pscluster.server.store import PushItem, Shard
+
+from pscluster.errors import FailedPreconditionError, InvalidArgumentError
+from pscluster.net import codec, shm
+from pscluster.net.frame_server import FrameServer
+from pscluster.net.framing import PREFIX, drain, recv_into, refuse_payload, send_buffer, send_frame
 
 PULL_COPY_BYTES = 1 << 20  # per pulling connection; see the module docstring
 REUSE_BYTES = 64 << 20  # pushes up to this size land in a per-connection buffer (no page faults)

@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import logging
 
-import grpc
-
-from pscluster.net import frame_server, rpc, tls
-
-from pscluster.ops import daemon
-from pscluster.config import Settings
-from pscluster.net.frame_server import Listeners
-from pscluster.ops.metrics import PsMetrics
-from pscluster.ops.metrics import serve as metrics_serve
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 from pscluster.server.bulk import BulkHandlers
 from pscluster.server.ps import ParameterServerCore
 from pscluster.server.servicer import ParameterServerServicer
+
+from pscluster.config import Settings
+from pscluster.net import frame_server, rpc, tls
+from pscluster.net.frame_server import Listeners
+from pscluster.ops import daemon
+from pscluster.ops.metrics import PsMetrics
+from pscluster.ops.metrics import serve as metrics_serve
 
 log = logging.getLogger(__name__)
 

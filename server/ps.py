@@ -11,11 +11,11 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
-
-from pscluster.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.server import checkpoint
 from pscluster.server.store import PushItem, PushResult, Shard, ShardSpec, VariableStore, ensure_created
+
+from pscluster.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 
 log = logging.getLogger(__name__)
 

@@ -7,14 +7,14 @@ from collections.abc import Iterator
 
 import grpc
 import numpy as np
-
-from pscluster.net import codec
-from pscluster.errors import InvalidArgumentError
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
-from pscluster.specs import spec_from_pb, spec_to_pb
 from pscluster.server.ps import ParameterServerCore
 from pscluster.server.store import PushItem
+
+from pscluster.errors import InvalidArgumentError
+from pscluster.net import codec
+from pscluster.specs import spec_from_pb, spec_to_pb
 
 
 def _key(ref: pb.ShardRef) -> tuple[str, int]:

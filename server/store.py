@@ -15,11 +15,12 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import numpy as np
-
-from pscluster.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from pscluster.server import optimizers as opt
 from pscluster.server.push_record import PushKey, PushRecord, push_key
-from pscluster.specs import Key as Key, ShardSpec as ShardSpec
+
+from pscluster.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, ResourceExhaustedError
+from pscluster.specs import Key as Key
+from pscluster.specs import ShardSpec as ShardSpec
 
 
 @dataclass

@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-
-from pscluster.errors import DeadlineExceededError, InvalidArgumentError
 from pscluster.server.ps import ParameterServerCore
 from pscluster.server.push_record import push_key
 from pscluster.server.store import PushItem, PushResult
+
+from pscluster.errors import DeadlineExceededError, InvalidArgumentError
 
 MODES = ("async", "sync", "bounded")
 # A bounded-mode worker that took no token for this long (it has no closure to run: the queue drained

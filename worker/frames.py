@@ -5,10 +5,11 @@ from __future__ import annotations
 import socket
 from typing import Any
 
-from pscluster.net.frame_server import FrameServer
-from pscluster.net.framing import refuse_payload, send_frame
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.worker.servicer import WorkerServicer, outcome_to_pb
+
+from pscluster.net.frame_server import FrameServer
+from pscluster.net.framing import refuse_payload, send_frame
 
 
 def closure_server(servicer: WorkerServicer, host: str, token: str | None, max_header_bytes: int,

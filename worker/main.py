@@ -8,25 +8,22 @@ import socket
 import threading
 from collections.abc import Callable
 
-import grpc
+from pscluster.proto import pscluster_pb2 as pb
+from pscluster.proto import pscluster_pb2_grpc as pb_grpc
+from pscluster.worker.frames import closure_server
+from pscluster.worker.runner import ClosureRunner
+from pscluster.worker.servicer import InflightGate, WorkerServicer
 
 from pscluster.client import context
-
-from pscluster.net import frame_server, rpc, tls
-
-from pscluster.ops import daemon
 from pscluster.client.client import PSClient
 from pscluster.config import Settings
 from pscluster.datasets import WorkerDatasets, WorkerInfo
-from pscluster.ops.daemon import Waiter
 from pscluster.errors import PsclusterError, StartupError
+from pscluster.net import frame_server, rpc, tls
 from pscluster.net.frame_server import Listeners
+from pscluster.ops import daemon
+from pscluster.ops.daemon import Waiter
 from pscluster.ops.metrics import serve as metrics_serve
-from pscluster.proto import pscluster_pb2 as pb
-from pscluster.proto import pscluster_pb2_grpc as pb_grpc
-from pscluster.worker.runner import ClosureRunner
-from pscluster.worker.frames import closure_server
-from pscluster.worker.servicer import InflightGate, WorkerServicer
 
 log = logging.getLogger(__name__)
 

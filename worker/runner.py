@@ -9,13 +9,13 @@ from dataclasses import dataclass
 
 import cloudpickle
 
-from pscluster.client.client import PSClient
 from pscluster import closures
-from pscluster.closures import FunctionCache
-from pscluster.ops.metrics import WorkerMetrics
+from pscluster.client.client import PSClient
 from pscluster.client.context import ClosureScope
+from pscluster.closures import FunctionCache
 from pscluster.datasets import WorkerDatasets, WorkerInfo
 from pscluster.errors import PsclusterError
+from pscluster.ops.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import threading
 
 import grpc
-
-from pscluster.errors import UnavailableError
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 from pscluster.worker.runner import ClosureRunner, Outcome
+
+from pscluster.errors import UnavailableError
 
 
 def outcome_to_pb(out: Outcome) -> pb.RunClosureReply:

@@ -16,27 +16,25 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 
 from pscluster.client import context, plans
-
+from pscluster.client.fresh import FreshValues
+from pscluster.client.variables import ShardPlacement, Variable
+from pscluster.config import Settings
+from pscluster.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, PsclusterError, UnavailableError
 from pscluster.net import codec, rpc, tls
 from pscluster.net.bulk import BulkClient, BulkTensors
 from pscluster.net.channels import Channels
 from pscluster.net.grpc_tensors import GrpcTensors
-from pscluster.config import Settings
-from pscluster.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, PsclusterError, UnavailableError
+from pscluster.net.transport import PullPlan, PushPlan, TensorTransport, ValueTargets
 from pscluster.placement import Partitioner, ps_for_ordinal, split_rows
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 from pscluster.specs import OptimizerConfig, ShardSpec, spec_to_pb
-from pscluster.client.fresh import FreshValues
-from pscluster.net.transport import PullPlan, PushPlan, TensorTransport, ValueTargets
-from pscluster.client.variables import ShardPlacement, Variable
 
 Grads = plans.Grads
 T = TypeVar("T")

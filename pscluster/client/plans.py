@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from pscluster.net import codec
-from pscluster.errors import InvalidArgumentError
-from pscluster.proto import pscluster_pb2 as pb
-from pscluster.net.transport import PullPlan, PushPlan, ValueTargets
 from pscluster.client.variables import ShardPlacement, Variable
+from pscluster.errors import InvalidArgumentError
+from pscluster.net import codec
+from pscluster.net.transport import PullPlan, PushPlan, ValueTargets
+from pscluster.proto import pscluster_pb2 as pb
 
 Grads = Sequence[tuple[Variable, np.ndarray]]
 Rows = Sequence[tuple[Variable, np.ndarray, np.ndarray]]  # (table, ids, rows or row gradients)

@@ -22,12 +22,12 @@ from typing import cast
 
 import numpy as np
 
-from pscluster.net import codec, shm
 from pscluster.errors import InternalError, UnavailableError, from_status
+from pscluster.net import shm
 from pscluster.net.framing import PREFIX, STATUS_BY_VALUE, connect, send_buffer, send_frame, send_hello
-from pscluster.proto import pscluster_pb2 as pb
 from pscluster.net.shm import Segment
 from pscluster.net.transport import PullPlan, PushPlan, ValueTargets
+from pscluster.proto import pscluster_pb2 as pb
 
 THREADED_BYTES = 2 << 20
 COALESCE_BYTES = 64 << 10  # payloads up to this size are copied into the send of the frame's head

@@ -123,7 +123,7 @@ class ServingLoop:
         served.last = time.monotonic()
         try:
             after = self._serve(served)
-        except Exception:  # noqa: BLE001 - a bug must end one connection, not the loop
+        except Exception:
             log.exception("serving loop: request from %s failed", served.peer)
             after = functools.partial(self._end, served)
         if after is not None:

@@ -20,15 +20,23 @@ from typing import Any
 
 import grpc
 
+from pscluster.config import Settings
+from pscluster.errors import (
+    ConfigError,
+    InternalError,
+    InvalidArgumentError,
+    PermissionDeniedError,
+    PsclusterError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
+    UnavailableError,
+)
 from pscluster.net import tls
 from pscluster.net.admission import HELLO_MAX_BYTES, ConnectionBudget
-from pscluster.config import Settings
-from pscluster.errors import (ConfigError, InternalError, InvalidArgumentError, PermissionDeniedError, PsclusterError,
-                              ResourceExhaustedError, UnauthenticatedError, UnavailableError)
 from pscluster.net.frame_loop import Served, ServingLoop
 from pscluster.net.framing import PREFIX, recv_exact, refuse_payload, reply_error, unsent_bytes, wait_readable
-from pscluster.proto import pscluster_pb2 as pb
 from pscluster.net.refusals import RefusalLog
+from pscluster.proto import pscluster_pb2 as pb
 
 log = logging.getLogger(__name__)
 _refusals = RefusalLog(log)
@@ -140,7 +148,7 @@ class FrameServer:
             raise
         except PsclusterError as err:
             reply_error(conn, err)
-        except Exception as exc:  # noqa: BLE001 - a bug in a handler is answered, never a silent hang-up
+        except Exception as exc:
             log.exception("%s %s request failed", self._name, kind)
             reply_error(conn, InternalError(f"{self._name} {kind}: {type(exc).__name__}: {exc}"))
 

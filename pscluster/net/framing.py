@@ -22,7 +22,6 @@ import termios
 
 import grpc
 
-from pscluster.net.admission import HELLO_MAX_BYTES
 from pscluster.errors import InvalidArgumentError, PsclusterError
 from pscluster.proto import pscluster_pb2 as pb
 

@@ -19,8 +19,8 @@ from typing import Any, TypeVar
 import grpc
 
 from pscluster.config import Settings
-from pscluster.net import tls
 from pscluster.errors import ConfigError, PermissionDeniedError, PsclusterError, from_status
+from pscluster.net import tls
 from pscluster.net.refusals import RefusalLog
 
 log = logging.getLogger(__name__)

@@ -14,8 +14,8 @@ from __future__ import annotations
 import functools
 import pathlib
 import ssl
-from dataclasses import dataclass
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import grpc

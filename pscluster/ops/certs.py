@@ -22,6 +22,7 @@ from typing import Any
 
 from pscluster.errors import ConfigError
 from pscluster.net.tls import ROLE_URI
+
 ROLES = ("ps", "worker", "coordinator", "client")
 
 

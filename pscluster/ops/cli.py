@@ -129,8 +129,8 @@ def settings_from_args(args: argparse.Namespace, task_type: str | None) -> Setti
 def _certs(args: argparse.Namespace) -> int:
     import pathlib
 
-    from pscluster.ops.certs import hosts_of, task_names, write_certs
     from pscluster.config import read_cluster_file
+    from pscluster.ops.certs import hosts_of, task_names, write_certs
 
     cluster: dict[str, Any] = read_cluster_file(pathlib.Path(args.cluster)) if args.cluster else \
         {"ps": ["127.0.0.1"] * args.ps}  # `pscluster up` on this machine: loopback addresses only

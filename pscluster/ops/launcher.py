@@ -27,9 +27,9 @@ from typing import Any
 
 import yaml
 
-from pscluster.ops import daemon
 from pscluster.config import Settings, load_settings, load_token
 from pscluster.errors import ConfigError, DeadlineExceededError, FailedPreconditionError, StartupError
+from pscluster.ops import daemon
 
 log = logging.getLogger(__name__)
 

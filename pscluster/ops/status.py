@@ -11,9 +11,9 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
-from pscluster.net import rpc
 from pscluster.config import Settings
 from pscluster.errors import PsclusterError, UnauthenticatedError
+from pscluster.net import rpc
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 

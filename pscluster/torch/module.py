@@ -32,13 +32,12 @@ import torch
 from torch import nn
 
 from pscluster import optimizers
-
 from pscluster.client import context
+from pscluster.client.variables import Variable, check_table_ids
 from pscluster.errors import InvalidArgumentError
 from pscluster.optimizers import OptimizerConfig
 from pscluster.placement import Partitioner
 from pscluster.torch.tables import LocalTable, TableModule, sparse_tables, unique_ids
-from pscluster.client.variables import Variable, check_table_ids
 
 MAX_MODELS = 16  # models whose replicas a worker keeps (least recently unpickled dropped first)
 _serials = itertools.count()

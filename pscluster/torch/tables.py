@@ -15,8 +15,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from pscluster.errors import InvalidArgumentError
 from pscluster.client.variables import unique_rows
+from pscluster.errors import InvalidArgumentError
 
 TABLE_TYPES = (nn.Embedding, nn.EmbeddingBag)
 TableModule = nn.Embedding | nn.EmbeddingBag

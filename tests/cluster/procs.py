@@ -11,9 +11,9 @@ import time
 
 import pytest
 import yaml
+from pscluster.coordinator.remote import RemoteCoordinator
 
 import pscluster as ps
-from pscluster.coordinator.remote import RemoteCoordinator
 from pscluster.ops.launcher import free_port
 
 BIN = [sys.executable, "-P", "-m", "pscluster.ops.cli"]

@@ -5,9 +5,9 @@ import signal
 
 import numpy as np
 import pytest
+from pscluster.server import checkpoint
 
 import pscluster as ps
-from pscluster.server import checkpoint
 from tests.cluster.test_lost_updates import poll
 
 pytestmark = pytest.mark.cluster

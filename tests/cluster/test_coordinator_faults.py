@@ -12,9 +12,9 @@ import time
 
 import numpy as np
 import pytest
+from pscluster.coordinator.remote import RemoteCoordinator
 
 import pscluster as ps
-from pscluster.coordinator.remote import RemoteCoordinator
 from pscluster.errors import AbortedError, UnavailableError
 from tests.cluster.procs import make_coord  # noqa: F401 - the fixture
 

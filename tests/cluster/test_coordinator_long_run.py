@@ -4,20 +4,20 @@ unnoticed. Real PS and worker daemons on 127.0.0.1."""
 
 import signal
 import sys
-from concurrent import futures
 import threading
 import time
+from concurrent import futures
 
 import grpc
 import numpy as np
 import pytest
-
-import pscluster as ps
-from pscluster.net import rpc
 from pscluster.coordinator.remote import RemoteCoordinator
-from pscluster.errors import InternalError, PsclusterError
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
+
+import pscluster as ps
+from pscluster.errors import InternalError, PsclusterError
+from pscluster.net import rpc
 
 pytestmark = pytest.mark.cluster
 

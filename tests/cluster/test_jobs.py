@@ -7,11 +7,10 @@ import sys
 import textwrap
 import time
 
-import numpy as np
 import pytest
+from pscluster.coordinator.remote import RemoteCoordinator
 
 import pscluster as ps
-from pscluster.coordinator.remote import RemoteCoordinator
 from tests.cluster.procs import Procs, read_until
 
 pytestmark = pytest.mark.cluster

@@ -6,15 +6,20 @@ import sys
 import grpc
 import numpy as np
 import pytest
-
-import pscluster as ps
-from pscluster.net import codec
-from pscluster.errors import (AlreadyExistsError, DeadlineExceededError, InvalidArgumentError, UnauthenticatedError,
-                              from_status)
-from pscluster.ops.launcher import LocalCluster
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
+
+import pscluster as ps
+from pscluster.errors import (
+    AlreadyExistsError,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    UnauthenticatedError,
+    from_status,
+)
+from pscluster.net import codec
 from pscluster.net.rpc import TOKEN_KEY
+from pscluster.ops.launcher import LocalCluster
 
 TOKEN = "test-token-4f1c"
 pytestmark = pytest.mark.cluster

@@ -13,16 +13,16 @@ import sys
 import grpc
 import numpy as np
 import pytest
-
-import pscluster as ps
-from pscluster.net import framing, tls
-from pscluster.ops.certs import hosts_of, task_names, write_certs
-from pscluster.config import validate
-from pscluster.errors import PermissionDeniedError, UnavailableError
-from pscluster.ops.launcher import LocalCluster
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
+
+import pscluster as ps
+from pscluster.config import validate
+from pscluster.errors import PermissionDeniedError, UnavailableError
+from pscluster.net import framing, tls
 from pscluster.net.rpc import open_channel
+from pscluster.ops.certs import hosts_of, task_names, write_certs
+from pscluster.ops.launcher import LocalCluster
 
 pytestmark = pytest.mark.cluster
 

@@ -3,7 +3,6 @@ what they merely announce: real sockets against an in-process PS (server/bulk.py
 """
 
 import logging
-import resource
 import socket
 import threading
 import time
@@ -12,17 +11,16 @@ from concurrent import futures
 import grpc
 import numpy as np
 import pytest
+from pscluster.proto import pscluster_pb2 as pb
+from pscluster.server.bulk import BulkHandlers
+from pscluster.server.ps import ParameterServerCore
 
 from pscluster import errors
-
 from pscluster.net import rpc
 from pscluster.net.admission import ConnectionBudget
 from pscluster.net.bulk import BulkCall, BulkClient
 from pscluster.net.framing import PREFIX, STATUS_BY_VALUE, read_reply, send_hello
-from pscluster.proto import pscluster_pb2 as pb
 from pscluster.net.refusals import RefusalLog
-from pscluster.server.bulk import BulkHandlers
-from pscluster.server.ps import ParameterServerCore
 from pscluster.specs import OptimizerConfig, ShardSpec
 
 TOKEN = "s3cret"
@@ -145,9 +143,10 @@ def test_refusals_are_logged_once_per_interval_with_a_count(caplog):
 
 
 def test_grpc_calls_without_the_token_are_refused_unparsed_in_one_line(caplog, tmp_path):
-    from pscluster.config import load_settings
     from pscluster.proto import pscluster_pb2_grpc as pb_grpc
     from pscluster.server.servicer import ParameterServerServicer
+
+    from pscluster.config import load_settings
 
     (tmp_path / "c.yaml").write_text("cluster: {ps: ['127.0.0.1:1']}\n")
     settings = load_settings(tmp_path / "c.yaml", env={"PSCLUSTER_TOKEN": TOKEN})

@@ -4,8 +4,9 @@ import socket
 import threading
 
 from pscluster.coordinator.dispatch import FramedDispatcher
-from pscluster.net.framing import PREFIX
 from pscluster.proto import pscluster_pb2 as pb
+
+from pscluster.net.framing import PREFIX
 
 
 def test_a_garbage_reply_fails_the_attempt_instead_of_killing_the_reader():

@@ -11,12 +11,11 @@ from concurrent import futures
 
 import grpc
 import pytest
+from pscluster.proto import pscluster_pb2 as pb
 
 from pscluster import errors
-
 from pscluster.net import framing, rpc
 from pscluster.net.frame_server import FrameServer
-from pscluster.proto import pscluster_pb2 as pb
 
 CLASSES = sorted(set(errors.ERRORS_BY_CODE.values()), key=lambda c: c.__name__)
 

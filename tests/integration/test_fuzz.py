@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from pscluster.net import codec
-from pscluster.errors import PsclusterError
-from pscluster.net.framing import PREFIX, read_reply, send_hello
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.server.bulk import BulkHandlers
 from pscluster.server.ps import ParameterServerCore
 from pscluster.server.servicer import ParameterServerServicer
+
+from pscluster.errors import PsclusterError
+from pscluster.net import codec
+from pscluster.net.framing import PREFIX, read_reply, send_hello
 from pscluster.specs import OptimizerConfig, ShardSpec
 
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

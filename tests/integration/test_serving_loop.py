@@ -13,15 +13,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-
-from pscluster.net import codec, framing, shm
-from pscluster.net.bulk import BulkCall, BulkClient
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.server.bulk import BulkHandlers
 from pscluster.server.optimizers import OptimizerConfig
 from pscluster.server.ps import ParameterServerCore
 from pscluster.server.store import ShardSpec
 from pscluster.server.sync_replicas import attach
+
+from pscluster.net import codec, framing, shm
+from pscluster.net.bulk import BulkCall, BulkClient
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="this host has no writable /dev/shm")
 SHAPE = (256, 128)  # 128 KB: served inline

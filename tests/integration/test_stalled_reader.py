@@ -15,15 +15,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-
-from pscluster.net.bulk import BulkCall, BulkClient
-from pscluster.errors import UnavailableError
-from pscluster.net.framing import PREFIX
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.server.bulk import BulkHandlers
 from pscluster.server.optimizers import OptimizerConfig
 from pscluster.server.ps import ParameterServerCore
 from pscluster.server.store import PushItem, ShardSpec
+
+from pscluster.errors import UnavailableError
+from pscluster.net.bulk import BulkCall, BulkClient
+from pscluster.net.framing import PREFIX
 
 ROWS, COLS = 4096, 4096  # one 64 MiB float32 shard: 16 send chunks, far beyond any socket buffer
 BOUND_S = 20.0  # upper bound on waiting for a condition; a healthy run needs milliseconds

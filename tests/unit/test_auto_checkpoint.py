@@ -3,9 +3,9 @@
 import threading
 
 import pytest
+from pscluster.coordinator.checkpoints import AutoCheckpointer, PolicyState, Refused, Save, Saved, Tick, decide
 
 from pscluster.config import load_settings
-from pscluster.coordinator.checkpoints import AutoCheckpointer, PolicyState, Refused, Save, Saved, Tick, decide
 from pscluster.errors import ConfigError, FailedPreconditionError, UnavailableError
 
 

@@ -7,13 +7,13 @@ import sys
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
-
-from pscluster.placement import ps_for_ordinal
 from pscluster.server import checkpoint
 from pscluster.server.optimizers import OptimizerConfig
 from pscluster.server.ps import ParameterServerCore
 from pscluster.server.store import PushItem, ShardSpec, VariableStore
+from safetensors.numpy import load_file
+
+from pscluster.placement import ps_for_ordinal
 
 ADAM = OptimizerConfig("adam", 0.1)
 

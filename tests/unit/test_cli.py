@@ -3,10 +3,10 @@
 import io
 
 import pytest
+from pscluster.proto import pscluster_pb2 as pb
 from rich.console import Console
 
 from pscluster.ops.cli import build_parser
-from pscluster.proto import pscluster_pb2 as pb
 from pscluster.ops.status import ClusterStatus, render
 
 

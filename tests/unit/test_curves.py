@@ -1,9 +1,9 @@
 """Training curves: interval means of reported scalars and closures/s, read back from the event files."""
 
 import pytest
+from pscluster.coordinator.curves import TrainingCurves
 
 from pscluster.client import context
-from pscluster.coordinator.curves import TrainingCurves
 from pscluster.errors import InvalidArgumentError
 from tests.events import scalars
 

@@ -8,8 +8,8 @@ import types
 import pytest
 
 from pscluster.closures import _is_user_module
-from pscluster.ops.daemon import Waiter
 from pscluster.errors import DeadlineExceededError, StartupError, UnauthenticatedError, UnavailableError
+from pscluster.ops.daemon import Waiter
 
 
 class Clock:

@@ -10,8 +10,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from pscluster.ops.cli import build_parser
 from pscluster.config import validate
+from pscluster.ops.cli import build_parser
 
 DEPLOY = pathlib.Path(__file__).resolve().parents[2] / "deploy"
 MANIFESTS = sorted((DEPLOY / "k8s").glob("*.yaml"))

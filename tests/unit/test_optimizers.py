@@ -4,7 +4,6 @@ import math
 
 import numpy as np
 import pytest
-
 from pscluster.server import optimizers as opt
 
 RNG = np.random.default_rng(7)

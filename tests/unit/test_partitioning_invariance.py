@@ -6,12 +6,12 @@ applied by real `VariableStore`s, one per PS task; no sockets.
 
 import numpy as np
 import pytest
-
-from pscluster.placement import FixedShardsPartitioner, ps_for_ordinal, split_rows
 from pscluster.server import checkpoint
 from pscluster.server.optimizers import OptimizerConfig
 from pscluster.server.store import PushItem, ShardSpec, VariableStore
+
 from pscluster.client.variables import ShardPlacement, Variable
+from pscluster.placement import FixedShardsPartitioner, ps_for_ordinal, split_rows
 
 OPTIMIZERS = {
     "sgd": OptimizerConfig("sgd", 0.1),

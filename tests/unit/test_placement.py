@@ -4,8 +4,13 @@ import numpy as np
 import pytest
 
 from pscluster.errors import InvalidArgumentError
-from pscluster.placement import (FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner, ps_for_ordinal,
-                                 split_rows)
+from pscluster.placement import (
+    FixedShardsPartitioner,
+    MaxSizePartitioner,
+    MinSizePartitioner,
+    ps_for_ordinal,
+    split_rows,
+)
 
 
 def test_no_partitioner_is_one_shard():

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from pscluster.client import plans
-from pscluster.errors import InvalidArgumentError
 from pscluster.client.variables import ShardPlacement, Variable
+from pscluster.errors import InvalidArgumentError
 
 W = Variable("w", (6, 2), np.dtype(np.float32), (ShardPlacement(0, 0, 0, 4, 0), ShardPlacement(1, 1, 4, 2, 1)))
 B = Variable("b", (3,), np.dtype(np.float32), (ShardPlacement(0, 1, 0, 3, 2),))

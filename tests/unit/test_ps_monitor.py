@@ -4,8 +4,9 @@ import threading
 import types
 
 from pscluster.coordinator.ps_monitor import PsMonitor, VersionRanges
-from pscluster.errors import InternalError
 from pscluster.proto import pscluster_pb2 as pb
+
+from pscluster.errors import InternalError
 
 
 class FakeClient:

@@ -2,10 +2,10 @@
 
 import numpy as np
 import pytest
-
 from pscluster.server import push_record
 from pscluster.server.push_record import PushRecord, closure_of
 from pscluster.server.store import PushItem, ShardSpec, VariableStore
+
 from pscluster.specs import OptimizerConfig
 
 PREFIX = 0xABCDEF << 32

@@ -1,9 +1,9 @@
 """What the coordinator daemon keeps for remote clients, and its cap on long polls; no sockets."""
 
 import pytest
-
 from pscluster.coordinator.clients import LongPolls, RetainedValues
 from pscluster.coordinator.values import RemoteValue
+
 from pscluster.errors import ResourceExhaustedError, UnavailableError
 
 
@@ -95,6 +95,7 @@ def test_remote_coordinator_offers_every_public_method_of_cluster_coordinator():
 
 def test_each_job_joins_its_own_closures_reports_the_real_closure_id_once_and_is_dropped_when_it_ends():
     from pscluster.coordinator.joins import JobJoins
+
     from pscluster.errors import AbortedError, NotFoundError
 
     reported = []

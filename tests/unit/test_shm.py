@@ -4,8 +4,8 @@ import os
 
 import pytest
 
-from pscluster.net import shm
 from pscluster.errors import FailedPreconditionError
+from pscluster.net import shm
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="this host has no writable /dev/shm")
 

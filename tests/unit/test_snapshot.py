@@ -3,7 +3,6 @@
 import dataclasses
 
 import pytest
-
 from pscluster.coordinator import scheduler as sch
 from pscluster.coordinator.snapshot import RateMeter, take
 

@@ -2,10 +2,10 @@
 
 import numpy as np
 import pytest
-
-from pscluster.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError
 from pscluster.server.optimizers import OptimizerConfig
 from pscluster.server.store import PushItem, ShardSpec, VariableStore
+
+from pscluster.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError
 
 SGD1 = OptimizerConfig("sgd", 1.0)
 

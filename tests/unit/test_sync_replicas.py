@@ -4,12 +4,12 @@ import threading
 
 import numpy as np
 import pytest
-
-from pscluster.errors import DeadlineExceededError, InvalidArgumentError
 from pscluster.server.optimizers import OptimizerConfig
 from pscluster.server.ps import ParameterServerCore
 from pscluster.server.store import PushItem, ShardSpec
 from pscluster.server.sync_replicas import attach
+
+from pscluster.errors import DeadlineExceededError, InvalidArgumentError
 
 SGD = OptimizerConfig("sgd", 0.1)
 
