@@ -14,8 +14,8 @@ from typing import Any, Self
 from pscluster.coordinator.values import RemoteValue
 
 from pscluster.client.client import PSClient
+from pscluster.client.datasets import PerWorkerDataset
 from pscluster.client.variables import Variable
-from pscluster.datasets import PerWorkerDataset
 
 DAEMON_SIDE = frozenset({"schedule_payload", "register", "heartbeat", "release", "snapshot", "lost_updates_by_variable"})
 CLIENT_SIDE = frozenset({"close"})  # detach without ending the job (RemoteCoordinator(settings, job=...) re-attaches)

@@ -9,34 +9,58 @@
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from pscluster.client.client import PSClient
-from pscluster.client.context import Token, report, sync_token, worker_info
-from pscluster.client.variables import Variable, pull, push
-from pscluster.closures import ship_module
-from pscluster.config import ClusterSpec, Settings, load_settings
-from pscluster.errors import ClosureError, ConfigError, PsclusterError
-from pscluster.optimizers import SGD, Adagrad, Adam, Momentum
-from pscluster.placement import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner
+# public name -> the module that defines it; imported on first use, so that `import pscluster` (and a
+# PS daemon importing pscluster.server) loads only what it touches
+_EXPORTS = {
+    "PSClient": "pscluster.client.client",
+    "Token": "pscluster.client.context", "report": "pscluster.client.context",
+    "sync_token": "pscluster.client.context", "worker_info": "pscluster.client.context",
+    "Variable": "pscluster.client.variables", "pull": "pscluster.client.variables", "push": "pscluster.client.variables",
+    "ship_module": "pscluster.closures",
+    "ClusterSpec": "pscluster.config", "Settings": "pscluster.config", "load_settings": "pscluster.config",
+    "ClosureError": "pscluster.errors", "ConfigError": "pscluster.errors", "PsclusterError": "pscluster.errors",
+    "SGD": "pscluster.optimizers", "Adagrad": "pscluster.optimizers", "Adam": "pscluster.optimizers",
+    "Momentum": "pscluster.optimizers",
+    "FixedShardsPartitioner": "pscluster.placement", "MaxSizePartitioner": "pscluster.placement",
+    "MinSizePartitioner": "pscluster.placement",
+    "ClusterCoordinator": "pscluster.coordinator.coordinator", "RemoteValue": "pscluster.coordinator.values",
+    "RemoteCoordinator": "pscluster.coordinator.remote",
+    "LocalCluster": "pscluster.ops.launcher",
+}
 
 __all__ = [
-    "Adagrad", "Adam", "ClosureError", "ClusterCoordinator", "ClusterSpec", "ConfigError",
-    "FixedShardsPartitioner", "MaxSizePartitioner", "MinSizePartitioner", "Momentum", "PSClient",
-    "PsclusterError", "RemoteCoordinator", "RemoteValue", "SGD", "Settings", "Token", "Variable", "load_settings", "pull", "push",
-    "report",
-    "ship_module", "sync_token", "worker_info",
+    "Adagrad", "Adam", "ClosureError", "ClusterCoordinator", "ClusterSpec", "ConfigError", "FixedShardsPartitioner",
+    "LocalCluster", "MaxSizePartitioner", "MinSizePartitioner", "Momentum", "PSClient", "PsclusterError",
+    "RemoteCoordinator", "RemoteValue", "SGD", "Settings", "Token", "Variable", "load_settings", "pull", "push",
+    "report", "ship_module", "sync_token", "worker_info",
 ]
+
+if TYPE_CHECKING:
+    from pscluster.client.client import PSClient
+    from pscluster.client.context import Token, report, sync_token, worker_info
+    from pscluster.client.variables import Variable, pull, push
+    from pscluster.closures import ship_module
+    from pscluster.config import ClusterSpec, Settings, load_settings
+    from pscluster.coordinator.coordinator import ClusterCoordinator
+    from pscluster.coordinator.remote import RemoteCoordinator
+    from pscluster.coordinator.values import RemoteValue
+    from pscluster.errors import ClosureError, ConfigError, PsclusterError
+    from pscluster.ops.launcher import LocalCluster
+    from pscluster.optimizers import SGD, Adagrad, Adam, Momentum
+    from pscluster.placement import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner
 
 
 def __getattr__(name: str) -> Any:
-    # The coordinator pulls in more machinery than a PS daemon needs: import it on first use.
-    if name in ("ClusterCoordinator", "RemoteValue"):
-        from pscluster.coordinator import coordinator
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pscluster' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
 
-        return getattr(coordinator, name)
-    if name == "RemoteCoordinator":
-        from pscluster.coordinator.remote import RemoteCoordinator
 
-        return RemoteCoordinator
-    raise AttributeError(f"module 'pscluster' has no attribute {name!r}")
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

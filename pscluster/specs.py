@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from pscluster.codec import wire_dtype
 from pscluster.errors import InvalidArgumentError
-from pscluster.net.codec import wire_dtype
 from pscluster.proto import pscluster_pb2 as pb
 
 Key = tuple[str, int]  # (variable name, shard index)

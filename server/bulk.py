@@ -28,8 +28,9 @@ from pscluster.proto import pscluster_pb2 as pb
 from pscluster.server.ps import ParameterServerCore
 from pscluster.server.store import PushItem, Shard
 
+from pscluster import codec
 from pscluster.errors import FailedPreconditionError, InvalidArgumentError
-from pscluster.net import codec, shm
+from pscluster.net import shm
 from pscluster.net.frame_server import FrameServer
 from pscluster.net.framing import PREFIX, drain, recv_into, refuse_payload, send_buffer, send_frame
 

@@ -12,8 +12,8 @@ from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 from pscluster.server.ps import ParameterServerCore
 from pscluster.server.store import PushItem
 
+from pscluster import codec
 from pscluster.errors import InvalidArgumentError
-from pscluster.net import codec
 from pscluster.specs import spec_from_pb, spec_to_pb
 
 

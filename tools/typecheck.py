@@ -1,8 +1,9 @@
 """`make lint`: mypy --strict over the package as it is installed (pscluster, .server, .worker, .coordinator, .proto).
 
 The repository keeps the roles in top-level folders that pyproject's package-dir maps into `pscluster`;
-mypy cannot follow that mapping, so this builds the installed shape as a tree of symlinks in a temporary
-directory, checks it, and prints mypy's findings with the repository's own paths.
+mypy cannot follow that mapping (nor setuptools' editable-install finder), so this builds the installed
+shape as a tree of symlinks in a temporary directory, checks it, and prints mypy's findings with the
+repository's own paths. The mapping is read from pyproject.toml: it is written down there only.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ import pathlib
 import subprocess
 import sys
 import tempfile
+import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-SUBPACKAGES = {"server": "server", "worker": "worker", "coordinator": "coordinator", "proto": "proto"}
+PACKAGE_DIR = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+# pscluster.server -> server, ...: the subpackages that live in folders of their own
+SUBPACKAGES = {name.removeprefix("pscluster."): folder for name, folder in PACKAGE_DIR.items() if name != "pscluster"}
 
 
 def main() -> int:

@@ -16,8 +16,8 @@ from pscluster.worker.servicer import InflightGate, WorkerServicer
 
 from pscluster.client import context
 from pscluster.client.client import PSClient
+from pscluster.client.datasets import WorkerDatasets, WorkerInfo
 from pscluster.config import Settings
-from pscluster.datasets import WorkerDatasets, WorkerInfo
 from pscluster.errors import PsclusterError, StartupError
 from pscluster.net import frame_server, rpc, tls
 from pscluster.net.frame_server import Listeners

@@ -12,8 +12,8 @@ import cloudpickle
 from pscluster import closures
 from pscluster.client.client import PSClient
 from pscluster.client.context import ClosureScope
+from pscluster.client.datasets import WorkerDatasets, WorkerInfo
 from pscluster.closures import FunctionCache
-from pscluster.datasets import WorkerDatasets, WorkerInfo
 from pscluster.errors import PsclusterError
 from pscluster.ops.metrics import WorkerMetrics
 

@@ -21,12 +21,13 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
+from pscluster import codec
 from pscluster.client import context, plans
 from pscluster.client.fresh import FreshValues
 from pscluster.client.variables import ShardPlacement, Variable
 from pscluster.config import Settings
 from pscluster.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, PsclusterError, UnavailableError
-from pscluster.net import codec, rpc, tls
+from pscluster.net import rpc, tls
 from pscluster.net.bulk import BulkClient, BulkTensors
 from pscluster.net.channels import Channels
 from pscluster.net.grpc_tensors import GrpcTensors

@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from pscluster import codec
 from pscluster.client.variables import ShardPlacement, Variable
 from pscluster.errors import InvalidArgumentError
-from pscluster.net import codec
 from pscluster.net.transport import PullPlan, PushPlan, ValueTargets
 from pscluster.proto import pscluster_pb2 as pb
 

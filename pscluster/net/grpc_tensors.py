@@ -13,8 +13,9 @@ from typing import Any
 import grpc
 import numpy as np
 
+from pscluster import codec
 from pscluster.errors import PsclusterError
-from pscluster.net import codec, rpc
+from pscluster.net import rpc
 from pscluster.net.channels import Channels
 from pscluster.net.transport import PullPlan, PushPlan, ValueTargets
 from pscluster.proto import pscluster_pb2 as pb

@@ -165,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return up_main(args)
         elif args.command == "evaluator":
-            from pscluster.evaluator import serve as serve_evaluator
+            from pscluster.ops.evaluator import serve as serve_evaluator
 
             serve_evaluator(settings_from_args(args, "evaluator"), args.eval_fn, args.source, args.every_s)
         elif args.command == "certs":

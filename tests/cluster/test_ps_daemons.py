@@ -10,6 +10,7 @@ from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 
 import pscluster as ps
+from pscluster import codec
 from pscluster.errors import (
     AlreadyExistsError,
     DeadlineExceededError,
@@ -17,7 +18,6 @@ from pscluster.errors import (
     UnauthenticatedError,
     from_status,
 )
-from pscluster.net import codec
 from pscluster.net.rpc import TOKEN_KEY
 from pscluster.ops.launcher import LocalCluster
 

@@ -15,7 +15,7 @@ from pscluster.server.optimizers import OptimizerConfig
 from pscluster.server.ps import ParameterServerCore
 from pscluster.server.store import ShardSpec
 
-from pscluster.net import codec
+from pscluster import codec
 from pscluster.net.bulk import BulkCall, BulkClient
 
 SHAPES = {"a": (3,), "big": (768, 1024), "b": (5, 4), "huge": (1024, 600), "c": ()}  # 3 MiB, 2.3 MiB

@@ -17,8 +17,8 @@ from pscluster.server.bulk import BulkHandlers
 from pscluster.server.ps import ParameterServerCore
 from pscluster.server.servicer import ParameterServerServicer
 
+from pscluster import codec
 from pscluster.errors import PsclusterError
-from pscluster.net import codec
 from pscluster.net.framing import PREFIX, read_reply, send_hello
 from pscluster.specs import OptimizerConfig, ShardSpec
 

@@ -20,7 +20,8 @@ from pscluster.server.ps import ParameterServerCore
 from pscluster.server.store import ShardSpec
 from pscluster.server.sync_replicas import attach
 
-from pscluster.net import codec, framing, shm
+from pscluster import codec
+from pscluster.net import framing, shm
 from pscluster.net.bulk import BulkCall, BulkClient
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="this host has no writable /dev/shm")

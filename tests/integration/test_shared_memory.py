@@ -18,7 +18,8 @@ from pscluster.server.optimizers import OptimizerConfig
 from pscluster.server.ps import ParameterServerCore
 from pscluster.server.store import ShardSpec
 
-from pscluster.net import codec, framing, shm
+from pscluster import codec
+from pscluster.net import framing, shm
 from pscluster.net.bulk import BulkCall, BulkClient
 
 pytestmark = pytest.mark.skipif(not shm.available(), reason="this host has no writable /dev/shm")

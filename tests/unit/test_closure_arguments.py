@@ -5,9 +5,9 @@ import pickle
 import cloudpickle
 import numpy as np
 
+from pscluster.client.datasets import PerWorkerIterator
 from pscluster.client.variables import ShardPlacement, Variable
 from pscluster.closures import dumps_arguments
-from pscluster.datasets import PerWorkerIterator
 
 
 def test_plain_arguments_round_trip_and_match_cloudpickle():

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from pscluster.proto import pscluster_pb2 as pb
 
+from pscluster import codec
 from pscluster.errors import InvalidArgumentError
-from pscluster.net import codec
 
 
 @pytest.mark.parametrize("arr", [np.arange(6, dtype=np.float32).reshape(2, 3), np.array(3.5), np.zeros((0, 4), "i8"),

@@ -1,6 +1,6 @@
 """Per-worker datasets: every iter() is a fresh iterator (TF semantics), and a worker keeps a bounded number."""
 
-from pscluster.datasets import MAX_ITERATORS, PerWorkerDataset, WorkerDatasets, WorkerInfo
+from pscluster.client.datasets import MAX_ITERATORS, PerWorkerDataset, WorkerDatasets, WorkerInfo
 
 
 def draw(worker, handle):

@@ -5,8 +5,8 @@ import pytest
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.server.bulk import push_items
 
+from pscluster import codec
 from pscluster.errors import InvalidArgumentError
-from pscluster.net import codec
 
 
 def _item(name: str, dtype: str, shape: tuple[int, ...], ids: np.ndarray | None = None) -> pb.PushItem:
