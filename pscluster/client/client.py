@@ -84,6 +84,10 @@ class PSClient:
         """The gRPC stub of every PS task (a PS that moved has a new one)."""
         return self._net.stubs
 
+    def address(self, ps: int) -> str:
+        """Where PS ps listens now (host:port of its gRPC server; it changes when a PS moves)."""
+        return self._net.addresses[ps]
+
     @property
     def num_ps(self) -> int:
         """Number of PS tasks."""

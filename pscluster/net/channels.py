@@ -65,7 +65,7 @@ class Channels:
             except grpc.RpcError as exc:
                 first = first or rpc.translate(exc, self.what(ps, method))
         if first is not None:
-            raise first
+            raise first from None  # the status says it all; grpc's own frames only bury it
         return out
 
     def move(self, ps: int, address: str) -> bool:

@@ -80,7 +80,7 @@ def test_a_ps_actor_restarted_by_ray_with_a_new_address_is_found_and_accounting_
         completed = sum(coord.fetch(values))
         assert completed == 300 and ray.get(cluster.ps[victim].pid.remote(), timeout=60) != old_pid
         # the coordinator (and the worker actors, whose pushes went on) found the PS at its new address
-        assert coord.client._addresses[victim] == new_address != old_address
+        assert coord.client.address(victim) == new_address != old_address
         lost = coord.lost_updates_by_variable().get("counter", 0)
         assert int(counter.pull()) == completed - lost
     finally:

@@ -81,7 +81,7 @@ def test_a_lost_node_takes_a_ps_and_workers_ray_restarts_them_on_a_new_node_and_
         # table for minutes after a node loss, though the PS serves)
         registered, new_node = cluster.ps_locations()[victim]
         assert registered == new_address and new_node not in (head, second.node_id), "restarted on the new node"
-        assert coord.client._addresses[victim] == new_address != old_address
+        assert coord.client.address(victim) == new_address != old_address
         lost = coord.lost_updates_by_variable()
         for counter in counters:
             assert int(counter.pull()) == completed - lost.get(counter.name, 0), lost
