@@ -1,0 +1,253 @@
+"""Who holds each shard with `replicas: 2`: shard -> (primary, backup, epoch), as one pure state machine.
+
+`decide(state, event)` updates `state` in place and returns the actions to perform; it does no I/O and
+reads no clock (events carry `now`), as scheduler.py. The coordinator feeds PS heartbeats, dropped
+connections, restarts and finished catch-ups, and performs the actions (tell a PS its roles, start a
+catch-up, account a checkpoint restore, publish the table to clients). docs/ps_failures.md has the
+guarantees.
+
+Rules:
+- A PS is down after a dropped connection, or when `missed` heartbeats in a row did not come
+  (`now - last_seen > missed * interval`).
+- Every change of a shard's (primary, backup) bumps its epoch: a backup refuses forwards of an older
+  epoch and a PS refuses pushes for a shard it is not primary of at the current epoch, so a deposed
+  primary that wakes up (SIGSTOP) cannot change anything.
+- Primary down, backup up and in sync (it confirmed everything: acknowledgements wait for it): the
+  backup is promoted. Otherwise both copies are gone: the shard is `lost` until one of its two holders
+  comes back with the newest checkpoint (the restore that `lost_updates()` accounts for).
+- Backup down: the shard keeps its primary and gets a new backup.
+- Any shard without a backup gets one on the up PS (not its primary) holding the fewest backups, ties
+  broken by the striped order, and it counts as in sync only after its catch-up finished.
+- Initial backups are striped: shard k on primary p = k mod P goes to (p + 1 + (k // P) mod (P - 1)) mod P,
+  so the shards of one PS are backed up by all the others and a dead PS spreads its load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from pscluster.errors import InvalidArgumentError
+
+HEARTBEAT_INTERVAL_S = 0.1
+MISSED_HEARTBEATS = 3
+
+
+@dataclass(frozen=True)
+class Copies:
+    """Where one shard lives: primary, backup (None while it has none), epoch, and whether the backup
+    finished catching up; `lost`: both copies died and the shard waits for a checkpoint restore."""
+
+    primary: int
+    backup: int | None
+    epoch: int
+    in_sync: bool = False
+    lost: bool = False
+
+
+@dataclass
+class PsRec:
+    """Liveness of one PS task."""
+
+    up: bool = True
+    last_seen: float = 0.0
+
+
+@dataclass
+class ReplicaState:
+    """The table the coordinator owns, and the PS liveness it is decided from."""
+
+    num_ps: int
+    now: float = 0.0  # when watching started: every PS counts as seen then
+    interval: float = HEARTBEAT_INTERVAL_S
+    missed: int = MISSED_HEARTBEATS
+    shards: dict[int, Copies] = field(default_factory=dict)  # ordinal -> copies
+    ps: dict[int, PsRec] = field(default_factory=dict)
+    version: int = 0  # bumped whenever the table changes; clients re-read placement on a newer one
+
+    def __post_init__(self) -> None:
+        if self.num_ps < 2:
+            raise InvalidArgumentError(f"replicas: 2 needs at least 2 PS tasks, the cluster has {self.num_ps}")
+        for i in range(self.num_ps):
+            self.ps.setdefault(i, PsRec(last_seen=self.now))
+
+    def up(self) -> list[int]:
+        """The PS tasks up now, in index order."""
+        return [i for i, rec in sorted(self.ps.items()) if rec.up]
+
+
+# -- events -----------------------------------------------------------------------------------------
+class ShardCreated(NamedTuple):
+    """A shard with this ordinal was created (its primary is ordinal mod P)."""
+
+    ordinal: int
+
+
+class Heartbeat(NamedTuple):
+    """PS `ps` answered at `now`."""
+
+    ps: int
+    now: float
+
+
+class ConnectionLost(NamedTuple):
+    """The coordinator's connection to PS `ps` dropped."""
+
+    ps: int
+
+
+class Tick(NamedTuple):
+    """Time passed: look for missed heartbeats."""
+
+    now: float
+
+
+class Rejoined(NamedTuple):
+    """PS `ps` answers again after it was down (a restart: it loaded the newest checkpoint)."""
+
+    ps: int
+    now: float
+
+
+class CaughtUp(NamedTuple):
+    """The backup of shard `ordinal` holds everything its primary acknowledged at `epoch`."""
+
+    ordinal: int
+    epoch: int
+
+
+ReplicaEvent = ShardCreated | Heartbeat | ConnectionLost | Tick | Rejoined | CaughtUp
+
+
+# -- actions ----------------------------------------------------------------------------------------
+class Assign(NamedTuple):
+    """Tell both holders of shard `ordinal` their roles at `epoch`; a new backup catches up from the
+    primary first (`catch_up`)."""
+
+    ordinal: int
+    copies: Copies
+    catch_up: bool
+
+
+class Lost(NamedTuple):
+    """Both copies of shard `ordinal` are gone: it waits for a checkpoint restore."""
+
+    ordinal: int
+    epoch: int
+
+
+class Restored(NamedTuple):
+    """Shard `ordinal` came back from a checkpoint on PS `ps` (lost_updates() accounts for it)."""
+
+    ordinal: int
+    ps: int
+    epoch: int
+
+
+class Publish(NamedTuple):
+    """The table changed: publish `version` so clients re-read placement."""
+
+    version: int
+
+
+ReplicaAction = Assign | Lost | Restored | Publish
+
+
+def striped_backup(ordinal: int, num_ps: int) -> int:
+    """The initial backup of the shard created `ordinal`-th (its primary is ordinal mod num_ps)."""
+    if num_ps < 2:
+        raise InvalidArgumentError(f"replicas: 2 needs at least 2 PS tasks, the cluster has {num_ps}")
+    primary = ordinal % num_ps
+    return (primary + 1 + (ordinal // num_ps) % (num_ps - 1)) % num_ps
+
+
+def decide(state: ReplicaState, event: ReplicaEvent) -> list[ReplicaAction]:
+    """Apply one event to the table; returns what to do (see the module docstring)."""
+    actions: list[ReplicaAction] = []
+    if isinstance(event, ShardCreated):
+        if event.ordinal in state.shards:
+            return []
+        primary = event.ordinal % state.num_ps
+        backup = striped_backup(event.ordinal, state.num_ps)
+        # a new shard's backup creates it empty as the primary does: it is in sync from the start
+        copies = Copies(primary, backup, 1, in_sync=True)
+        if not state.ps[backup].up:
+            copies = Copies(primary, None, 1)
+        state.shards[event.ordinal] = copies
+        actions.append(Assign(event.ordinal, copies, False))
+    elif isinstance(event, Heartbeat):
+        rec = state.ps.get(event.ps)
+        if rec is not None and rec.up:
+            rec.last_seen = max(rec.last_seen, event.now)
+        return []
+    elif isinstance(event, ConnectionLost):
+        _mark_down(state, event.ps, actions)
+    elif isinstance(event, Tick):
+        limit = state.missed * state.interval
+        for ps, rec in sorted(state.ps.items()):
+            if rec.up and event.now - rec.last_seen > limit:
+                _mark_down(state, ps, actions)
+    elif isinstance(event, Rejoined):
+        rec = state.ps.get(event.ps)
+        if rec is None or rec.up:
+            return []
+        rec.up, rec.last_seen = True, event.now
+        for ordinal, c in sorted(state.shards.items()):
+            if c.lost and event.ps in (c.primary, c.backup):
+                copies = state.shards[ordinal] = Copies(event.ps, None, c.epoch + 1)
+                actions.append(Restored(ordinal, event.ps, copies.epoch))
+    elif isinstance(event, CaughtUp):
+        found = state.shards.get(event.ordinal)
+        if found is None or found.epoch != event.epoch or found.backup is None or found.in_sync:
+            return []  # a catch-up of an older configuration: the table moved on
+        c = found
+        state.shards[event.ordinal] = Copies(c.primary, c.backup, c.epoch, in_sync=True)
+        state.version += 1
+        return [Publish(state.version)]
+    _assign_missing_backups(state, actions)
+    if actions:
+        state.version += 1
+        actions.append(Publish(state.version))
+    return actions
+
+
+def _mark_down(state: ReplicaState, ps: int, actions: list[ReplicaAction]) -> None:
+    rec = state.ps.get(ps)
+    if rec is None or not rec.up:
+        return
+    rec.up = False
+    for ordinal, c in sorted(state.shards.items()):
+        if c.lost:
+            continue
+        if c.primary == ps:
+            if c.backup is not None and c.in_sync and state.ps[c.backup].up:
+                copies = state.shards[ordinal] = Copies(c.backup, None, c.epoch + 1)
+                actions.append(Assign(ordinal, copies, False))
+            else:
+                # no backup, or one that never finished catching up: the primary's copy was the only one;
+                # the shard comes back from the checkpoint when one of its holders restarts
+                state.shards[ordinal] = Copies(ps, c.backup, c.epoch + 1, lost=True)
+                actions.append(Lost(ordinal, c.epoch + 1))
+        elif c.backup == ps:
+            copies = state.shards[ordinal] = Copies(c.primary, None, c.epoch + 1)
+            actions.append(Assign(ordinal, copies, False))
+
+
+def _assign_missing_backups(state: ReplicaState, actions: list[ReplicaAction]) -> None:
+    up = state.up()
+    load = {ps: 0 for ps in up}
+    for c in state.shards.values():
+        if c.backup is not None and c.backup in load:
+            load[c.backup] += 1
+    for ordinal, c in sorted(state.shards.items()):
+        if c.lost or c.backup is not None or not state.ps[c.primary].up:
+            continue
+        candidates = [ps for ps in up if ps != c.primary]
+        if not candidates:
+            continue  # a lone PS: the shard runs on one copy until another comes back
+        striped = striped_backup(ordinal, state.num_ps)
+        # fewest backups first; among equals, the striped one, then the next ones after it
+        best = min(candidates, key=lambda ps: (load[ps], (ps - striped) % state.num_ps))
+        load[best] += 1
+        copies = state.shards[ordinal] = Copies(c.primary, best, c.epoch + 1)
+        actions.append(Assign(ordinal, copies, True))

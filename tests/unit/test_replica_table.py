@@ -1,0 +1,130 @@
+"""The replica table (coordinator/replicas.py): placement, failover and rejoin decided from events alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from pscluster.coordinator import replicas as rp
+from pscluster.errors import InvalidArgumentError
+
+
+def table(num_ps: int, shards: int) -> rp.ReplicaState:
+    state = rp.ReplicaState(num_ps)
+    for k in range(shards):
+        rp.decide(state, rp.ShardCreated(k))
+    return state
+
+
+def test_backups_are_striped_over_every_other_ps() -> None:
+    state = table(4, 12)
+    for k, c in state.shards.items():
+        assert c.primary == k % 4 and c.backup != c.primary and c.in_sync and c.epoch == 1
+    backups_of_ps0 = {c.backup for k, c in state.shards.items() if c.primary == 0}
+    assert backups_of_ps0 == {1, 2, 3}
+
+
+def test_one_ps_is_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="at least 2 PS"):
+        rp.ReplicaState(1)
+
+
+def test_creating_a_shard_again_changes_nothing() -> None:
+    state = table(2, 1)
+    version = state.version
+    assert rp.decide(state, rp.ShardCreated(0)) == []
+    assert state.version == version
+
+
+def test_dead_primary_promotes_its_in_sync_backup_with_a_new_epoch() -> None:
+    state = table(3, 6)
+    before = dict(state.shards)
+    actions = rp.decide(state, rp.ConnectionLost(0))
+    for k, c in before.items():
+        after = state.shards[k]
+        if c.primary == 0:
+            assert after.primary == c.backup and after.epoch > c.epoch and not after.lost
+        if 0 in (c.primary, c.backup):
+            assert after.backup not in (None, 0, after.primary)  # replication restored on the survivors
+            assert not after.in_sync  # ... once the new backup caught up
+    assert isinstance(actions[-1], rp.Publish)
+    assert not any(isinstance(a, rp.Lost) for a in actions)
+
+
+def test_missed_heartbeats_mark_a_ps_down_after_three_intervals() -> None:
+    state = table(2, 2)
+    for ps in (0, 1):
+        rp.decide(state, rp.Heartbeat(ps, 1.0))
+    assert rp.decide(state, rp.Tick(1.0 + 3 * rp.HEARTBEAT_INTERVAL_S - 0.01)) == []
+    rp.decide(state, rp.Heartbeat(1, 1.3))
+    actions = rp.decide(state, rp.Tick(1.0 + 3 * rp.HEARTBEAT_INTERVAL_S + 0.01))
+    assert state.up() == [1]
+    assert state.shards[0].primary == 1 and state.shards[1].primary == 1
+    assert any(isinstance(a, rp.Assign) for a in actions)
+
+
+def test_backup_not_caught_up_is_not_promoted_and_the_shard_is_lost() -> None:
+    state = table(3, 3)
+    rp.decide(state, rp.ConnectionLost(1))  # shard 0's backup (1) dies: a new backup starts catching up
+    c = state.shards[0]
+    assert c.backup is not None and not c.in_sync
+    actions = rp.decide(state, rp.ConnectionLost(0))
+    assert state.shards[0].lost
+    assert rp.Lost(0, state.shards[0].epoch) in actions
+
+
+def test_caught_up_backup_is_promoted() -> None:
+    state = table(3, 3)
+    rp.decide(state, rp.ConnectionLost(1))
+    c = state.shards[0]
+    assert rp.decide(state, rp.CaughtUp(0, c.epoch)) == [rp.Publish(state.version)]
+    assert state.shards[0].in_sync
+    rp.decide(state, rp.ConnectionLost(0))
+    assert state.shards[0].primary == c.backup and not state.shards[0].lost
+
+
+def test_catch_up_of_an_older_epoch_is_ignored() -> None:
+    state = table(3, 3)
+    rp.decide(state, rp.ConnectionLost(1))
+    old = state.shards[0].epoch
+    rp.decide(state, rp.ConnectionLost(2))  # the catching-up backup died too: another configuration
+    assert rp.decide(state, rp.CaughtUp(0, old)) == []
+
+
+def test_both_copies_gone_waits_for_a_restart_and_is_restored_there() -> None:
+    state = table(2, 2)
+    rp.decide(state, rp.ConnectionLost(0))  # every shard now on PS 1, without a backup
+    assert all(c.primary == 1 and c.backup is None for c in state.shards.values())
+    actions = rp.decide(state, rp.ConnectionLost(1))
+    assert all(c.lost for c in state.shards.values())
+    assert {a.ordinal for a in actions if isinstance(a, rp.Lost)} == {0, 1}
+    actions = rp.decide(state, rp.Rejoined(1, 5.0))
+    assert {a.ordinal for a in actions if isinstance(a, rp.Restored)} == {0, 1}
+    assert all(c.primary == 1 and not c.lost for c in state.shards.values())
+
+
+def test_restarted_ps_rejoins_as_backup() -> None:
+    state = table(2, 4)
+    rp.decide(state, rp.ConnectionLost(1))
+    assert all(c.primary == 0 and c.backup is None for c in state.shards.values())
+    actions = rp.decide(state, rp.Rejoined(1, 2.0))
+    assigned = [a for a in actions if isinstance(a, rp.Assign)]
+    assert len(assigned) == 4 and all(a.catch_up and a.copies.backup == 1 for a in assigned)
+    for a in assigned:
+        rp.decide(state, rp.CaughtUp(a.ordinal, a.copies.epoch))
+    assert all(c.in_sync and c.backup == 1 for c in state.shards.values())
+
+
+def test_new_backups_go_to_the_least_loaded_survivor() -> None:
+    state = table(4, 16)
+    rp.decide(state, rp.ConnectionLost(3))
+    load = {ps: sum(1 for c in state.shards.values() if c.backup == ps) for ps in state.up()}
+    assert max(load.values()) - min(load.values()) <= 1
+
+
+def test_events_about_a_ps_already_down_change_nothing() -> None:
+    state = table(3, 3)
+    rp.decide(state, rp.ConnectionLost(2))
+    snapshot, version = dict(state.shards), state.version
+    assert rp.decide(state, rp.ConnectionLost(2)) == []
+    assert rp.decide(state, rp.Heartbeat(2, 9.0)) == []
+    assert state.shards == snapshot and state.version == version
