@@ -7,6 +7,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -17,6 +18,29 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _ReplicaOutcome:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ReplicaOutcomeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ReplicaOutcome.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    REPLICA_APPLIED: _ReplicaOutcome.ValueType  # 0
+    """applied, or held already (a resend)"""
+    REPLICA_GAP: _ReplicaOutcome.ValueType  # 1
+    """the backup lacks an earlier update or the shard: send the shard's state"""
+    REPLICA_STALE: _ReplicaOutcome.ValueType  # 2
+    """the forward's epoch is older than the backup's: its sender is no longer primary"""
+
+class ReplicaOutcome(_ReplicaOutcome, metaclass=_ReplicaOutcomeEnumTypeWrapper): ...
+
+REPLICA_APPLIED: ReplicaOutcome.ValueType  # 0
+"""applied, or held already (a resend)"""
+REPLICA_GAP: ReplicaOutcome.ValueType  # 1
+"""the backup lacks an earlier update or the shard: send the shard's state"""
+REPLICA_STALE: ReplicaOutcome.ValueType  # 2
+"""the forward's epoch is older than the backup's: its sender is no longer primary"""
+Global___ReplicaOutcome: _TypeAlias = ReplicaOutcome  # noqa: Y015
 
 @_typing.final
 class Tensor(_message.Message):
@@ -955,6 +979,219 @@ class StepReply(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StepReply: _TypeAlias = StepReply  # noqa: Y015
+
+@_typing.final
+class ReplicaForward(_message.Message):
+    """--- replicated shards (replicas: 2; server/replication.py, docs/ps_failures.md) ----------------
+    One update a primary applied, for its backup; or, with `spec` set, a shard's whole state (its
+    creation, or a catch-up): the backup installs it and applies the following updates on top.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class SlotsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        @_builtins.property
+        def value(self) -> Global___Tensor: ...
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: Global___Tensor | None = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _typing.Literal["value", b"value"]  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    REF_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    PUSH_ID_FIELD_NUMBER: _builtins.int
+    FINAL_BELOW_FIELD_NUMBER: _builtins.int
+    GRAD_FIELD_NUMBER: _builtins.int
+    ROWS_FIELD_NUMBER: _builtins.int
+    HAS_ROWS_FIELD_NUMBER: _builtins.int
+    SPEC_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
+    SLOTS_FIELD_NUMBER: _builtins.int
+    RECORD_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    """of the shard's (primary, backup) configuration; an older one is refused"""
+    version: _builtins.int
+    """the shard version this update made: the sequence number, one per update"""
+    push_id: _builtins.str
+    """noted in the backup's push record (exactly-once after a promotion)"""
+    final_below: _builtins.int
+    has_rows: _builtins.bool
+    record: _builtins.str
+    """the push record's state, JSON"""
+    @_builtins.property
+    def ref(self) -> Global___ShardRef: ...
+    @_builtins.property
+    def grad(self) -> Global___Tensor:
+        """what the primary's optimizer applied (a sync step: the aggregated update)"""
+
+    @_builtins.property
+    def rows(self) -> Global___Tensor:
+        """sparse updates: the shard's local row numbers"""
+
+    @_builtins.property
+    def spec(self) -> Global___ShardSpec:
+        """set: install the state below (value, slots, push record) at `version`"""
+
+    @_builtins.property
+    def value(self) -> Global___Tensor: ...
+    @_builtins.property
+    def slots(self) -> _containers.MessageMap[_builtins.str, Global___Tensor]: ...
+    def __init__(
+        self,
+        *,
+        ref: Global___ShardRef | None = ...,
+        epoch: _builtins.int = ...,
+        version: _builtins.int = ...,
+        push_id: _builtins.str = ...,
+        final_below: _builtins.int = ...,
+        grad: Global___Tensor | None = ...,
+        rows: Global___Tensor | None = ...,
+        has_rows: _builtins.bool = ...,
+        spec: Global___ShardSpec | None = ...,
+        value: Global___Tensor | None = ...,
+        slots: _abc.Mapping[_builtins.str, Global___Tensor] | None = ...,
+        record: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["grad", b"grad", "ref", b"ref", "rows", b"rows", "spec", b"spec", "value", b"value"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "final_below", b"final_below", "grad", b"grad", "has_rows", b"has_rows", "push_id", b"push_id", "record", b"record", "ref", b"ref", "rows", b"rows", "slots", b"slots", "spec", b"spec", "value", b"value", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplicaForward: _TypeAlias = ReplicaForward  # noqa: Y015
+
+@_typing.final
+class ReplicateRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FORWARDS_FIELD_NUMBER: _builtins.int
+    FROM_PS_FIELD_NUMBER: _builtins.int
+    from_ps: _builtins.int
+    @_builtins.property
+    def forwards(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReplicaForward]:
+        """in the primary's order"""
+
+    def __init__(
+        self,
+        *,
+        forwards: _abc.Iterable[Global___ReplicaForward] | None = ...,
+        from_ps: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["forwards", b"forwards", "from_ps", b"from_ps"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplicateRequest: _TypeAlias = ReplicateRequest  # noqa: Y015
+
+@_typing.final
+class ReplicateReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OUTCOMES_FIELD_NUMBER: _builtins.int
+    VERSIONS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def outcomes(self) -> _containers.RepeatedScalarFieldContainer[Global___ReplicaOutcome.ValueType]:
+        """one per forward, in order"""
+
+    @_builtins.property
+    def versions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """the shard's version on the backup after each forward"""
+
+    def __init__(
+        self,
+        *,
+        outcomes: _abc.Iterable[Global___ReplicaOutcome.ValueType] | None = ...,
+        versions: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["outcomes", b"outcomes", "versions", b"versions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplicateReply: _TypeAlias = ReplicateReply  # noqa: Y015
+
+@_typing.final
+class ShardRole(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REF_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    PRIMARY_FIELD_NUMBER: _builtins.int
+    BACKUP_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    primary: _builtins.bool
+    """false: this PS is the shard's backup"""
+    backup: _builtins.str
+    """primary only: the backup's gRPC address ("" while the shard has none)"""
+    @_builtins.property
+    def ref(self) -> Global___ShardRef: ...
+    def __init__(
+        self,
+        *,
+        ref: Global___ShardRef | None = ...,
+        epoch: _builtins.int = ...,
+        primary: _builtins.bool = ...,
+        backup: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backup", b"backup", "epoch", b"epoch", "primary", b"primary", "ref", b"ref"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShardRole: _TypeAlias = ShardRole  # noqa: Y015
+
+@_typing.final
+class SetRolesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def roles(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardRole]: ...
+    def __init__(
+        self,
+        *,
+        roles: _abc.Iterable[Global___ShardRole] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["roles", b"roles"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetRolesRequest: _TypeAlias = SetRolesRequest  # noqa: Y015
+
+@_typing.final
+class SetRolesReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetRolesReply: _TypeAlias = SetRolesReply  # noqa: Y015
 
 @_typing.final
 class ClosurePayload(_message.Message):

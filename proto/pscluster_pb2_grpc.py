@@ -94,6 +94,16 @@ class ParameterServerStub:
                 request_serializer=pscluster_dot_proto_dot_pscluster__pb2.StepRequest.SerializeToString,
                 response_deserializer=pscluster_dot_proto_dot_pscluster__pb2.StepReply.FromString,
                 _registered_method=True)
+        self.Replicate = channel.unary_unary(
+                '/pscluster.ParameterServer/Replicate',
+                request_serializer=pscluster_dot_proto_dot_pscluster__pb2.ReplicateRequest.SerializeToString,
+                response_deserializer=pscluster_dot_proto_dot_pscluster__pb2.ReplicateReply.FromString,
+                _registered_method=True)
+        self.SetRoles = channel.unary_unary(
+                '/pscluster.ParameterServer/SetRoles',
+                request_serializer=pscluster_dot_proto_dot_pscluster__pb2.SetRolesRequest.SerializeToString,
+                response_deserializer=pscluster_dot_proto_dot_pscluster__pb2.SetRolesReply.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -171,6 +181,20 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Replicate(self, request, context):
+        """primary -> backup (replicas: 2)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetRoles(self, request, context):
+        """coordinator -> PS (replicas: 2)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -233,6 +257,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.GetStep,
                     request_deserializer=pscluster_dot_proto_dot_pscluster__pb2.StepRequest.FromString,
                     response_serializer=pscluster_dot_proto_dot_pscluster__pb2.StepReply.SerializeToString,
+            ),
+            'Replicate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Replicate,
+                    request_deserializer=pscluster_dot_proto_dot_pscluster__pb2.ReplicateRequest.FromString,
+                    response_serializer=pscluster_dot_proto_dot_pscluster__pb2.ReplicateReply.SerializeToString,
+            ),
+            'SetRoles': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRoles,
+                    request_deserializer=pscluster_dot_proto_dot_pscluster__pb2.SetRolesRequest.FromString,
+                    response_serializer=pscluster_dot_proto_dot_pscluster__pb2.SetRolesReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -559,6 +593,60 @@ class ParameterServer:
             '/pscluster.ParameterServer/GetStep',
             pscluster_dot_proto_dot_pscluster__pb2.StepRequest.SerializeToString,
             pscluster_dot_proto_dot_pscluster__pb2.StepReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Replicate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pscluster.ParameterServer/Replicate',
+            pscluster_dot_proto_dot_pscluster__pb2.ReplicateRequest.SerializeToString,
+            pscluster_dot_proto_dot_pscluster__pb2.ReplicateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetRoles(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pscluster.ParameterServer/SetRoles',
+            pscluster_dot_proto_dot_pscluster__pb2.SetRolesRequest.SerializeToString,
+            pscluster_dot_proto_dot_pscluster__pb2.SetRolesReply.FromString,
             options,
             channel_credentials,
             insecure,

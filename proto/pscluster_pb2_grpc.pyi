@@ -43,6 +43,10 @@ class ParameterServerStub:
     TakeToken: _grpc.UnaryUnaryMultiCallable[_pscluster_pb2.TokenRequest, _pscluster_pb2.TokenReply]
     StepDone: _grpc.UnaryUnaryMultiCallable[_pscluster_pb2.StepDoneRequest, _pscluster_pb2.StepReply]
     GetStep: _grpc.UnaryUnaryMultiCallable[_pscluster_pb2.StepRequest, _pscluster_pb2.StepReply]
+    Replicate: _grpc.UnaryUnaryMultiCallable[_pscluster_pb2.ReplicateRequest, _pscluster_pb2.ReplicateReply]
+    """primary -> backup (replicas: 2)"""
+    SetRoles: _grpc.UnaryUnaryMultiCallable[_pscluster_pb2.SetRolesRequest, _pscluster_pb2.SetRolesReply]
+    """coordinator -> PS (replicas: 2)"""
 
 @_typing.type_check_only
 class ParameterServerAsyncStub(ParameterServerStub):
@@ -59,6 +63,10 @@ class ParameterServerAsyncStub(ParameterServerStub):
     TakeToken: _aio.UnaryUnaryMultiCallable[_pscluster_pb2.TokenRequest, _pscluster_pb2.TokenReply]  # type: ignore[assignment]
     StepDone: _aio.UnaryUnaryMultiCallable[_pscluster_pb2.StepDoneRequest, _pscluster_pb2.StepReply]  # type: ignore[assignment]
     GetStep: _aio.UnaryUnaryMultiCallable[_pscluster_pb2.StepRequest, _pscluster_pb2.StepReply]  # type: ignore[assignment]
+    Replicate: _aio.UnaryUnaryMultiCallable[_pscluster_pb2.ReplicateRequest, _pscluster_pb2.ReplicateReply]  # type: ignore[assignment]
+    """primary -> backup (replicas: 2)"""
+    SetRoles: _aio.UnaryUnaryMultiCallable[_pscluster_pb2.SetRolesRequest, _pscluster_pb2.SetRolesReply]  # type: ignore[assignment]
+    """coordinator -> PS (replicas: 2)"""
 
 class ParameterServerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -144,6 +152,22 @@ class ParameterServerServicer(metaclass=_abc_1.ABCMeta):
         request: _pscluster_pb2.StepRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_pscluster_pb2.StepReply, _abc.Awaitable[_pscluster_pb2.StepReply]]: ...
+
+    @_abc_1.abstractmethod
+    def Replicate(
+        self,
+        request: _pscluster_pb2.ReplicateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_pscluster_pb2.ReplicateReply, _abc.Awaitable[_pscluster_pb2.ReplicateReply]]:
+        """primary -> backup (replicas: 2)"""
+
+    @_abc_1.abstractmethod
+    def SetRoles(
+        self,
+        request: _pscluster_pb2.SetRolesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_pscluster_pb2.SetRolesReply, _abc.Awaitable[_pscluster_pb2.SetRolesReply]]:
+        """coordinator -> PS (replicas: 2)"""
 
 def add_ParameterServerServicer_to_server(servicer: ParameterServerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

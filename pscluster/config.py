@@ -111,6 +111,10 @@ class Settings(_Frozen):
     # the largest tensor (a shard, a pushed gradient, a pull reply) a daemon accepts: bigger ones are refused
     # with a precise error before anything is allocated
     max_tensor_bytes: int = Field(default=4 * 1024 * MiB, ge=MiB)
+    # copies of every shard (docs/ps_failures.md): 2 gives each shard a backup on another PS that holds every
+    # acknowledged update (a PS killed loses none); 1 (one copy, checkpoint restore) is the default
+    replicas: int = Field(default=1, ge=1, le=2)
+    replication_timeout_s: float = Field(default=5.0, gt=0)  # a backup's confirmation, per push (replicas: 2)
     heartbeat_interval_s: float = Field(default=0.5, gt=0)
     heartbeat_timeout_s: float = Field(default=2.0, gt=0)
     server_threads: int = Field(default=16, ge=2, le=256)
@@ -168,6 +172,9 @@ class Settings(_Frozen):
                 "set PSCLUSTER_TOKEN or --token-file, and/or --tls-dir")
         if self.require_client_cert and not self.uses_tls:
             raise ValueError("require_client_cert needs TLS: set tls_dir (pscluster certs) or the tls_*_file settings")
+        if self.replicas > 1 and len(self.cluster.ps) < self.replicas:
+            raise ValueError(f"replicas={self.replicas} needs at least {self.replicas} PS tasks; the cluster lists "
+                             f"{len(self.cluster.ps)}")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ValueError("heartbeat_timeout_s must exceed heartbeat_interval_s")
         return self

@@ -73,7 +73,8 @@ class BulkHandlers:
             return False
         kind = request.WhichOneof("op")
         if kind == "push":
-            if request.shm_bytes > INLINE_BYTES:
+            if request.shm_bytes > INLINE_BYTES or self.core.replication is not None:
+                # replicas: 2: a push's reply waits for the backup, which must not stall the loop's other peers
                 return False
             # a fused reply of dense shards is exactly as large as the push (`push` validates that) and
             # goes back through the same segment; any other reply is a small header

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import threading
+from typing import Any
 
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 from pscluster.server.bulk import BulkHandlers
@@ -30,6 +32,11 @@ def start(settings: Settings) -> tuple[Listeners, int, ParameterServerCore]:
     sync = sync_replicas.attach(core)
     core.metrics = PsMetrics(lambda: len(core.store.shards()), core.total_bytes, lambda: core.global_step,
                              lambda: sync.dropped)
+    if settings.replicas > 1:
+        from pscluster.server.replication import GrpcLink, Replication
+
+        core.replication = Replication(core.store, settings.task_index, lambda a: GrpcLink(a, settings),
+                                       timeout=settings.replication_timeout_s)
     if settings.restore:
         core.restore()
     bulk = None
@@ -42,7 +49,23 @@ def start(settings: Settings) -> tuple[Listeners, int, ParameterServerCore]:
     server, port = rpc.create_server(
         settings, lambda s: pb_grpc.add_ParameterServerServicer_to_server(servicer, s),
         name=f"ps{settings.task_index}")
+    if core.replication is not None:
+        return _ReplicatingListeners(server, bulk, core.replication), port, core
     return Listeners(server, bulk), port, core
+
+
+class _ReplicatingListeners(Listeners):
+    """replicas: 2: stopping the listeners also stops and joins the replication threads (after the ports close)."""
+
+    def __init__(self, server: Any, frames: Any, replication: Any) -> None:
+        super().__init__(server, frames)
+        self._replication = replication
+
+    def stop(self, grace: float | None) -> threading.Event:
+        """Stop both ports, then the replicators."""
+        done = super().stop(grace)
+        self._replication.stop()
+        return done
 
 
 def serve(settings: Settings) -> None:

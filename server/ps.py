@@ -43,6 +43,7 @@ class ParameterServerCore:
         self.sync: Any = None  # a SyncReplicas, installed by sync_replicas.attach()
         self.bulk_port = 0
         self.metrics: Any = None  # a PsMetrics, installed by main.start()
+        self.replication: Any = None  # a server.replication.Replication with replicas: 2 (None: one copy)
 
     def restore(self) -> int:
         """Load the newest complete checkpoint into the store; returns its step or -1."""
@@ -63,6 +64,8 @@ class ParameterServerCore:
                seed: int) -> Shard:
         """Create (or find the identical) shard."""
         shard, created = ensure_created(self.store, spec, initial, init_kind, init_value, seed)
+        if created and self.replication is not None:
+            self.replication.resync(spec.key)  # a primary told its roles before the shard existed
         if created:
             log.info("ps %d: created %s[%d] %s%s (%s)", self.ps_index, spec.variable, spec.shard_index,
                      spec.dtype, list(spec.shape), spec.optimizer.kind)
@@ -75,11 +78,18 @@ class ParameterServerCore:
     def push(self, push_id: str, step: int, items: Sequence[PushItem], final_below: int = 0,
              values_into: np.ndarray | None = None) -> list[PushResult]:
         """Apply (async) or accumulate (sync) a push; final_below, values_into: see VariableStore.push
-        (an accumulating PS copies no values)."""
+        (an accumulating PS copies no values). With replicas: 2 the reply waits until the shards' backups hold
+        the versions this push made (for a push held already: the version it was applied at)."""
+        replication = self.replication
+        if replication is not None:
+            replication.check_primary(item.key for item in items)
         if self.sync is not None and self.sync.accumulates:
             results: list[PushResult] = self.sync.push(push_id, step, items)
-            return results
-        return self.store.push(push_id, items, final_below, values_into)
+        else:
+            results = self.store.push(push_id, items, final_below, values_into)
+        if replication is not None:
+            replication.wait([(item.key, r.version) for item, r in zip(items, results)])
+        return results
 
     def returns_values(self, items: Sequence[pb.PushItem]) -> bool:
         """Whether a fused push-pull of these pushed items gets values: only an async PS (an accumulating

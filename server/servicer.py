@@ -10,10 +10,11 @@ import numpy as np
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 from pscluster.server.ps import ParameterServerCore
+from pscluster.server.replication import Replication, Role
 from pscluster.server.store import PushItem
 
 from pscluster import codec
-from pscluster.errors import InvalidArgumentError
+from pscluster.errors import FailedPreconditionError, InvalidArgumentError
 from pscluster.specs import spec_from_pb, spec_to_pb
 
 
@@ -106,6 +107,21 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         sync = self.core.sync
         return pb.StepReply(global_step=self.core.global_step, dropped_stale=sync.dropped, mode=sync.mode,
                             max_spread=sync.max_spread, clocks=dict(sync.clocks))
+
+    def Replicate(self, request: pb.ReplicateRequest, context: grpc.ServicerContext) -> pb.ReplicateReply:
+        return self._replication("Replicate").receive(request)
+
+    def SetRoles(self, request: pb.SetRolesRequest, context: grpc.ServicerContext) -> pb.SetRolesReply:
+        self._replication("SetRoles").set_roles(
+            Role(_key(r.ref), r.epoch, r.primary, r.backup) for r in request.roles)
+        return pb.SetRolesReply()
+
+    def _replication(self, method: str) -> Replication:
+        if self.core.replication is None:
+            raise FailedPreconditionError(f"{method}: ps {self.core.ps_index} runs with replicas: 1; "
+                                          "start the cluster with replicas: 2")
+        replication: Replication = self.core.replication
+        return replication
 
     def Status(self, request: pb.PsStatusRequest, context: grpc.ServicerContext) -> pb.PsStatus:
         core = self.core

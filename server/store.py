@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 from pscluster.server import optimizers as opt
@@ -90,6 +90,11 @@ def initial_value(spec: ShardSpec, kind: str, value: float, seed: int) -> np.nda
                                "uniform or normal")
 
 
+# called under the shard's lock right after an update was applied (replicas: 2 forwards it in that order):
+# (shard, gradient, local rows or None, push key or None, final_below, the version it made)
+OnApplied = Callable[[Shard, np.ndarray, "np.ndarray | None", "PushKey | None", int, int], None]
+
+
 class VariableStore:
     """All shards held by one PS task."""
 
@@ -100,6 +105,7 @@ class VariableStore:
         self._nan_policy = nan_policy
         self.dedup_window = dedup_window
         self.max_tensor_bytes = max_tensor_bytes
+        self.on_applied: OnApplied | None = None  # server/replication.py's forwarder, with replicas: 2
 
     # -- structure -------------------------------------------------------------------------------
     def create(self, spec: ShardSpec, value: np.ndarray) -> tuple[Shard, bool]:
@@ -296,9 +302,33 @@ class VariableStore:
                 if key is not None:
                     record.add_key(key, t)
                 result = PushResult(t, True, t)
+                hook = self.on_applied
+                if hook is not None:
+                    hook(shard, grad, local, key, final_below, t)
             if out is not None:
                 out[:] = shard.value.reshape(-1).view(np.uint8)
             return result
+
+    @staticmethod
+    def apply_at(shard: Shard, version: int, grad: np.ndarray, local: np.ndarray | None, key: PushKey | None,
+                 final_below: int) -> Literal["applied", "held", "gap"]:
+        """A backup's apply of its primary's update number `version` (server/replication.py), only if it is
+        the next one: "held" for one applied already (a resend), "gap" for one beyond the next (the backup
+        needs the shard's whole state first)."""
+        with shard.lock:
+            if version <= shard.version:
+                return "held"
+            if version > shard.version + 1:
+                return "gap"
+            shard.record.advance(final_below)
+            if local is None:
+                opt.apply_dense(shard.spec.optimizer, shard.value, grad, shard.slots, version)
+            else:
+                opt.apply_sparse(shard.spec.optimizer, shard.value, local, grad, shard.slots, version)
+            shard.version = version
+            if key is not None:
+                shard.record.add_key(key, version)
+            return "applied"
 
     @staticmethod
     def _local_rows(shard: Shard, ids: np.ndarray) -> np.ndarray:

@@ -1,0 +1,381 @@
+"""PS-to-PS replication (replicas: 2): a primary forwards every update it applies to the shard's backup.
+
+The coordinator tells each PS its roles (`set_roles`): for every shard, the epoch of its
+(primary, backup) configuration, whether this PS is its primary, and where the backup is. Then:
+
+- The store calls `on_applied` under the shard's lock right after an update (a push, or a sync step's one
+  aggregated update), so forwards are queued in exactly the order the primary applied them. A forward
+  carries (epoch, the version the update made, push id, final_below, gradient, local rows); versions rise
+  by one per update, so they are the sequence numbers.
+- One `Replicator` per backup PS owns a queue and a named thread that sends the queued forwards in
+  batches (one Replicate RPC, with a deadline). A batch that fails is sent again (the backup ignores
+  versions it holds); the queue is bounded in bytes: past it, a shard's forwards are skipped and its
+  whole state is sent instead, as for a backup that answers GAP (it lacks an earlier update: it restarted)
+  or a new backup (catch-up, shard creation). Catch-up is queued under the shard's lock too, so what
+  follows it applies on top.
+- `wait` holds a push's reply until the backup confirmed the versions it made (or, for a retried
+  push the primary held already, the version it was applied at): an acknowledgement means two copies.
+- The backup (`receive`) applies forwards in version order with the same optimizer code at the same
+  version number, adds each push id to its push record (exactly-once survives a promotion), and refuses
+  a forward of an older epoch than it knows: a deposed primary gets STALE and its pushes' waiters get a
+  retryable UnavailableError, so its workers go to the new primary.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from pscluster import codec, rpc
+from pscluster.config import Settings
+from pscluster.errors import PsclusterError, UnavailableError
+from pscluster.proto import pscluster_pb2 as pb
+from pscluster.proto import pscluster_pb2_grpc as pb_grpc
+from pscluster.server.push_record import PushKey, PushRecord, push_key
+from pscluster.server.store import Key, Shard, VariableStore
+from pscluster.specs import spec_from_pb, spec_to_pb
+
+log = logging.getLogger(__name__)
+
+MAX_QUEUED_BYTES = 256 << 20  # per backup; past it a shard's whole state is sent instead of its updates
+BATCH_BYTES = 16 << 20  # forwards per Replicate call (an install may exceed it alone)
+
+
+@dataclass(frozen=True)
+class Role:
+    """This PS's role for one shard at `epoch`; a primary's `backup` is the backup's address ('' for none)."""
+
+    key: Key
+    epoch: int
+    primary: bool
+    backup: str = ""
+
+
+class ReplicaLink(Protocol):
+    """The Replicate call to one backup PS (gRPC in a daemon; tests may pass a core's `receive`)."""
+
+    def replicate(self, request: pb.ReplicateRequest, timeout: float) -> pb.ReplicateReply:
+        """Send one batch; raise a PsclusterError when it did not get through."""
+
+    def close(self) -> None:
+        """Release the connection."""
+
+
+class GrpcLink:
+    """The Replicate RPC to one backup PS over gRPC, with the cluster's token and TLS."""
+
+    def __init__(self, address: str, settings: Settings) -> None:
+        self.address = address
+        self._channel = rpc.open_channel(address, settings)
+        self._stub = pb_grpc.ParameterServerStub(self._channel)
+
+    def replicate(self, request: pb.ReplicateRequest, timeout: float) -> pb.ReplicateReply:
+        """One batch, one deadline (the replicator resends on failure)."""
+        reply: pb.ReplicateReply = rpc.call(self._stub.Replicate, request, timeout=timeout,
+                                            what=f"replicate to {self.address}")
+        return reply
+
+    def close(self) -> None:
+        """Close the channel."""
+        self._channel.close()
+
+
+def _name(key: Key) -> str:
+    return f"{key[0]}[{key[1]}]"
+
+
+class Replicator:
+    """Sends one backup PS its forwards; owns the queue and the `replicate-to-<address>` thread."""
+
+    def __init__(self, address: str, link: ReplicaLink, from_ps: int, timeout: float,
+                 resync: Callable[[Key], None], max_queued_bytes: int = MAX_QUEUED_BYTES) -> None:
+        self.address = address
+        self._link = link
+        self._from_ps = from_ps
+        self._timeout = timeout
+        self._resync = resync  # queue a shard's whole state (takes the shard's lock: never called under ours)
+        self._max_queued = max_queued_bytes
+        self._cond = threading.Condition()
+        self._queue: collections.deque[tuple[Key, int, pb.ReplicaForward, int]] = collections.deque()
+        self._queued_bytes = 0
+        self._dirty: set[Key] = set()  # shards whose forwards were skipped (queue full): resync them
+        self.acked: dict[Key, int] = {}  # the highest version the backup confirmed, per shard
+        self.stale: dict[Key, int] = {}  # shards the backup refused: it knows a newer epoch
+        self.keys: set[Key] = set()  # shards this replicator serves now (the hub's roles)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"replicate-to-{address}", daemon=True)
+        self._thread.start()
+
+    def put(self, key: Key, version: int, msg: pb.ReplicaForward, nbytes: int) -> None:
+        """Queue a forward (called under the shard's lock: never waits)."""
+        with self._cond:
+            if key in self._dirty and not msg.HasField("spec"):
+                return  # its whole state is on the way; it includes this update
+            if self._queued_bytes + nbytes > self._max_queued and self._queue:
+                self._dirty.add(key)
+            else:
+                if msg.HasField("spec"):
+                    self._dirty.discard(key)
+                self._queue.append((key, version, msg, nbytes))
+                self._queued_bytes += nbytes
+            self._cond.notify_all()
+
+    def wait(self, key: Key, version: int, deadline: float) -> bool:
+        """Block until the backup confirmed `version` of key; False when this replicator stopped serving key.
+
+        Raises:
+            UnavailableError: the backup knows a newer epoch (this PS is deposed), or the deadline passed.
+        """
+        with self._cond:
+            while True:
+                if key in self.stale:
+                    raise UnavailableError(f"{_name(key)}: backup {self.address} knows epoch {self.stale[key]}, newer "
+                                           "than this PS's: it is no longer the shard's primary; re-read placement")
+                if self.acked.get(key, -1) >= version:
+                    return True
+                if key not in self.keys or self._stop.is_set():
+                    return False
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise UnavailableError(f"{_name(key)}: backup {self.address} did not confirm version {version} "
+                                           "in time; the push was not acknowledged (retry it with the same id)")
+                self._cond.wait(left)
+
+    def forget(self, key: Key) -> None:
+        """Drop what the backup confirmed of key: its role changed, the next confirmation starts afresh."""
+        with self._cond:
+            self.acked.pop(key, None)
+            self.stale.pop(key, None)
+
+    def poke(self) -> None:
+        """Wake waiters to look at the roles again."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def stop(self) -> None:
+        """Stop sending, wake every waiter, join the thread, close the link."""
+        self._stop.set()
+        self.poke()
+        self._thread.join(timeout=self._timeout + 5)
+        self._link.close()
+
+    def _take(self) -> list[tuple[Key, int, pb.ReplicaForward, int]]:
+        with self._cond:
+            while not self._queue and not self._dirty and not self._stop.is_set():
+                self._cond.wait()
+            batch: list[tuple[Key, int, pb.ReplicaForward, int]] = []
+            size = 0
+            while self._queue and (not batch or size + self._queue[0][3] <= BATCH_BYTES):
+                item = self._queue.popleft()
+                batch.append(item)
+                size += item[3]
+            return batch
+
+    def _loop(self) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            with self._cond:
+                dirty, self._dirty = self._dirty, set()
+            for key in sorted(dirty):
+                self._resync(key)
+            batch = self._take()
+            if not batch:
+                continue
+            request = pb.ReplicateRequest(forwards=[msg for _, _, msg, _ in batch], from_ps=self._from_ps)
+            try:
+                reply = self._link.replicate(request, self._timeout)
+                if len(reply.outcomes) != len(batch) or len(reply.versions) != len(batch):
+                    raise UnavailableError(f"backup {self.address} answered {len(reply.outcomes)} outcomes for "
+                                           f"{len(batch)} forwards")
+            except PsclusterError as exc:
+                failures += 1
+                if failures == 1 or failures % 50 == 0:
+                    log.warning("replication to %s failed (%d in a row), resending: %s", self.address, failures, exc)
+                with self._cond:
+                    self._queue.extendleft(reversed(batch))
+                self._stop.wait(min(0.01 * 2 ** min(failures, 6), 0.5))
+                continue
+            failures = 0
+            gaps: set[Key] = set()
+            with self._cond:
+                for (key, version, msg, nbytes), outcome in zip(batch, reply.outcomes):
+                    self._queued_bytes -= nbytes
+                    if outcome == pb.REPLICA_APPLIED:
+                        if version > self.acked.get(key, -1):
+                            self.acked[key] = version
+                    elif outcome == pb.REPLICA_GAP:
+                        gaps.add(key)
+                    else:
+                        self.stale[key] = msg.epoch
+                self._cond.notify_all()
+            for key in sorted(gaps):
+                with self._cond:
+                    self._dirty.add(key)
+
+
+class Replication:
+    """A PS's replication roles, forwarders and backup side; owned by its ParameterServerCore."""
+
+    def __init__(self, store: VariableStore, ps_index: int, connect: Callable[[str], ReplicaLink],
+                 timeout: float = 5.0, max_queued_bytes: int = MAX_QUEUED_BYTES) -> None:
+        self.store = store
+        self.ps_index = ps_index
+        self._connect = connect
+        self.timeout = timeout
+        self._max_queued = max_queued_bytes
+        self._lock = threading.Lock()  # roles, epochs and replicators (never held across I/O or a shard lock)
+        self._roles: dict[Key, Role] = {}
+        self._epochs: dict[Key, int] = {}  # the newest epoch known per shard (a backup refuses older ones)
+        self._replicators: dict[str, Replicator] = {}
+        store.on_applied = self.on_applied
+
+    # -- roles --------------------------------------------------------------------------------------
+    def set_roles(self, roles: Iterable[Role]) -> None:
+        """Take the coordinator's roles; a shard given a new backup sends it its whole state first."""
+        resync: list[Key] = []
+        with self._lock:
+            for role in roles:
+                old = self._roles.get(role.key)
+                if old is not None and role.epoch < old.epoch:
+                    continue  # an older table arriving late
+                self._roles[role.key] = role
+                self._epochs[role.key] = max(self._epochs.get(role.key, 0), role.epoch)
+                if role.primary and role.backup and (old is None or old.epoch != role.epoch or not old.primary
+                                                     or old.backup != role.backup):
+                    resync.append(role.key)
+            wanted = {r.backup for r in self._roles.values() if r.primary and r.backup}
+            for address in wanted - self._replicators.keys():
+                self._replicators[address] = Replicator(address, self._connect(address), self.ps_index,
+                                                        self.timeout, self.resync, self._max_queued)
+            gone = [self._replicators.pop(a) for a in list(self._replicators) if a not in wanted]
+            for address, rep in self._replicators.items():
+                rep.keys = {k for k, r in self._roles.items() if r.primary and r.backup == address}
+        for rep in gone:
+            rep.stop()
+        for key in resync:
+            _, target = self._replicator_of(key)
+            if target is not None:
+                target.forget(key)
+            self.resync(key)
+        for rep in self._current():
+            rep.poke()
+
+    def _current(self) -> list[Replicator]:
+        with self._lock:
+            return list(self._replicators.values())
+
+    def _replicator_of(self, key: Key) -> tuple[Role | None, Replicator | None]:
+        with self._lock:
+            role = self._roles.get(key)
+            if role is None or not role.primary or not role.backup:
+                return role, None
+            return role, self._replicators.get(role.backup)
+
+    def check_primary(self, keys: Iterable[Key]) -> None:
+        """UnavailableError (retryable: the client re-reads placement) if this PS is a backup of one of keys."""
+        roles = self._roles
+        for key in keys:
+            role = roles.get(key)
+            if role is not None and not role.primary:
+                raise UnavailableError(f"ps {self.ps_index} holds {_name(key)} as its backup (epoch {role.epoch}), "
+                                       "not as its primary; re-read placement")
+
+    # -- primary side -------------------------------------------------------------------------------
+    def on_applied(self, shard: Shard, grad: np.ndarray, local: np.ndarray | None, key: PushKey | None,
+                   final_below: int, version: int) -> None:
+        """The store's hook (under the shard's lock): queue the update for the shard's backup."""
+        role, rep = self._replicator_of(shard.spec.key)
+        if role is None or rep is None:
+            return
+        msg = pb.ReplicaForward(ref=pb.ShardRef(variable=shard.spec.variable, shard_index=shard.spec.shard_index),
+                                epoch=role.epoch, version=version, push_id=key[0] if key is not None else "",
+                                final_below=final_below, grad=codec.encode(grad))
+        if local is not None:
+            msg.rows.CopyFrom(codec.encode(np.asarray(local, np.int64)))
+            msg.has_rows = True
+        rep.put(shard.spec.key, version, msg, grad.nbytes)
+
+    def resync(self, key: Key) -> None:
+        """Queue shard key's whole state for its backup (catch-up), in order with its updates."""
+        shard = self.store.find(key)
+        role, rep = self._replicator_of(key)
+        if shard is None or role is None or rep is None:
+            return
+        with shard.lock:
+            msg = pb.ReplicaForward(ref=pb.ShardRef(variable=key[0], shard_index=key[1]), epoch=role.epoch,
+                                    version=shard.version, spec=spec_to_pb(shard.spec),
+                                    value=codec.encode(shard.value), record=json.dumps(shard.record.state()))
+            for name, slot in shard.slots.items():
+                msg.slots[name].CopyFrom(codec.encode(slot))
+            rep.put(key, shard.version, msg, shard.value.nbytes * (1 + len(shard.slots)))
+
+    def wait(self, versions: Sequence[tuple[Key, int]], timeout: float | None = None) -> None:
+        """Return once every (shard, version) is held by the shard's backup (at once for a shard without one).
+
+        Raises:
+            UnavailableError: not confirmed within timeout, or this PS is no longer the shard's primary.
+        """
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        for key, version in versions:
+            while True:
+                _, rep = self._replicator_of(key)
+                if rep is None or rep.wait(key, version, deadline):
+                    break  # no backup (one copy), or confirmed; False: the roles changed, look again
+
+    def stop(self) -> None:
+        """Stop every replicator thread (joined)."""
+        with self._lock:
+            reps, self._replicators = list(self._replicators.values()), {}
+        for rep in reps:
+            rep.stop()
+
+    # -- backup side --------------------------------------------------------------------------------
+    def receive(self, request: pb.ReplicateRequest) -> pb.ReplicateReply:
+        """Apply a primary's forwards in order (see the module docstring)."""
+        reply = pb.ReplicateReply()
+        for f in request.forwards:
+            key = (f.ref.variable, f.ref.shard_index)
+            with self._lock:
+                known = self._epochs.get(key, 0)
+                if f.epoch >= known:
+                    self._epochs[key] = f.epoch
+            shard = self.store.find(key)
+            if f.epoch < known:
+                outcome = pb.REPLICA_STALE
+            elif f.HasField("spec"):
+                shard = self._install(f)
+                outcome = pb.REPLICA_APPLIED
+            elif shard is None:
+                outcome = pb.REPLICA_GAP
+            else:
+                grad = codec.decode(f.grad, _name(key))
+                local = codec.decode_ids(f.rows, _name(key)) if f.has_rows else None
+                done = self.store.apply_at(shard, f.version, grad, local, push_key(f.push_id) if f.push_id else None,
+                                           f.final_below)
+                outcome = pb.REPLICA_GAP if done == "gap" else pb.REPLICA_APPLIED
+            reply.outcomes.append(outcome)
+            reply.versions.append(shard.version if shard is not None else -1)
+        return reply
+
+    def _install(self, f: pb.ReplicaForward) -> Shard:
+        spec = spec_from_pb(f.spec)
+        value = np.array(codec.decode(f.value, spec.variable), copy=True)
+        slots = {name: np.array(codec.decode(t, f"{spec.variable} slot {name}"), copy=True)
+                 for name, t in f.slots.items()}
+        record = PushRecord.from_state(json.loads(f.record) if f.record else {}, self.store.dedup_window, f.version)
+        shard = Shard(spec, value, slots, f.version, record=record)
+        existing = self.store.find(spec.key)
+        if existing is not None:
+            with existing.lock:  # a pull or a checkpoint of the old object finishes first
+                self.store.install(shard)
+        else:
+            self.store.install(shard)
+        return shard

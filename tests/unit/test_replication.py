@@ -1,0 +1,211 @@
+"""PS-to-PS replication (server/replication.py) between two in-process PS cores.
+
+The link hands the serialized request to the other core's `receive` (what the Replicate servicer does);
+it can be cut to play a backup that does not answer. tests/integration/test_replication.py runs the
+same over real gRPC and the bulk port.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from pscluster.errors import UnavailableError
+from pscluster.proto import pscluster_pb2 as pb
+from pscluster.server import sync_replicas
+from pscluster.server.optimizers import OptimizerConfig
+from pscluster.server.ps import ParameterServerCore
+from pscluster.server.replication import Replication, Role
+from pscluster.server.store import PushItem, ShardSpec
+
+KEY = ("w", 0)
+ROWS = ("emb", 0)
+
+
+class Link:
+    """Replicate to an in-process core through the wire format; `cut` makes it fail as a dead peer."""
+
+    def __init__(self, target: ParameterServerCore) -> None:
+        self.target = target
+        self.cut = threading.Event()
+        self.batches = 0
+
+    def replicate(self, request: pb.ReplicateRequest, timeout: float) -> pb.ReplicateReply:
+        if self.cut.is_set():
+            raise UnavailableError("backup unreachable (cut by the test)")
+        self.batches += 1
+        parsed = pb.ReplicateRequest.FromString(request.SerializeToString())
+        reply = self.target.replication.receive(parsed)
+        return pb.ReplicateReply.FromString(reply.SerializeToString())
+
+    def close(self) -> None:
+        pass
+
+
+def make_core(index: int, peers: dict[str, ParameterServerCore], links: dict[str, Link],
+              timeout: float = 2.0) -> ParameterServerCore:
+    core = ParameterServerCore(index, 2)
+    sync_replicas.attach(core)
+
+    def connect(address: str) -> Link:
+        links[address] = Link(peers[address])
+        return links[address]
+
+    core.replication = Replication(core.store, index, connect, timeout=timeout)
+    return core
+
+
+@pytest.fixture
+def pair():
+    peers: dict[str, ParameterServerCore] = {}
+    links: dict[str, Link] = {}
+    a, b = make_core(0, peers, links), make_core(1, peers, links)
+    peers.update({"ps0": a, "ps1": b})
+    yield a, b, links
+    a.replication.stop()
+    b.replication.stop()
+
+
+def create(core: ParameterServerCore, optimizer: str = "adam") -> None:
+    core.create(ShardSpec("w", 0, 1, (4,), (4,), 0, "<f4", OptimizerConfig(optimizer, 0.1)), None, "ones", 0, 0)
+    core.create(ShardSpec("emb", 0, 1, (6, 2), (6, 2), 0, "<f4", OptimizerConfig("sgd", 1.0)), None, "zeros", 0, 0)
+
+
+def roles(a: ParameterServerCore, b: ParameterServerCore, epoch: int = 1) -> None:
+    b.replication.set_roles([Role(k, epoch, False) for k in (KEY, ROWS)])
+    a.replication.set_roles([Role(k, epoch, True, "ps1") for k in (KEY, ROWS)])
+    a.replication.wait([(k, a.store.get(k).version) for k in (KEY, ROWS)])  # the catch-up landed
+
+
+def same(a: ParameterServerCore, b: ParameterServerCore, key: tuple[str, int]) -> None:
+    sa, sb = a.store.get(key), b.store.get(key)
+    assert sa.version == sb.version
+    np.testing.assert_array_equal(sa.value, sb.value)
+    assert sa.slots.keys() == sb.slots.keys()
+    for name in sa.slots:
+        np.testing.assert_array_equal(sa.slots[name], sb.slots[name])
+
+
+def grad(x: float) -> np.ndarray:
+    return np.full(4, x, np.float32)
+
+
+def test_a_new_backup_gets_the_whole_shard_then_every_push_before_it_is_acknowledged(pair):
+    a, b, _ = pair
+    create(a)
+    a.push("c1.0", 0, [PushItem(KEY, grad(0.5))])  # before roles: one copy, nothing waits
+    roles(a, b)
+    for i in range(5):
+        result = a.push(f"c{2 + i}.0", 0, [PushItem(KEY, grad(0.1 * i))])[0]
+        assert result.applied and b.store.get(KEY).version >= result.version  # held by the backup on reply
+    same(a, b, KEY)  # value, Adam's slots and version
+    assert b.store.get(KEY).record.seen("c4.0") and b.store.get(KEY).record.seen("c1.0")
+
+
+def test_sparse_row_updates_reach_the_backup(pair):
+    a, b, _ = pair
+    create(a)
+    roles(a, b)
+    a.push("c1.0", 0, [PushItem(ROWS, np.ones((2, 2), np.float32), np.array([5, 1], np.int64))])
+    same(a, b, ROWS)
+    assert b.store.get(ROWS).value[5, 0] == -1.0
+
+
+def test_a_push_retried_on_the_promoted_backup_is_not_applied_twice(pair):
+    a, b, _ = pair
+    create(a)
+    roles(a, b)
+    a.push("c7.0", 0, [PushItem(KEY, grad(1.0))])
+    # the primary dies; the coordinator promotes the backup at epoch 2; the worker retries with the same id
+    b.replication.set_roles([Role(KEY, 2, True), Role(ROWS, 2, True)])
+    again = b.push("c7.0", 0, [PushItem(KEY, grad(1.0))])[0]
+    assert not again.applied and again.version == 1 and b.store.get(KEY).version == 1
+
+
+def test_a_push_to_the_backup_is_refused_and_changes_nothing(pair):
+    a, b, _ = pair
+    create(a)
+    roles(a, b)
+    before = b.store.get(KEY).value.copy()
+    with pytest.raises(UnavailableError, match="as its backup"):
+        b.push("c1.0", 0, [PushItem(KEY, grad(1.0))])
+    np.testing.assert_array_equal(b.store.get(KEY).value, before)
+
+
+def test_a_deposed_primary_cannot_change_the_backup_nor_acknowledge(pair):
+    a, b, _ = pair
+    create(a)
+    roles(a, b)
+    a.push("c1.0", 0, [PushItem(KEY, grad(1.0))])
+    b.replication.set_roles([Role(KEY, 2, True), Role(ROWS, 2, True)])  # promoted: the old primary is deposed
+    before = b.store.get(KEY).value.copy()
+    with pytest.raises(UnavailableError, match="no longer the shard's primary"):
+        a.push("c2.0", 0, [PushItem(KEY, grad(1.0))])
+    np.testing.assert_array_equal(b.store.get(KEY).value, before)
+    assert b.store.get(KEY).version == 1
+
+
+def test_an_unreachable_backup_holds_the_reply_until_it_answers_and_the_retry_is_acknowledged(pair):
+    a, b, links = pair
+    create(a)
+    roles(a, b)
+    links["ps1"].cut.set()
+    with pytest.raises(UnavailableError, match="did not confirm"):
+        a.replication.timeout = 0.2
+        a.push("c1.0", 0, [PushItem(KEY, grad(1.0))])
+    assert b.store.get(KEY).version == 0
+    links["ps1"].cut.clear()
+    a.replication.timeout = 2.0
+    retry = a.push("c1.0", 0, [PushItem(KEY, grad(1.0))])[0]  # the worker's retry: held, now confirmed
+    assert not retry.applied and retry.version == 1
+    same(a, b, KEY)
+
+
+def test_a_backup_that_lost_its_shards_is_sent_the_whole_state(pair):
+    a, b, links = pair
+    create(a)
+    roles(a, b)
+    a.push("c1.0", 0, [PushItem(KEY, grad(1.0))])
+    # the backup restarts empty (a new core at the same address); the next update finds a gap
+    peers = {"ps0": a}
+    fresh = make_core(1, peers, {})
+    fresh.replication.set_roles([Role(k, 1, False) for k in (KEY, ROWS)])
+    links["ps1"].target = fresh
+    a.push("c2.0", 0, [PushItem(KEY, grad(2.0))])
+    same(a, fresh, KEY)
+    assert fresh.store.get(KEY).record.seen("c1.0")
+    fresh.replication.stop()
+
+
+def test_a_sync_step_sends_its_one_aggregated_update(pair):
+    a, b, links = pair
+    create(a, "sgd")
+    a.sync.configure("sync", 2, 2, 0)
+    roles(a, b)
+    batches = links["ps1"].batches
+    first = a.push("c1.0", 0, [PushItem(KEY, grad(1.0))])[0]
+    assert first.applied and b.store.get(KEY).version == 0 and links["ps1"].batches == batches
+    a.push("c2.0", 0, [PushItem(KEY, grad(3.0))])
+    same(a, b, KEY)
+    assert b.store.get(KEY).version == 1 and b.store.get(KEY).value[0] == pytest.approx(1.0 - 0.1 * 2.0)
+    assert b.store.get(KEY).record.seen("sync:0")
+
+
+def test_concurrent_pushes_reach_the_backup_in_the_primary_order(pair):
+    a, b, _ = pair
+    create(a)
+    roles(a, b)
+
+    def worker(w: int) -> None:
+        for i in range(40):
+            a.push(f"c{w * 100 + i}.0", 0, [PushItem(KEY, grad(0.01 * (w + 1)))])
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert a.store.get(KEY).version == 160
+    same(a, b, KEY)
