@@ -601,6 +601,8 @@ class PsStatus(_message.Message):
     DROPPED_STALE_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
     BULK_PORT_FIELD_NUMBER: _builtins.int
+    ROLES_VERSION_FIELD_NUMBER: _builtins.int
+    CATCHING_UP_FIELD_NUMBER: _builtins.int
     ps_index: _builtins.int
     num_ps: _builtins.int
     global_step: _builtins.int
@@ -613,6 +615,12 @@ class PsStatus(_message.Message):
     """changes on every start of the daemon"""
     bulk_port: _builtins.int
     """TCP port of the bulk tensor path on the same host; 0 when disabled"""
+    roles_version: _builtins.int
+    """replicas: 2: the version of the replica table this PS holds"""
+    @_builtins.property
+    def catching_up(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardRef]:
+        """shards it is primary of whose new backup has not confirmed their state"""
+
     def __init__(
         self,
         *,
@@ -625,10 +633,12 @@ class PsStatus(_message.Message):
         dropped_stale: _builtins.int = ...,
         incarnation: _builtins.int = ...,
         bulk_port: _builtins.int = ...,
+        roles_version: _builtins.int = ...,
+        catching_up: _abc.Iterable[Global___ShardRef] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bulk_port", b"bulk_port", "dropped_stale", b"dropped_stale", "global_step", b"global_step", "incarnation", b"incarnation", "num_ps", b"num_ps", "num_shards", b"num_shards", "ps_index", b"ps_index", "restored_step", b"restored_step", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bulk_port", b"bulk_port", "catching_up", b"catching_up", "dropped_stale", b"dropped_stale", "global_step", b"global_step", "incarnation", b"incarnation", "num_ps", b"num_ps", "num_shards", b"num_shards", "ps_index", b"ps_index", "restored_step", b"restored_step", "roles_version", b"roles_version", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1136,10 +1146,10 @@ class ShardRole(_message.Message):
     PRIMARY_FIELD_NUMBER: _builtins.int
     BACKUP_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
-    primary: _builtins.bool
-    """false: this PS is the shard's backup"""
-    backup: _builtins.str
-    """primary only: the backup's gRPC address ("" while the shard has none)"""
+    primary: _builtins.int
+    """PS index"""
+    backup: _builtins.int
+    """PS index, -1 while the shard has none"""
     @_builtins.property
     def ref(self) -> Global___ShardRef: ...
     def __init__(
@@ -1147,8 +1157,8 @@ class ShardRole(_message.Message):
         *,
         ref: Global___ShardRef | None = ...,
         epoch: _builtins.int = ...,
-        primary: _builtins.bool = ...,
-        backup: _builtins.str = ...,
+        primary: _builtins.int = ...,
+        backup: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
@@ -1160,19 +1170,26 @@ Global___ShardRole: _TypeAlias = ShardRole  # noqa: Y015
 
 @_typing.final
 class SetRolesRequest(_message.Message):
+    """The coordinator's whole replica table: every PS gets all of it (clients ask any live PS where a shard's
+    primary is after a failover: GetRoles).
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
+    VERSION_FIELD_NUMBER: _builtins.int
     ROLES_FIELD_NUMBER: _builtins.int
+    version: _builtins.int
     @_builtins.property
     def roles(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardRole]: ...
     def __init__(
         self,
         *,
+        version: _builtins.int = ...,
         roles: _abc.Iterable[Global___ShardRole] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["roles", b"roles"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["roles", b"roles", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1192,6 +1209,21 @@ class SetRolesReply(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SetRolesReply: _TypeAlias = SetRolesReply  # noqa: Y015
+
+@_typing.final
+class GetRolesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetRolesRequest: _TypeAlias = GetRolesRequest  # noqa: Y015
 
 @_typing.final
 class ClosurePayload(_message.Message):

@@ -104,6 +104,11 @@ class ParameterServerStub:
                 request_serializer=pscluster_dot_proto_dot_pscluster__pb2.SetRolesRequest.SerializeToString,
                 response_deserializer=pscluster_dot_proto_dot_pscluster__pb2.SetRolesReply.FromString,
                 _registered_method=True)
+        self.GetRoles = channel.unary_unary(
+                '/pscluster.ParameterServer/GetRoles',
+                request_serializer=pscluster_dot_proto_dot_pscluster__pb2.GetRolesRequest.SerializeToString,
+                response_deserializer=pscluster_dot_proto_dot_pscluster__pb2.SetRolesRequest.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -195,6 +200,13 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetRoles(self, request, context):
+        """clients: where each shard's primary is now
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -267,6 +279,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.SetRoles,
                     request_deserializer=pscluster_dot_proto_dot_pscluster__pb2.SetRolesRequest.FromString,
                     response_serializer=pscluster_dot_proto_dot_pscluster__pb2.SetRolesReply.SerializeToString,
+            ),
+            'GetRoles': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRoles,
+                    request_deserializer=pscluster_dot_proto_dot_pscluster__pb2.GetRolesRequest.FromString,
+                    response_serializer=pscluster_dot_proto_dot_pscluster__pb2.SetRolesRequest.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -647,6 +664,33 @@ class ParameterServer:
             '/pscluster.ParameterServer/SetRoles',
             pscluster_dot_proto_dot_pscluster__pb2.SetRolesRequest.SerializeToString,
             pscluster_dot_proto_dot_pscluster__pb2.SetRolesReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRoles(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pscluster.ParameterServer/GetRoles',
+            pscluster_dot_proto_dot_pscluster__pb2.GetRolesRequest.SerializeToString,
+            pscluster_dot_proto_dot_pscluster__pb2.SetRolesRequest.FromString,
             options,
             channel_credentials,
             insecure,

@@ -47,6 +47,8 @@ class ParameterServerStub:
     """primary -> backup (replicas: 2)"""
     SetRoles: _grpc.UnaryUnaryMultiCallable[_pscluster_pb2.SetRolesRequest, _pscluster_pb2.SetRolesReply]
     """coordinator -> PS (replicas: 2)"""
+    GetRoles: _grpc.UnaryUnaryMultiCallable[_pscluster_pb2.GetRolesRequest, _pscluster_pb2.SetRolesRequest]
+    """clients: where each shard's primary is now"""
 
 @_typing.type_check_only
 class ParameterServerAsyncStub(ParameterServerStub):
@@ -67,6 +69,8 @@ class ParameterServerAsyncStub(ParameterServerStub):
     """primary -> backup (replicas: 2)"""
     SetRoles: _aio.UnaryUnaryMultiCallable[_pscluster_pb2.SetRolesRequest, _pscluster_pb2.SetRolesReply]  # type: ignore[assignment]
     """coordinator -> PS (replicas: 2)"""
+    GetRoles: _aio.UnaryUnaryMultiCallable[_pscluster_pb2.GetRolesRequest, _pscluster_pb2.SetRolesRequest]  # type: ignore[assignment]
+    """clients: where each shard's primary is now"""
 
 class ParameterServerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -168,6 +172,14 @@ class ParameterServerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_pscluster_pb2.SetRolesReply, _abc.Awaitable[_pscluster_pb2.SetRolesReply]]:
         """coordinator -> PS (replicas: 2)"""
+
+    @_abc_1.abstractmethod
+    def GetRoles(
+        self,
+        request: _pscluster_pb2.GetRolesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_pscluster_pb2.SetRolesRequest, _abc.Awaitable[_pscluster_pb2.SetRolesRequest]]:
+        """clients: where each shard's primary is now"""
 
 def add_ParameterServerServicer_to_server(servicer: ParameterServerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

@@ -35,7 +35,8 @@ def start(settings: Settings) -> tuple[Listeners, int, ParameterServerCore]:
     if settings.replicas > 1:
         from pscluster.server.replication import GrpcLink, Replication
 
-        core.replication = Replication(core.store, settings.task_index, lambda a: GrpcLink(a, settings),
+        core.replication = Replication(core.store, settings.task_index,
+                                       lambda ps: GrpcLink(settings.cluster.ps[ps], settings),
                                        timeout=settings.replication_timeout_s)
     if settings.restore:
         core.restore()

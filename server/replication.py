@@ -51,12 +51,12 @@ BATCH_BYTES = 16 << 20  # forwards per Replicate call (an install may exceed it 
 
 @dataclass(frozen=True)
 class Role:
-    """This PS's role for one shard at `epoch`; a primary's `backup` is the backup's address ('' for none)."""
+    """One row of the coordinator's replica table: shard key's primary and backup (PS indices, -1: none)."""
 
     key: Key
     epoch: int
-    primary: bool
-    backup: str = ""
+    primary: int
+    backup: int = -1
 
 
 class ReplicaLink(Protocol):
@@ -93,11 +93,11 @@ def _name(key: Key) -> str:
 
 
 class Replicator:
-    """Sends one backup PS its forwards; owns the queue and the `replicate-to-<address>` thread."""
+    """Sends one backup PS its forwards; owns the queue and the `replicate-<ps>-to-<backup>` thread."""
 
-    def __init__(self, address: str, link: ReplicaLink, from_ps: int, timeout: float,
+    def __init__(self, backup: int, link: ReplicaLink, from_ps: int, timeout: float,
                  resync: Callable[[Key], None], max_queued_bytes: int = MAX_QUEUED_BYTES) -> None:
-        self.address = address
+        self.backup = backup
         self._link = link
         self._from_ps = from_ps
         self._timeout = timeout
@@ -111,7 +111,7 @@ class Replicator:
         self.stale: dict[Key, int] = {}  # shards the backup refused: it knows a newer epoch
         self.keys: set[Key] = set()  # shards this replicator serves now (the hub's roles)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name=f"replicate-to-{address}", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name=f"replicate-{from_ps}-to-{backup}", daemon=True)
         self._thread.start()
 
     def put(self, key: Key, version: int, msg: pb.ReplicaForward, nbytes: int) -> None:
@@ -137,7 +137,7 @@ class Replicator:
         with self._cond:
             while True:
                 if key in self.stale:
-                    raise UnavailableError(f"{_name(key)}: backup {self.address} knows epoch {self.stale[key]}, newer "
+                    raise UnavailableError(f"{_name(key)}: backup ps {self.backup} knows epoch {self.stale[key]}, newer "
                                            "than this PS's: it is no longer the shard's primary; re-read placement")
                 if self.acked.get(key, -1) >= version:
                     return True
@@ -145,7 +145,7 @@ class Replicator:
                     return False
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise UnavailableError(f"{_name(key)}: backup {self.address} did not confirm version {version} "
+                    raise UnavailableError(f"{_name(key)}: backup ps {self.backup} did not confirm version {version} "
                                            "in time; the push was not acknowledged (retry it with the same id)")
                 self._cond.wait(left)
 
@@ -193,12 +193,12 @@ class Replicator:
             try:
                 reply = self._link.replicate(request, self._timeout)
                 if len(reply.outcomes) != len(batch) or len(reply.versions) != len(batch):
-                    raise UnavailableError(f"backup {self.address} answered {len(reply.outcomes)} outcomes for "
+                    raise UnavailableError(f"backup ps {self.backup} answered {len(reply.outcomes)} outcomes for "
                                            f"{len(batch)} forwards")
             except PsclusterError as exc:
                 failures += 1
                 if failures == 1 or failures % 50 == 0:
-                    log.warning("replication to %s failed (%d in a row), resending: %s", self.address, failures, exc)
+                    log.warning("replication to ps %d failed (%d in a row), resending: %s", self.backup, failures, exc)
                 with self._cond:
                     self._queue.extendleft(reversed(batch))
                 self._stop.wait(min(0.01 * 2 ** min(failures, 6), 0.5))
@@ -224,7 +224,7 @@ class Replicator:
 class Replication:
     """A PS's replication roles, forwarders and backup side; owned by its ParameterServerCore."""
 
-    def __init__(self, store: VariableStore, ps_index: int, connect: Callable[[str], ReplicaLink],
+    def __init__(self, store: VariableStore, ps_index: int, connect: Callable[[int], ReplicaLink],
                  timeout: float = 5.0, max_queued_bytes: int = MAX_QUEUED_BYTES) -> None:
         self.store = store
         self.ps_index = ps_index
@@ -232,32 +232,39 @@ class Replication:
         self.timeout = timeout
         self._max_queued = max_queued_bytes
         self._lock = threading.Lock()  # roles, epochs and replicators (never held across I/O or a shard lock)
-        self._roles: dict[Key, Role] = {}
+        self._roles: dict[Key, Role] = {}  # the whole table (clients read it through GetRoles)
+        self.version = 0  # of that table
         self._epochs: dict[Key, int] = {}  # the newest epoch known per shard (a backup refuses older ones)
-        self._replicators: dict[str, Replicator] = {}
+        self._replicators: dict[int, Replicator] = {}
+        self._install_at: dict[Key, int] = {}  # a resync's version, until the backup confirmed it
         store.on_applied = self.on_applied
 
     # -- roles --------------------------------------------------------------------------------------
-    def set_roles(self, roles: Iterable[Role]) -> None:
-        """Take the coordinator's roles; a shard given a new backup sends it its whole state first."""
+    def set_roles(self, version: int, roles: Iterable[Role]) -> None:
+        """Take the coordinator's table (older versions are ignored); a shard this PS is primary of that got
+        a new backup or epoch sends the backup its whole state first."""
+        me = self.ps_index
         resync: list[Key] = []
         with self._lock:
+            if version < self.version:
+                return
+            self.version = version
             for role in roles:
                 old = self._roles.get(role.key)
                 if old is not None and role.epoch < old.epoch:
-                    continue  # an older table arriving late
+                    continue
                 self._roles[role.key] = role
-                self._epochs[role.key] = max(self._epochs.get(role.key, 0), role.epoch)
-                if role.primary and role.backup and (old is None or old.epoch != role.epoch or not old.primary
-                                                     or old.backup != role.backup):
+                if me in (role.primary, role.backup):
+                    self._epochs[role.key] = max(self._epochs.get(role.key, 0), role.epoch)
+                if role.primary == me and role.backup >= 0 and (old is None or old.epoch != role.epoch):
                     resync.append(role.key)
-            wanted = {r.backup for r in self._roles.values() if r.primary and r.backup}
-            for address in wanted - self._replicators.keys():
-                self._replicators[address] = Replicator(address, self._connect(address), self.ps_index,
-                                                        self.timeout, self.resync, self._max_queued)
-            gone = [self._replicators.pop(a) for a in list(self._replicators) if a not in wanted]
-            for address, rep in self._replicators.items():
-                rep.keys = {k for k, r in self._roles.items() if r.primary and r.backup == address}
+            wanted = {r.backup for r in self._roles.values() if r.primary == me and r.backup >= 0}
+            for ps in wanted - self._replicators.keys():
+                self._replicators[ps] = Replicator(ps, self._connect(ps), me, self.timeout, self.resync,
+                                                   self._max_queued)
+            gone = [self._replicators.pop(ps) for ps in list(self._replicators) if ps not in wanted]
+            for ps, rep in self._replicators.items():
+                rep.keys = {k for k, r in self._roles.items() if r.primary == me and r.backup == ps}
         for rep in gone:
             rep.stop()
         for key in resync:
@@ -268,6 +275,26 @@ class Replication:
         for rep in self._current():
             rep.poke()
 
+    def roles(self) -> tuple[int, list[Role]]:
+        """The table this PS holds, and its version."""
+        with self._lock:
+            return self.version, list(self._roles.values())
+
+    def catching_up(self) -> list[Key]:
+        """Shards this PS is primary of whose backup has not confirmed the whole state it was sent."""
+        with self._lock:
+            pending = list(self._install_at.items())
+        out = []
+        for key, version in pending:
+            _, rep = self._replicator_of(key)
+            if rep is not None and rep.acked.get(key, -1) < version:
+                out.append(key)
+            elif rep is not None:
+                with self._lock:
+                    if self._install_at.get(key) == version:
+                        del self._install_at[key]
+        return sorted(out)
+
     def _current(self) -> list[Replicator]:
         with self._lock:
             return list(self._replicators.values())
@@ -275,18 +302,18 @@ class Replication:
     def _replicator_of(self, key: Key) -> tuple[Role | None, Replicator | None]:
         with self._lock:
             role = self._roles.get(key)
-            if role is None or not role.primary or not role.backup:
+            if role is None or role.primary != self.ps_index or role.backup < 0:
                 return role, None
             return role, self._replicators.get(role.backup)
 
     def check_primary(self, keys: Iterable[Key]) -> None:
-        """UnavailableError (retryable: the client re-reads placement) if this PS is a backup of one of keys."""
+        """UnavailableError (retryable: the client re-reads placement) unless this PS is the primary of keys."""
         roles = self._roles
         for key in keys:
             role = roles.get(key)
-            if role is not None and not role.primary:
-                raise UnavailableError(f"ps {self.ps_index} holds {_name(key)} as its backup (epoch {role.epoch}), "
-                                       "not as its primary; re-read placement")
+            if role is not None and role.primary != self.ps_index:
+                raise UnavailableError(f"ps {self.ps_index} is not the primary of {_name(key)} (epoch {role.epoch}: "
+                                       f"ps {role.primary}); re-read placement")
 
     # -- primary side -------------------------------------------------------------------------------
     def on_applied(self, shard: Shard, grad: np.ndarray, local: np.ndarray | None, key: PushKey | None,
@@ -315,6 +342,8 @@ class Replication:
                                     value=codec.encode(shard.value), record=json.dumps(shard.record.state()))
             for name, slot in shard.slots.items():
                 msg.slots[name].CopyFrom(codec.encode(slot))
+            with self._lock:
+                self._install_at[key] = shard.version
             rep.put(key, shard.version, msg, shard.value.nbytes * (1 + len(shard.slots)))
 
     def wait(self, versions: Sequence[tuple[Key, int]], timeout: float | None = None) -> None:

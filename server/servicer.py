@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import numpy as np
@@ -113,8 +114,14 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     def SetRoles(self, request: pb.SetRolesRequest, context: grpc.ServicerContext) -> pb.SetRolesReply:
         self._replication("SetRoles").set_roles(
-            Role(_key(r.ref), r.epoch, r.primary, r.backup) for r in request.roles)
+            request.version, [Role(_key(r.ref), r.epoch, r.primary, r.backup) for r in request.roles])
         return pb.SetRolesReply()
+
+    def GetRoles(self, request: pb.GetRolesRequest, context: grpc.ServicerContext) -> pb.SetRolesRequest:
+        version, roles = self._replication("GetRoles").roles()
+        return pb.SetRolesRequest(version=version, roles=[
+            pb.ShardRole(ref=pb.ShardRef(variable=r.key[0], shard_index=r.key[1]), epoch=r.epoch, primary=r.primary,
+                         backup=r.backup) for r in roles])
 
     def _replication(self, method: str) -> Replication:
         if self.core.replication is None:
@@ -129,7 +136,15 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                            restored_step=core.restored_step, num_shards=len(core.store.shards()),
                            total_bytes=core.total_bytes(),
                            dropped_stale=core.sync.dropped,
-                           incarnation=core.incarnation, bulk_port=core.bulk_port)
+                           incarnation=core.incarnation, bulk_port=core.bulk_port,
+                           **_replica_status(core.replication))
+
+
+def _replica_status(replication: Replication | None) -> dict[str, Any]:
+    if replication is None:
+        return {}
+    return {"roles_version": replication.version,
+            "catching_up": [pb.ShardRef(variable=v, shard_index=i) for v, i in replication.catching_up()]}
 
 
 def _prepend(first: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:

@@ -44,14 +44,14 @@ class Link:
         pass
 
 
-def make_core(index: int, peers: dict[str, ParameterServerCore], links: dict[str, Link],
+def make_core(index: int, peers: dict[int, ParameterServerCore], links: dict[int, Link],
               timeout: float = 2.0) -> ParameterServerCore:
     core = ParameterServerCore(index, 2)
     sync_replicas.attach(core)
 
-    def connect(address: str) -> Link:
-        links[address] = Link(peers[address])
-        return links[address]
+    def connect(ps: int) -> Link:
+        links[ps] = Link(peers[ps])
+        return links[ps]
 
     core.replication = Replication(core.store, index, connect, timeout=timeout)
     return core
@@ -59,10 +59,10 @@ def make_core(index: int, peers: dict[str, ParameterServerCore], links: dict[str
 
 @pytest.fixture
 def pair():
-    peers: dict[str, ParameterServerCore] = {}
-    links: dict[str, Link] = {}
+    peers: dict[int, ParameterServerCore] = {}
+    links: dict[int, Link] = {}
     a, b = make_core(0, peers, links), make_core(1, peers, links)
-    peers.update({"ps0": a, "ps1": b})
+    peers.update({0: a, 1: b})
     yield a, b, links
     a.replication.stop()
     b.replication.stop()
@@ -73,9 +73,13 @@ def create(core: ParameterServerCore, optimizer: str = "adam") -> None:
     core.create(ShardSpec("emb", 0, 1, (6, 2), (6, 2), 0, "<f4", OptimizerConfig("sgd", 1.0)), None, "zeros", 0, 0)
 
 
+def table(version: int, epoch: int, primary: int, backup: int = -1) -> tuple[int, list[Role]]:
+    return version, [Role(k, epoch, primary, backup) for k in (KEY, ROWS)]
+
+
 def roles(a: ParameterServerCore, b: ParameterServerCore, epoch: int = 1) -> None:
-    b.replication.set_roles([Role(k, epoch, False) for k in (KEY, ROWS)])
-    a.replication.set_roles([Role(k, epoch, True, "ps1") for k in (KEY, ROWS)])
+    for core in (b, a):
+        core.replication.set_roles(*table(epoch, epoch, 0, 1))
     a.replication.wait([(k, a.store.get(k).version) for k in (KEY, ROWS)])  # the catch-up landed
 
 
@@ -119,7 +123,7 @@ def test_a_push_retried_on_the_promoted_backup_is_not_applied_twice(pair):
     roles(a, b)
     a.push("c7.0", 0, [PushItem(KEY, grad(1.0))])
     # the primary dies; the coordinator promotes the backup at epoch 2; the worker retries with the same id
-    b.replication.set_roles([Role(KEY, 2, True), Role(ROWS, 2, True)])
+    b.replication.set_roles(*table(2, 2, 1))
     again = b.push("c7.0", 0, [PushItem(KEY, grad(1.0))])[0]
     assert not again.applied and again.version == 1 and b.store.get(KEY).version == 1
 
@@ -129,7 +133,7 @@ def test_a_push_to_the_backup_is_refused_and_changes_nothing(pair):
     create(a)
     roles(a, b)
     before = b.store.get(KEY).value.copy()
-    with pytest.raises(UnavailableError, match="as its backup"):
+    with pytest.raises(UnavailableError, match="not the primary"):
         b.push("c1.0", 0, [PushItem(KEY, grad(1.0))])
     np.testing.assert_array_equal(b.store.get(KEY).value, before)
 
@@ -139,7 +143,7 @@ def test_a_deposed_primary_cannot_change_the_backup_nor_acknowledge(pair):
     create(a)
     roles(a, b)
     a.push("c1.0", 0, [PushItem(KEY, grad(1.0))])
-    b.replication.set_roles([Role(KEY, 2, True), Role(ROWS, 2, True)])  # promoted: the old primary is deposed
+    b.replication.set_roles(*table(2, 2, 1))  # promoted: the old primary is deposed
     before = b.store.get(KEY).value.copy()
     with pytest.raises(UnavailableError, match="no longer the shard's primary"):
         a.push("c2.0", 0, [PushItem(KEY, grad(1.0))])
@@ -151,12 +155,12 @@ def test_an_unreachable_backup_holds_the_reply_until_it_answers_and_the_retry_is
     a, b, links = pair
     create(a)
     roles(a, b)
-    links["ps1"].cut.set()
+    links[1].cut.set()
     with pytest.raises(UnavailableError, match="did not confirm"):
         a.replication.timeout = 0.2
         a.push("c1.0", 0, [PushItem(KEY, grad(1.0))])
     assert b.store.get(KEY).version == 0
-    links["ps1"].cut.clear()
+    links[1].cut.clear()
     a.replication.timeout = 2.0
     retry = a.push("c1.0", 0, [PushItem(KEY, grad(1.0))])[0]  # the worker's retry: held, now confirmed
     assert not retry.applied and retry.version == 1
@@ -169,10 +173,9 @@ def test_a_backup_that_lost_its_shards_is_sent_the_whole_state(pair):
     roles(a, b)
     a.push("c1.0", 0, [PushItem(KEY, grad(1.0))])
     # the backup restarts empty (a new core at the same address); the next update finds a gap
-    peers = {"ps0": a}
-    fresh = make_core(1, peers, {})
-    fresh.replication.set_roles([Role(k, 1, False) for k in (KEY, ROWS)])
-    links["ps1"].target = fresh
+    fresh = make_core(1, {0: a}, {})
+    fresh.replication.set_roles(*table(1, 1, 0, 1))
+    links[1].target = fresh
     a.push("c2.0", 0, [PushItem(KEY, grad(2.0))])
     same(a, fresh, KEY)
     assert fresh.store.get(KEY).record.seen("c1.0")
@@ -184,9 +187,9 @@ def test_a_sync_step_sends_its_one_aggregated_update(pair):
     create(a, "sgd")
     a.sync.configure("sync", 2, 2, 0)
     roles(a, b)
-    batches = links["ps1"].batches
+    batches = links[1].batches
     first = a.push("c1.0", 0, [PushItem(KEY, grad(1.0))])[0]
-    assert first.applied and b.store.get(KEY).version == 0 and links["ps1"].batches == batches
+    assert first.applied and b.store.get(KEY).version == 0 and links[1].batches == batches
     a.push("c2.0", 0, [PushItem(KEY, grad(3.0))])
     same(a, b, KEY)
     assert b.store.get(KEY).version == 1 and b.store.get(KEY).value[0] == pytest.approx(1.0 - 0.1 * 2.0)
@@ -209,3 +212,16 @@ def test_concurrent_pushes_reach_the_backup_in_the_primary_order(pair):
         t.join(timeout=30)
     assert a.store.get(KEY).version == 160
     same(a, b, KEY)
+
+
+def test_a_primary_reports_the_shards_whose_new_backup_has_not_confirmed_their_state(pair):
+    a, b, links = pair
+    create(a)
+    links[1].cut.set()
+    for core in (b, a):
+        core.replication.set_roles(*table(1, 1, 0, 1))
+    assert a.replication.catching_up() == sorted([KEY, ROWS])
+    links[1].cut.clear()
+    a.replication.wait([(k, 0) for k in (KEY, ROWS)])
+    assert a.replication.catching_up() == []
+    assert a.replication.roles() == table(1, 1, 0, 1)[:1] + ([Role(KEY, 1, 0, 1), Role(ROWS, 1, 0, 1)],)
