@@ -137,8 +137,8 @@ class Replicator:
         with self._cond:
             while True:
                 if key in self.stale:
-                    raise UnavailableError(f"{_name(key)}: backup ps {self.backup} knows epoch {self.stale[key]}, newer "
-                                           "than this PS's: it is no longer the shard's primary; re-read placement")
+                    raise UnavailableError(f"{_name(key)}: backup ps {self.backup} knows epoch {self.stale[key]}, "
+                                           "newer than this PS's: it is no longer the primary; re-read placement")
                 if self.acked.get(key, -1) >= version:
                     return True
                 if key not in self.keys or self._stop.is_set():

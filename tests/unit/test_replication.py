@@ -50,8 +50,7 @@ def make_core(index: int, peers: dict[int, ParameterServerCore], links: dict[int
     sync_replicas.attach(core)
 
     def connect(ps: int) -> Link:
-        links[ps] = Link(peers[ps])
-        return links[ps]
+        return links.setdefault(ps, Link(peers[ps]))
 
     core.replication = Replication(core.store, index, connect, timeout=timeout)
     return core
@@ -145,7 +144,7 @@ def test_a_deposed_primary_cannot_change_the_backup_nor_acknowledge(pair):
     a.push("c1.0", 0, [PushItem(KEY, grad(1.0))])
     b.replication.set_roles(*table(2, 2, 1))  # promoted: the old primary is deposed
     before = b.store.get(KEY).value.copy()
-    with pytest.raises(UnavailableError, match="no longer the shard's primary"):
+    with pytest.raises(UnavailableError, match="no longer the primary"):
         a.push("c2.0", 0, [PushItem(KEY, grad(1.0))])
     np.testing.assert_array_equal(b.store.get(KEY).value, before)
     assert b.store.get(KEY).version == 1
@@ -217,6 +216,7 @@ def test_concurrent_pushes_reach_the_backup_in_the_primary_order(pair):
 def test_a_primary_reports_the_shards_whose_new_backup_has_not_confirmed_their_state(pair):
     a, b, links = pair
     create(a)
+    links[1] = Link(b)
     links[1].cut.set()
     for core in (b, a):
         core.replication.set_roles(*table(1, 1, 0, 1))
