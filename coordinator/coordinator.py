@@ -40,6 +40,8 @@ from pscluster.coordinator.dispatch import ClosureSender
 from pscluster.coordinator.job_queues import MAIN
 from pscluster.coordinator.joins import JobJoins, JobSessions
 from pscluster.coordinator.ps_monitor import PsMonitor
+from pscluster.coordinator.replica_keeper import ReplicaKeeper
+from pscluster.coordinator.replicas import Copies
 from pscluster.coordinator.snapshot import RateMeter, Snapshot, take, to_status
 from pscluster.coordinator.values import RemoteValue, reply_error
 from pscluster.proto import pscluster_pb2 as pb
@@ -103,9 +105,12 @@ class ClusterCoordinator(CoordinatorAPI):
         self.sync_mode = "async"
         self._stop = threading.Event()
         self.initial_step = max(s.global_step for s in self.client.status())
+        # replicas: 2: the keeper owns shard -> (primary, backup, epoch) and promotes backups (docs/ps_failures.md)
+        self._keeper = ReplicaKeeper(list(self.client.stubs)).start() if self.settings.replicas > 1 else None
         self._monitor = PsMonitor(self.client, on_down=lambda: self._events.put((sch.PsDown(), None)),
                                   on_up=lambda: self._events.put((sch.PsUp(), None)),
-                                  on_fatal=lambda exc: self._fail("ps-monitor", exc)).start()
+                                  on_fatal=lambda exc: self._fail("ps-monitor", exc),
+                                  lost_shards=self._keeper.lost_shards if self._keeper is not None else None).start()
         self._checkpointer = AutoCheckpointer.from_settings(
             self.settings, self.initial_step, step=lambda: self.global_step, save=self.client.checkpoint,
             clock=clock, on_fatal=lambda exc: self._fail("auto-checkpoint", exc))
@@ -221,6 +226,10 @@ class ClusterCoordinator(CoordinatorAPI):
         """Shard updates of completed closures rolled back by PS restarts (summed over shards)."""
         return self._monitor.lost_updates
 
+    def replica_table(self) -> dict[tuple[str, int], Copies]:
+        """replicas: 2: shard (variable, index) -> its primary, backup and epoch now; empty with replicas: 1."""
+        return self._keeper.table() if self._keeper is not None else {}
+
     def lost_updates_by_variable(self) -> dict[str, int]:
         """Lost shard updates per variable; for a one-shard counter, completed closures it lost."""
         return self._monitor.lost_updates_by_variable()
@@ -275,6 +284,8 @@ class ClusterCoordinator(CoordinatorAPI):
         if self._curves is not None:
             self._curves.stop()
         self._monitor.stop()
+        if self._keeper is not None:
+            self._keeper.stop()
         self._events.put((_STOP, None))
         self._loop.join(timeout=5)
         self._ticker.join(timeout=5)

@@ -16,6 +16,10 @@ A check that fails (a PS answering garbage, a restart met again mid-accounting) 
 with backoff; dispatch stays paused meanwhile. After `max_failures` failed checks in a row the monitor
 gives up and reports the last error through `on_fatal`, so the coordinator fails `join()` with it
 instead of staying paused forever.
+
+With replicas: 2 (`lost_shards` given, coordinator/replica_keeper.py) a PS that is down does not pause
+dispatch (its shards' backups take over), and a restart loses only the shards that came back from a
+checkpoint because both their copies had died: only those count.
 """
 
 from __future__ import annotations
@@ -80,8 +84,9 @@ class PsMonitor:
 
     def __init__(self, client: PSClient, on_down: Callable[[], None], on_up: Callable[[], None],
                  interval: float = 0.5, on_fatal: Callable[[BaseException], None] | None = None,
-                 max_failures: int = 5) -> None:
+                 max_failures: int = 5, lost_shards: Callable[[int], set[tuple[str, int]]] | None = None) -> None:
         self._client = client
+        self._lost_shards = lost_shards
         self._on_down = on_down
         self._on_up = on_up
         self._on_fatal = on_fatal
@@ -92,8 +97,8 @@ class PsMonitor:
         self._lock = threading.Lock()
         self._seen: dict[tuple[str, int, int], VersionRanges] = {}  # (variable, shard, incarnation) -> reported
         self.incarnations = [s.incarnation for s in client.status()]
-        # per restart: the old incarnation and the version each of its shards came back with
-        self._restores: list[tuple[int, dict[tuple[str, int], int]]] = []
+        # per restart: the PS, its old incarnation and the version each of its shards came back with
+        self._restores: list[tuple[int, int, dict[tuple[str, int], int]]] = []
         self._thread = threading.Thread(target=self._loop, name="ps-monitor", daemon=True)
 
     def start(self) -> PsMonitor:
@@ -133,8 +138,11 @@ class PsMonitor:
         """Lost shard updates per variable (for a one-shard variable: its completed closures lost)."""
         out: dict[str, int] = {}
         with self._lock:
-            for old, restored in self._restores:
+            for ps, old, restored in self._restores:
+                only = self._lost_shards(ps) if self._lost_shards is not None else None
                 for (var, shard), version in restored.items():
+                    if only is not None and (var, shard) not in only:
+                        continue  # its backup took over: nothing acknowledged was lost
                     seen = self._seen.get((var, shard, old))
                     if seen is not None:
                         out[var] = out.get(var, 0) + seen.count_above(version)
@@ -167,6 +175,11 @@ class PsMonitor:
         """One round: wait for the interval or a wake, then look at every PS (the loop body)."""
         woken = self._wake.wait(self._interval)
         self._wake.clear()
+        if self._lost_shards is not None:
+            self._check_replicated()
+            if woken:
+                self._on_up()  # a closure met a dead PS: its retry finds the promoted backup, nothing to wait for
+            return
         statuses = self._statuses()
         restarted = statuses is not None and any(
             s.incarnation != old for s, old in zip(statuses, self.incarnations))
@@ -189,6 +202,16 @@ class PsMonitor:
         log.warning("every PS answers again after %.1f s; resuming dispatch", time.monotonic() - started)
         self._on_up()
 
+    def _check_replicated(self) -> None:
+        """replicas: 2: note each restart as it answers; never pause (the replica keeper promotes backups)."""
+        for ps, stub in enumerate(self._client.stubs):
+            try:
+                status = rpc.call(stub.Status, pb.PsStatusRequest(), timeout=1.0)
+            except PsclusterError:
+                continue
+            if status.incarnation != self.incarnations[ps]:
+                self._account(ps, status)
+
     def _account(self, ps: int, status: pb.PsStatus) -> None:
         old = self.incarnations[ps]
         created = self._client.recreate_missing(ps)  # before dispatch resumes: no NotFoundError to closures
@@ -198,7 +221,7 @@ class PsMonitor:
         reply = rpc.call(self._client.stubs[ps].ListShards, pb.ListShardsRequest(), timeout=5.0)
         restored = {(i.spec.variable, i.spec.shard_index): max(i.restored_version, 0) for i in reply.shards}
         with self._lock:
-            self._restores.append((old, restored))
+            self._restores.append((ps, old, restored))
             for (var, shard), version in restored.items():
                 seen = self._seen.get((var, shard, old))
                 if seen is not None:

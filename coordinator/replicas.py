@@ -169,12 +169,12 @@ def decide(state: ReplicaState, event: ReplicaEvent) -> list[ReplicaAction]:
             return []
         primary = event.ordinal % state.num_ps
         backup = striped_backup(event.ordinal, state.num_ps)
-        # a new shard's backup creates it empty as the primary does: it is in sync from the start
-        copies = Copies(primary, backup, 1, in_sync=True)
+        # the backup gets the shard's state from its primary: in sync once the primary says it confirmed it
+        copies = Copies(primary, backup, 1)
         if not state.ps[backup].up:
             copies = Copies(primary, None, 1)
         state.shards[event.ordinal] = copies
-        actions.append(Assign(event.ordinal, copies, False))
+        actions.append(Assign(event.ordinal, copies, copies.backup is not None))
     elif isinstance(event, Heartbeat):
         rec = state.ps.get(event.ps)
         if rec is not None and rec.up:

@@ -180,6 +180,8 @@ class BulkHandlers:
         refuse_payload(conn, payload_len, "pull")
         wanted = [(codec.decode_ids(item.ids) if item.HasField("ids") else None,
                    (item.ref.variable, item.ref.shard_index)) for item in request.pull.items]
+        if self.core.replication is not None:  # replicas: 2: a backup may be a batch behind, or catching up
+            self.core.replication.check_primary(key for _, key in wanted)
         total = self._reply_with_values(conn, pb.BulkReply(), wanted, state, request.shm_reply)
         self._observe("pull", total, started)
 

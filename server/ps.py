@@ -72,7 +72,9 @@ class ParameterServerCore:
         return shard
 
     def pull(self, items: Sequence[tuple[tuple[str, int], np.ndarray | None]]) -> list[tuple[np.ndarray, int]]:
-        """Pull several shards (or rows of them)."""
+        """Pull several shards (or rows of them); with replicas: 2 only from their primary."""
+        if self.replication is not None:
+            self.replication.check_primary(key for key, _ in items)
         return [self.store.pull(key, ids) for key, ids in items]
 
     def push(self, push_id: str, step: int, items: Sequence[PushItem], final_below: int = 0,
@@ -125,6 +127,8 @@ class ParameterServerCore:
 
     def pull_stream(self, key: tuple[str, int], chunk_bytes: int) -> tuple[ShardSpec, int, Iterator[bytes]]:
         """Spec, version and byte chunks of one shard."""
+        if self.replication is not None:
+            self.replication.check_primary([key])
         return self.store.pull_chunks(key, chunk_bytes)
 
     def save(self, step: int) -> pathlib.Path:

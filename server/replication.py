@@ -33,20 +33,22 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
-
-from pscluster import codec, rpc
-from pscluster.config import Settings
-from pscluster.errors import PsclusterError, UnavailableError
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 from pscluster.server.push_record import PushKey, PushRecord, push_key
 from pscluster.server.store import Key, Shard, VariableStore
+
+from pscluster import codec
+from pscluster.config import Settings
+from pscluster.errors import PsclusterError, UnavailableError
+from pscluster.net import rpc
 from pscluster.specs import spec_from_pb, spec_to_pb
 
 log = logging.getLogger(__name__)
 
 MAX_QUEUED_BYTES = 256 << 20  # per backup; past it a shard's whole state is sent instead of its updates
 BATCH_BYTES = 16 << 20  # forwards per Replicate call (an install may exceed it alone)
+PENDING = 1 << 62  # a catch-up's version before its state was queued: above any the backup can confirm
 
 
 @dataclass(frozen=True)
@@ -258,6 +260,7 @@ class Replication:
                     self._epochs[role.key] = max(self._epochs.get(role.key, 0), role.epoch)
                 if role.primary == me and role.backup >= 0 and (old is None or old.epoch != role.epoch):
                     resync.append(role.key)
+                    self._install_at[role.key] = PENDING  # catching up from now on (until resync says from where)
             wanted = {r.backup for r in self._roles.values() if r.primary == me and r.backup >= 0}
             for ps in wanted - self._replicators.keys():
                 self._replicators[ps] = Replicator(ps, self._connect(ps), me, self.timeout, self.resync,
@@ -311,7 +314,11 @@ class Replication:
         roles = self._roles
         for key in keys:
             role = roles.get(key)
-            if role is not None and role.primary != self.ps_index:
+            if role is None:
+                # a restarted PS may hold an old copy that moved while it was away: it waits for the table
+                raise UnavailableError(f"ps {self.ps_index} has no replica table entry for {_name(key)} yet "
+                                       "(the coordinator sends it within a heartbeat); retry")
+            if role.primary != self.ps_index:
                 raise UnavailableError(f"ps {self.ps_index} is not the primary of {_name(key)} (epoch {role.epoch}: "
                                        f"ps {role.primary}); re-read placement")
 

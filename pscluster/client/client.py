@@ -24,6 +24,7 @@ import numpy as np
 from pscluster import codec
 from pscluster.client import context, plans
 from pscluster.client.fresh import FreshValues
+from pscluster.client.routes import Routes
 from pscluster.client.variables import ShardPlacement, Variable
 from pscluster.config import Settings
 from pscluster.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, PsclusterError, UnavailableError
@@ -40,6 +41,12 @@ from pscluster.specs import OptimizerConfig, ShardSpec, spec_to_pb
 Grads = plans.Grads
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+
+
+def _routed(routes: Routes, plan: PushPlan, targets: ValueTargets | None, head: pb.PushRequest
+            ) -> tuple[PushPlan, pb.PushRequest, ValueTargets | None]:
+    routed, routed_targets = routes.route(plan, targets)
+    return routed, head, routed_targets
 
 
 def _token_step(scope: context.ClosureScope | None, step: int = 0) -> int:
@@ -71,6 +78,8 @@ class PSClient:
         self._definitions: dict[str, list[tuple[int, str, Any]]] = {}
         self._timeout = settings.rpc_timeout_s
         self.fresh = FreshValues(settings.push_pull_max_age_s)  # fused push-pull values (pscluster/client/fresh.py)
+        # replicas: 2: each shard's primary after failovers (pscluster/client/routes.py); None: the handles' placement
+        self.routes = Routes(lambda: self.stubs) if settings.replicas > 1 else None
         self._tensors: TensorTransport = GrpcTensors(self._net)
         if settings.bulk_transport:
             files = tls.files(settings)
@@ -282,6 +291,8 @@ class PSClient:
                 if self._resolver is not None and not lost:
                     for ps in range(self.num_ps):
                         self.relocate(ps)
+                if self.routes is not None and not lost:
+                    self.routes.refresh()  # a primary may have moved: the retry goes where the table says
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 0.5)
 
@@ -316,7 +327,11 @@ class PSClient:
 
     def _pull_plan(self, plan: PullPlan) -> None:
         """Fill each target with its item's tensor, over the bulk path or gRPC."""
-        self._retrying(lambda: self._tensors.pull(plan))
+        routes = self.routes
+        if routes is None:
+            self._retrying(lambda: self._tensors.pull(plan))
+        else:
+            self._retrying(lambda: self._tensors.pull(routes.route(plan)[0]))
 
     def pull_rows(self, var: Variable, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Rows `ids` of a table, gathered from the shards that hold them."""
@@ -355,7 +370,11 @@ class PSClient:
         refs = [item.ref for items in plan.values() for item, _ in items]
         head = pb.PushRequest(push_id=pid, step=step, final_below=scope.final_below if scope is not None else 0,
                               return_values=targets is not None)
-        replies = self._retrying(lambda: self._tensors.push(plan, head, targets))
+        routes = self.routes
+        if routes is None:
+            replies = self._retrying(lambda: self._tensors.push(plan, head, targets))
+        else:
+            replies = self._retrying(lambda: self._tensors.push(*_routed(routes, plan, targets, head)))
         if scope is not None:
             self._record(scope, refs, replies)
         return [v for r in replies for v in r.versions], replies

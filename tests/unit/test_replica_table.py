@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from pscluster.coordinator import replicas as rp
+
 from pscluster.errors import InvalidArgumentError
 
 
@@ -12,6 +12,7 @@ def table(num_ps: int, shards: int) -> rp.ReplicaState:
     state = rp.ReplicaState(num_ps)
     for k in range(shards):
         rp.decide(state, rp.ShardCreated(k))
+        rp.decide(state, rp.CaughtUp(k, 1))  # the primary sent the new shard to its backup
     return state
 
 
@@ -26,6 +27,14 @@ def test_backups_are_striped_over_every_other_ps() -> None:
 def test_one_ps_is_refused() -> None:
     with pytest.raises(InvalidArgumentError, match="at least 2 PS"):
         rp.ReplicaState(1)
+
+
+def test_a_new_shard_is_not_promoted_before_its_backup_confirmed_it() -> None:
+    state = rp.ReplicaState(2)
+    actions = rp.decide(state, rp.ShardCreated(0))
+    assert rp.Assign(0, rp.Copies(0, 1, 1), True) in actions
+    rp.decide(state, rp.ConnectionLost(0))
+    assert state.shards[0].lost
 
 
 def test_creating_a_shard_again_changes_nothing() -> None:

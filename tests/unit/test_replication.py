@@ -11,14 +11,14 @@ import threading
 
 import numpy as np
 import pytest
-
-from pscluster.errors import UnavailableError
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.server import sync_replicas
 from pscluster.server.optimizers import OptimizerConfig
 from pscluster.server.ps import ParameterServerCore
 from pscluster.server.replication import Replication, Role
 from pscluster.server.store import PushItem, ShardSpec
+
+from pscluster.errors import UnavailableError
 
 KEY = ("w", 0)
 ROWS = ("emb", 0)
@@ -98,8 +98,11 @@ def grad(x: float) -> np.ndarray:
 def test_a_new_backup_gets_the_whole_shard_then_every_push_before_it_is_acknowledged(pair):
     a, b, _ = pair
     create(a)
-    a.push("c1.0", 0, [PushItem(KEY, grad(0.5))])  # before roles: one copy, nothing waits
+    with pytest.raises(UnavailableError, match="no replica table entry"):  # not one copy: refused until known
+        a.push("c1.0", 0, [PushItem(KEY, grad(0.5))])
+    assert a.store.get(KEY).version == 0
     roles(a, b)
+    a.push("c1.0", 0, [PushItem(KEY, grad(0.5))])
     for i in range(5):
         result = a.push(f"c{2 + i}.0", 0, [PushItem(KEY, grad(0.1 * i))])[0]
         assert result.applied and b.store.get(KEY).version >= result.version  # held by the backup on reply
@@ -225,3 +228,12 @@ def test_a_primary_reports_the_shards_whose_new_backup_has_not_confirmed_their_s
     a.replication.wait([(k, 0) for k in (KEY, ROWS)])
     assert a.replication.catching_up() == []
     assert a.replication.roles() == table(1, 1, 0, 1)[:1] + ([Role(KEY, 1, 0, 1), Role(ROWS, 1, 0, 1)],)
+
+
+def test_a_pull_from_the_backup_is_refused(pair):
+    a, b, _ = pair
+    create(a)
+    roles(a, b)
+    with pytest.raises(UnavailableError, match="not the primary"):
+        b.pull([(KEY, None)])
+    assert a.pull([(KEY, None)])[0][1] == 0

@@ -1,0 +1,176 @@
+"""Runs the replica table (replicas.py) against the live PS tasks: the executor of `replicas.decide`.
+
+The `replica-keeper` thread asks every PS for its status each HEARTBEAT_INTERVAL_S (100 ms), in parallel:
+an answer is a heartbeat (or, from a PS marked down, a rejoin: it restarted from the newest checkpoint),
+a refused connection marks it down at once, a slow answer counts as a missed heartbeat. It learns new
+shards from the PS listings (when a PS's shard count changes), sees a new backup's catch-up finish in its
+primary's status, and sends the whole table to every PS that answers after each change (and to any PS
+whose table is older, such as one that just restarted). Clients find a shard's primary with GetRoles on
+any live PS (pscluster/client/routes.py).
+
+What `lost_updates()` must count with replicas: 2 is only what a shard lost when both its copies died and
+it came back from a checkpoint: `lost_shards(ps)` names those shards for the PS monitor's accounting.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from pscluster.coordinator import replicas as rp
+from pscluster.proto import pscluster_pb2 as pb
+
+from pscluster.errors import PsclusterError, UnavailableError
+from pscluster.net import rpc
+
+log = logging.getLogger(__name__)
+
+Key = tuple[str, int]
+
+
+class ReplicaKeeper:
+    """Owns the replica table and the `replica-keeper` thread; `stop()` ends and joins it."""
+
+    def __init__(self, stubs: list[object], interval: float = rp.HEARTBEAT_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._stubs = stubs
+        self._clock = clock
+        self._interval = interval
+        self.state = rp.ReplicaState(len(stubs), now=clock(), interval=interval)
+        self._keys: dict[int, Key] = {}  # ordinal -> shard key
+        self._shard_counts: dict[int, int] = {}
+        self._sent: dict[int, int] = {}  # the table version each PS acknowledged
+        self._lost: dict[int, set[Key]] = {}  # ps -> shards that came back from a checkpoint there
+        self._lock = threading.Lock()  # state, for readers on other threads (never held across an RPC)
+        self._pool = ThreadPoolExecutor(max(2, len(stubs)), thread_name_prefix="replica-keeper-rpc")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="replica-keeper", daemon=True)
+
+    def start(self) -> ReplicaKeeper:
+        """Start watching (the first round sends the table at once)."""
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the thread and join it."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._pool.shutdown(wait=True)
+
+    def lost_shards(self, ps: int) -> set[Key]:
+        """Shards that came back from a checkpoint on PS ps (both their copies had died)."""
+        with self._lock:
+            return set(self._lost.get(ps, set()))
+
+    def table(self) -> dict[Key, rp.Copies]:
+        """Shard key -> where it lives now."""
+        with self._lock:
+            return {self._keys[o]: c for o, c in self.state.shards.items() if o in self._keys}
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            started = self._clock()
+            try:
+                self._round()
+            except Exception as exc:
+                log.warning("replica-keeper: round failed: %s", exc, exc_info=True)
+            self._stop.wait(max(0.0, self._interval - (self._clock() - started)))
+
+    def _status(self, ps: int) -> pb.PsStatus | PsclusterError:
+        try:
+            status: pb.PsStatus = rpc.call(self._stubs[ps].Status, pb.PsStatusRequest(),  # type: ignore[attr-defined]
+                                           timeout=max(0.25, 2.5 * self._interval))
+            return status
+        except PsclusterError as exc:
+            return exc
+
+    def _round(self) -> None:
+        answers = list(self._pool.map(self._status, range(len(self._stubs))))
+        now = self._clock()
+        actions: list[rp.ReplicaAction] = []
+        with self._lock:
+            state = self.state
+            for ps, answer in enumerate(answers):
+                if isinstance(answer, pb.PsStatus):
+                    rec = state.ps[ps]
+                    if not rec.up:
+                        self._sent.pop(ps, None)
+                        actions += rp.decide(state, rp.Rejoined(ps, now))
+                    else:
+                        rp.decide(state, rp.Heartbeat(ps, now))
+                elif isinstance(answer, UnavailableError):
+                    actions += rp.decide(state, rp.ConnectionLost(ps))
+            actions += rp.decide(state, rp.Tick(now))
+        self._learn_shards(answers)
+        with self._lock:
+            for ps, answer in enumerate(answers):
+                if not isinstance(answer, pb.PsStatus) or answer.roles_version < self.state.version:
+                    continue
+                pending = {(r.variable, r.shard_index) for r in answer.catching_up}
+                for ordinal, c in list(self.state.shards.items()):
+                    key = self._keys.get(ordinal)
+                    if c.primary == ps and c.backup is not None and not c.in_sync and key not in pending:
+                        actions += rp.decide(self.state, rp.CaughtUp(ordinal, c.epoch))
+            for action in actions:
+                self._note(action)
+        self._send_table(answers)
+
+    def _note(self, action: rp.ReplicaAction) -> None:
+        key = self._keys.get(action.ordinal) if not isinstance(action, rp.Publish) else None
+        if isinstance(action, rp.Lost):
+            log.warning("replica table: both copies of %s are gone; it waits for a checkpoint restore", key)
+        elif isinstance(action, rp.Restored) and key is not None:
+            self._lost.setdefault(action.ps, set()).add(key)
+            log.warning("replica table: %s came back from a checkpoint on ps %d (epoch %d)", key, action.ps,
+                        action.epoch)
+        elif isinstance(action, rp.Assign) and key is not None:
+            c = action.copies
+            log.info("replica table: %s primary ps %d, backup %s, epoch %d", key, c.primary,
+                     "none" if c.backup is None else f"ps {c.backup}", c.epoch)
+
+    def _learn_shards(self, answers: list[pb.PsStatus | PsclusterError]) -> None:
+        changed = [ps for ps, a in enumerate(answers)
+                   if isinstance(a, pb.PsStatus) and self._shard_counts.get(ps) != a.num_shards]
+        for ps in changed:
+            try:
+                reply = rpc.call(self._stubs[ps].ListShards, pb.ListShardsRequest(),  # type: ignore[attr-defined]
+                                 timeout=1.0)
+            except PsclusterError:
+                continue
+            answer = answers[ps]
+            assert isinstance(answer, pb.PsStatus)
+            self._shard_counts[ps] = answer.num_shards
+            with self._lock:
+                for info in reply.shards:
+                    ordinal = info.spec.ordinal
+                    if ordinal not in self._keys:
+                        self._keys[ordinal] = (info.spec.variable, info.spec.shard_index)
+                    if ordinal not in self.state.shards:
+                        for action in rp.decide(self.state, rp.ShardCreated(ordinal)):
+                            self._note(action)
+
+    def _send_table(self, answers: list[pb.PsStatus | PsclusterError]) -> None:
+        with self._lock:
+            version = self.state.version
+            request = pb.SetRolesRequest(version=version, roles=[
+                pb.ShardRole(ref=pb.ShardRef(variable=self._keys[o][0], shard_index=self._keys[o][1]), epoch=c.epoch,
+                             primary=c.primary, backup=-1 if c.backup is None else c.backup)
+                for o, c in sorted(self.state.shards.items()) if o in self._keys and not c.lost])
+            targets = [ps for ps, a in enumerate(answers) if isinstance(a, pb.PsStatus) and self.state.ps[ps].up
+                       and (a.roles_version < version or self._sent.get(ps, -1) < version)]
+        if not targets:
+            return
+
+        def send(ps: int) -> None:
+            try:
+                rpc.call(self._stubs[ps].SetRoles, request, timeout=1.0)  # type: ignore[attr-defined]
+            except PsclusterError as exc:
+                log.warning("replica table: ps %d did not take version %d: %s", ps, version, exc)
+                return
+            with self._lock:
+                self._sent[ps] = max(self._sent.get(ps, -1), version)
+
+        list(self._pool.map(send, targets))

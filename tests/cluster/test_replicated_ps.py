@@ -1,0 +1,63 @@
+"""replicas: 2: a primary PS SIGKILLed mid-push loses no acknowledged update (docs/ps_failures.md).
+
+Async training increments a counter (SGD(1.0) on a gradient of -1, one push per closure). The primary
+of the counter is SIGKILLed while closures push; its in-sync backup is promoted, workers retry their
+in-flight pushes with the same ids there, and the restarted PS rejoins as backup (catch-up); then the
+new primary is killed too and the rejoined PS is promoted. Oracle: the counter equals exactly the
+number of completed closures, and lost_updates() is 0.
+"""
+
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import pscluster as ps
+
+pytestmark = pytest.mark.cluster
+
+
+def increment(counter):
+    counter.push(np.array(-1, np.int64))
+    return 1
+
+
+def poll(condition, what, timeout=20.0):
+    """Poll a cluster condition with a deadline."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def primary_of(coord, key):
+    return coord.replica_table().get(key)
+
+
+def test_killing_the_primary_twice_mid_push_loses_no_acknowledged_increment(fresh_cluster):
+    cluster = fresh_cluster(2, 2, supervise=True, replicas=2)
+    coord = ps.ClusterCoordinator(cluster.settings())
+    try:
+        coord.wait_for_workers(2)
+        counter = coord.create_variable("counter", shape=(), dtype="int64", optimizer=ps.SGD(1.0))
+        key = ("counter", 0)
+        poll(lambda: (c := primary_of(coord, key)) is not None and c.in_sync, "the backup to hold the counter")
+        values = []
+        for kill in range(2):
+            before = primary_of(coord, key)
+            values += [coord.schedule(increment, args=(counter,)) for _ in range(150)]
+            poll(lambda: int(counter.pull()) >= 40 + 150 * kill, "pushes under way")
+            cluster.kill(cluster.ps[before.primary], signal.SIGKILL)  # mid-push: closures are in flight
+            poll(lambda: primary_of(coord, key).primary != before.primary, "the backup's promotion")
+            coord.join(timeout=20)
+            if kill == 0:
+                # the killed PS restarts (supervisor), catches up and rejoins as backup before the next kill
+                poll(lambda: (c := primary_of(coord, key)).backup == before.primary and c.in_sync,
+                     "the restarted PS to rejoin as backup")
+        completed = sum(v.fetch() for v in values)
+        assert completed == 300
+        assert int(counter.pull()) == completed
+        assert coord.lost_updates == 0
+    finally:
+        coord.shutdown()
