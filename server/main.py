@@ -37,7 +37,7 @@ def start(settings: Settings) -> tuple[Listeners, int, ParameterServerCore]:
 
         core.replication = Replication(core.store, settings.task_index,
                                        lambda ps: GrpcLink(settings.cluster.ps[ps], settings),
-                                       timeout=settings.replication_timeout_s)
+                                       timeout=settings.replication_timeout_s, step_timeout=settings.rpc_timeout_s)
     if settings.restore:
         core.restore()
     bulk = None

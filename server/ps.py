@@ -87,8 +87,13 @@ class ParameterServerCore:
             replication.check_primary(item.key for item in items)
         if self.sync is not None and self.sync.accumulates:
             results: list[PushResult] = self.sync.push(push_id, step, items)
-        else:
-            results = self.store.push(push_id, items, final_below, values_into)
+            if replication is not None:
+                # a sync step's replies wait for its one aggregated update to reach the backup: a gradient
+                # accumulated but not yet applied (current < 0) waits for the step's version, version + 1
+                replication.wait([(item.key, r.version + 1 if r.applied and r.current < 0 else r.version)
+                                  for item, r in zip(items, results)], replication.step_timeout)
+            return results
+        results = self.store.push(push_id, items, final_below, values_into)
         if replication is not None:
             replication.wait([(item.key, r.version) for item, r in zip(items, results)])
         return results

@@ -227,11 +227,12 @@ class Replication:
     """A PS's replication roles, forwarders and backup side; owned by its ParameterServerCore."""
 
     def __init__(self, store: VariableStore, ps_index: int, connect: Callable[[int], ReplicaLink],
-                 timeout: float = 5.0, max_queued_bytes: int = MAX_QUEUED_BYTES) -> None:
+                 timeout: float = 5.0, max_queued_bytes: int = MAX_QUEUED_BYTES, step_timeout: float = 60.0) -> None:
         self.store = store
         self.ps_index = ps_index
         self._connect = connect
         self.timeout = timeout
+        self.step_timeout = step_timeout  # a sync push waits for its step (the other replicas' gradients) too
         self._max_queued = max_queued_bytes
         self._lock = threading.Lock()  # roles, epochs and replicators (never held across I/O or a shard lock)
         self._roles: dict[Key, Role] = {}  # the whole table (clients read it through GetRoles)

@@ -184,15 +184,21 @@ def test_a_backup_that_lost_its_shards_is_sent_the_whole_state(pair):
     fresh.replication.stop()
 
 
-def test_a_sync_step_sends_its_one_aggregated_update(pair):
+def test_a_sync_step_sends_its_one_aggregated_update_and_its_replies_wait_for_it(pair):
     a, b, links = pair
     create(a, "sgd")
     a.sync.configure("sync", 2, 2, 0)
     roles(a, b)
     batches = links[1].batches
-    first = a.push("c1.0", 0, [PushItem(KEY, grad(1.0))])[0]
-    assert first.applied and b.store.get(KEY).version == 0 and links[1].batches == batches
+    first: list = []
+    waiting = threading.Thread(target=lambda: first.extend(a.push("c1.0", 0, [PushItem(KEY, grad(1.0))])))
+    waiting.start()
+    waiting.join(timeout=0.3)
+    assert waiting.is_alive() and not first  # accumulated, not acknowledged: the step has not been applied
+    assert links[1].batches == batches  # nothing forwarded for a gradient alone
     a.push("c2.0", 0, [PushItem(KEY, grad(3.0))])
+    waiting.join(timeout=5)
+    assert first and first[0].applied
     same(a, b, KEY)
     assert b.store.get(KEY).version == 1 and b.store.get(KEY).value[0] == pytest.approx(1.0 - 0.1 * 2.0)
     assert b.store.get(KEY).record.seen("sync:0")
