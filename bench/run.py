@@ -22,7 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # the benchmark process shares 2 cores with daemons
 
-from bench import chaos, closures, floor, profile, training, transfer  # noqa: E402
+from bench import chaos, closures, floor, profile, replicas, training, transfer  # noqa: E402
 
 Row = tuple[str, str, str, str]  # id, what, measured, target and verdict
 
@@ -238,6 +238,24 @@ def bench_b13(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
                 f"worker RSS far below the table: {'met' if r['worker_peak_rss_mib'] < 0.2 * r['table_mib'] else 'NOT met'}")]
 
 
+def bench_b15(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
+    f = replicas.failover(kills=args.kills)
+    c = replicas.cost(runs=args.runs)
+    a, s = c["async"], c["sync"]
+    return {"failover": f, "cost": c}, [
+        ("B15", f"replicas: 2, 2 PS, SIGKILL of a counter's primary x {f['kills']} while a driver pushes back to back",
+         f"kill -> first acknowledged push on the new primary p50 {f['p50_ms']:.0f} ms, p99 {f['p99_ms']:.0f} ms "
+         f"(max {f['max_ms']:.0f}); {f['acknowledged']} pushes acknowledged, counter {f['counter']}, "
+         f"lost_updates {f['lost_updates']}",
+         f"p99 <= 1 s, p50 <= 300 ms, exact: "
+         f"{'met' if f['p99_ms'] <= 1000 and f['p50_ms'] <= 300 and f['exact'] else 'NOT met'}"),
+        ("B15", "replication's cost on W2 (B2 async, B3 sync R = N = 2), replicas: 2 vs 1 alternating in the same run",
+         f"async {a['replicas_2']:.0f} vs {a['replicas_1']:.0f} steps/s ({100 * a['cost']:.0f} % cost); sync "
+         f"{s['replicas_2']:.0f} vs {s['replicas_1']:.0f} ({100 * s['cost']:.0f} %); accuracy with 2: async "
+         f"{a['accuracy_2']:.4f}, sync {s['accuracy_2']:.4f}",
+         f"<= 15 % async, <= 5 % sync: {'met' if a['cost'] <= 0.15 and s['cost'] <= 0.05 else 'NOT met'}")]
+
+
 def bench_profile(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
     r = profile.profile_w2()
     cells = []
@@ -252,7 +270,8 @@ def bench_profile(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
 
 BENCHES = {"B1": bench_b1, "B1TLS": bench_b1tls, "B9": bench_b9, "B2": bench_b2, "FLOOR": bench_floor, "B3": bench_b3, "B4": bench_b4, "B5": bench_b5,
            "B6": bench_b6, "B7": bench_b7, "B8": bench_b8,
-           "B10": bench_b10, "B11": bench_b11, "B12": bench_b12, "B13": bench_b13, "PROFILE": bench_profile}
+           "B10": bench_b10, "B11": bench_b11, "B12": bench_b12, "B13": bench_b13, "B15": bench_b15,
+           "PROFILE": bench_profile}
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 
@@ -288,6 +307,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default=",".join(BENCHES), help="comma-separated ids")
     parser.add_argument("--runs", type=int, default=5, help="runs per figure (median reported)")
+    parser.add_argument("--kills", type=int, default=100, help="B15: PS kills in the failover trial")
     parser.add_argument("--write", help="rewrite the table between the bench markers of this file")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)

@@ -47,7 +47,7 @@ def numpy_baseline(steps: int = 2000, hidden: int = 128) -> dict[str, float]:
 
 def w2(num_ps: int = 2, num_workers: int = 2, steps: int = 2000, warmup: int = 100, mode: str = "async",
        steps_per_closure: int = 1, probe: Probe | None = None, push_pull: bool = False, hidden: int = 128,
-       **sync: int) -> dict[str, float]:
+       replicas: int = 1, **sync: int) -> dict[str, float]:
     """W2 on a fresh local cluster: steps/s over `steps` timed steps after `warmup`, and test accuracy.
 
     `probe(cluster)`, if given, is a context manager wrapped around the timed steps (bench/profile.py
@@ -57,7 +57,7 @@ def w2(num_ps: int = 2, num_workers: int = 2, steps: int = 2000, warmup: int = 1
     with tempfile.TemporaryDirectory() as tmp:
         train_path = f"{tmp}/train.npz"
         np.savez(train_path, x=x, y=y)
-        with LocalCluster(num_ps, num_workers, workdir=f"{tmp}/cluster") as cluster:
+        with LocalCluster(num_ps, num_workers, workdir=f"{tmp}/cluster", replicas=replicas) as cluster:
             coord = ps.ClusterCoordinator(cluster.settings(push_pull=push_pull))
             try:
                 coord.wait_for_workers(num_workers)
