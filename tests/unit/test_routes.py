@@ -1,0 +1,61 @@
+"""Client routing with replicas: 2 (pscluster/client/routes.py): plans follow each shard's primary."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import grpc
+import numpy as np
+from pscluster.proto import pscluster_pb2 as pb
+
+from pscluster.client.routes import Routes
+
+
+class Down(grpc.RpcError):
+    pass
+
+
+class Stub:
+    """A PS's GetRoles: answers with its table, or fails as a dead PS."""
+
+    def __init__(self, table: pb.SetRolesRequest | None) -> None:
+        self.table = table
+        self.GetRoles = self
+
+    def future(self, request: pb.GetRolesRequest, timeout: float) -> Future:
+        fut: Future = Future()
+        if self.table is None:
+            fut.set_exception(Down())
+        else:
+            fut.set_result(self.table)
+        return fut
+
+
+def table(version: int, primaries: dict[tuple[str, int], int]) -> pb.SetRolesRequest:
+    return pb.SetRolesRequest(version=version, roles=[
+        pb.ShardRole(ref=pb.ShardRef(variable=v, shard_index=i), epoch=version, primary=p, backup=-1)
+        for (v, i), p in primaries.items()])
+
+
+def item(name: str, shard: int) -> pb.PushItem:
+    return pb.PushItem(ref=pb.ShardRef(variable=name, shard_index=shard))
+
+
+def test_a_plan_is_left_alone_until_a_shard_moved() -> None:
+    routes = Routes(lambda: [])
+    plan = {0: [(item("w", 0), np.zeros(2))], 1: [(item("w", 1), np.zeros(2))]}
+    assert routes.route(plan)[0] is plan
+
+
+def test_the_newest_table_of_the_live_ps_wins_and_items_follow_their_primary() -> None:
+    stubs = [Stub(None), Stub(table(3, {("w", 0): 1, ("w", 1): 1})), Stub(table(2, {("w", 0): 2}))]
+    routes = Routes(lambda: stubs)
+    assert routes.refresh() and routes.version == 3
+    assert not routes.refresh()  # nothing newer
+    a, b, c = np.zeros(1), np.ones(1), np.full(1, 2.0)
+    plan = {0: [(item("w", 0), a), (item("v", 0), b)], 1: [(item("w", 1), c)]}
+    targets = {0: ["ta", "tb"], 1: ["tc"]}
+    routed, routed_targets = routes.route(plan, targets)
+    assert {ps: [(i.ref.variable, i.ref.shard_index) for i, _ in items] for ps, items in routed.items()} == \
+        {1: [("w", 0), ("w", 1)], 0: [("v", 0)]}
+    assert routed_targets == {1: ["ta", "tc"], 0: ["tb"]}  # the fused reply's targets stay aligned
