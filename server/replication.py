@@ -162,12 +162,21 @@ class Replicator:
         with self._cond:
             self._cond.notify_all()
 
-    def stop(self) -> None:
-        """Stop sending, wake every waiter, join the thread, close the link."""
+    def signal_stop(self) -> None:
+        """Stop sending and wake every waiter (they look at the roles again); `stop` joins."""
         self._stop.set()
         self.poke()
+
+    def stop(self) -> None:
+        """Stop sending, wake every waiter, join the thread, close the link."""
+        self.signal_stop()
         self._thread.join(timeout=self._timeout + 5)
         self._link.close()
+
+    @property
+    def finished(self) -> bool:
+        """Whether the thread has ended (a signalled replicator may still be inside one bounded RPC)."""
+        return not self._thread.is_alive()
 
     def _take(self) -> list[tuple[Key, int, pb.ReplicaForward, int]]:
         with self._cond:
@@ -239,6 +248,9 @@ class Replication:
         self.version = 0  # of that table
         self._epochs: dict[Key, int] = {}  # the newest epoch known per shard (a backup refuses older ones)
         self._replicators: dict[int, Replicator] = {}
+        # replicators of backups no longer wanted: signalled, joined later (a SetRoles never waits for one
+        # that is inside an RPC to a stopped backup)
+        self._retired: list[Replicator] = []
         self._install_at: dict[Key, int] = {}  # a resync's version, until the backup confirmed it
         store.on_applied = self.on_applied
 
@@ -270,7 +282,13 @@ class Replication:
             for ps, rep in self._replicators.items():
                 rep.keys = {k for k, r in self._roles.items() if r.primary == me and r.backup == ps}
         for rep in gone:
-            rep.stop()
+            rep.signal_stop()
+        with self._lock:
+            retired = self._retired + gone
+            self._retired = [r for r in retired if not r.finished]
+        for rep in retired:
+            if rep.finished:
+                rep.stop()  # joined already: closes its channel
         for key in resync:
             _, target = self._replicator_of(key)
             if target is not None:
@@ -370,7 +388,8 @@ class Replication:
     def stop(self) -> None:
         """Stop every replicator thread (joined)."""
         with self._lock:
-            reps, self._replicators = list(self._replicators.values()), {}
+            reps, self._replicators = list(self._replicators.values()) + self._retired, {}
+            self._retired = []
         for rep in reps:
             rep.stop()
 
