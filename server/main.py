@@ -33,7 +33,8 @@ def start(settings: Settings) -> tuple[Listeners, int, ParameterServerCore]:
     core.metrics = PsMetrics(lambda: len(core.store.shards()), core.total_bytes, lambda: core.global_step,
                              lambda: sync.dropped)
     if settings.replicas > 1:
-        from pscluster.server.replication import GrpcLink, Replication
+        from pscluster.server.replication import Replication
+        from pscluster.server.replicator import GrpcLink
 
         core.replication = Replication(core.store, settings.task_index,
                                        lambda ps: GrpcLink(settings.cluster.ps[ps], settings),

@@ -61,3 +61,25 @@ def test_killing_the_primary_twice_mid_push_loses_no_acknowledged_increment(fres
         assert coord.lost_updates == 0
     finally:
         coord.shutdown()
+
+
+def test_killing_the_backup_mid_push_holds_no_push_back_and_it_rejoins(fresh_cluster):
+    cluster = fresh_cluster(2, 2, supervise=True, replicas=2)
+    coord = ps.ClusterCoordinator(cluster.settings())
+    try:
+        coord.wait_for_workers(2)
+        counter = coord.create_variable("counter", shape=(), dtype="int64", optimizer=ps.SGD(1.0))
+        key = ("counter", 0)
+        poll(lambda: (c := primary_of(coord, key)) is not None and c.in_sync, "the backup to hold the counter")
+        before = primary_of(coord, key)
+        values = [coord.schedule(increment, args=(counter,)) for _ in range(150)]
+        poll(lambda: int(counter.pull()) >= 40, "pushes under way")
+        cluster.kill(cluster.ps[before.backup], signal.SIGKILL)  # pushes waiting for it are released
+        coord.join(timeout=20)
+        assert primary_of(coord, key).primary == before.primary  # the primary stays; one copy meanwhile
+        assert int(counter.pull()) == sum(v.fetch() for v in values) == 150
+        poll(lambda: (c := primary_of(coord, key)).backup == before.backup and c.in_sync,
+             "the restarted backup to catch up")
+        assert coord.lost_updates == 0
+    finally:
+        coord.shutdown()
