@@ -137,3 +137,16 @@ def test_events_about_a_ps_already_down_change_nothing() -> None:
     assert rp.decide(state, rp.ConnectionLost(2)) == []
     assert rp.decide(state, rp.Heartbeat(2, 9.0)) == []
     assert state.shards == snapshot and state.version == version
+
+
+def test_replicas_2_with_one_ps_is_a_config_error_that_names_the_field() -> None:
+    from pydantic import ValidationError
+
+    from pscluster.config import validate
+
+    assert validate({"cluster": {"ps": ["127.0.0.1:1", "127.0.0.1:2"]}, "replicas": 2}).replicas == 2
+    assert validate({"cluster": {"ps": ["127.0.0.1:1"]}}).replicas == 1
+    with pytest.raises((ValidationError, ValueError), match="replicas=2 needs at least 2 PS tasks"):
+        validate({"cluster": {"ps": ["127.0.0.1:1"]}, "replicas": 2})
+    with pytest.raises((ValidationError, ValueError), match="replicas"):
+        validate({"cluster": {"ps": ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]}, "replicas": 3})
