@@ -1,0 +1,125 @@
+"""Settings of hash-keyed dynamic tables: admission, eviction, capacity (validated, frozen).
+
+A dynamic table is a sparse variable of shape `(None, dim)` keyed by any int64; these say when a new
+key gets a row, when a row leaves, and what happens at the hard capacity of a shard:
+
+    TableConfig(dim=16, capacity=1 << 20,
+                admission=Admission("counter", min_count=3),
+                eviction=Eviction("steps", max_idle=10_000, every_steps=1_000))
+
+Occurrences are counted in pushes (where training happens), not pulls: an evaluation that only pulls
+never admits a key. Until admitted, a key reads its initializer's row and its gradients are dropped
+(counted in the table's stats). Eviction reports every key it removes; at capacity, inserts either evict
+by the policy's score (`on_full="evict"`) or are refused with ResourceExhaustedError (`"refuse"`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from pscluster.errors import InvalidArgumentError
+
+ADMISSIONS = ("always", "counter", "cms", "probability")
+EVICTIONS = ("none", "steps", "seconds", "lfu", "l2")
+INITIALIZERS = ("zeros", "ones", "constant", "uniform", "normal")
+
+
+@dataclass(frozen=True)
+class Admission:
+    """When a new key gets a row: always, after min_count occurrences (exact, or by a count-min
+    sketch of depth x width counters), or with `probability` per push that carries it."""
+
+    kind: str = "always"
+    min_count: int = 1
+    probability: float = 1.0
+    cms_width: int = 1 << 20
+    cms_depth: int = 4
+    pending_capacity: int = 0  # exact counter: candidates it remembers (0: the table's capacity)
+
+    def validate(self) -> Admission:
+        """Self, or InvalidArgumentError naming the bad field."""
+        if self.kind not in ADMISSIONS:
+            raise InvalidArgumentError(f"admission kind {self.kind!r} unknown; use one of {', '.join(ADMISSIONS)}")
+        if self.min_count < 1:
+            raise InvalidArgumentError(f"admission min_count must be >= 1, got {self.min_count}")
+        if not 0.0 < self.probability <= 1.0:
+            raise InvalidArgumentError(f"admission probability must be in (0, 1], got {self.probability}")
+        if not (1 <= self.cms_depth <= 16 and 16 <= self.cms_width <= 1 << 30):
+            raise InvalidArgumentError(
+                f"count-min sketch depth {self.cms_depth} (1..16) x width {self.cms_width} (16..2**30) out of range")
+        if self.pending_capacity < 0:
+            raise InvalidArgumentError(f"admission pending_capacity must be >= 0, got {self.pending_capacity}")
+        return self
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """Which rows leave and when.
+
+    policy: "steps" / "seconds": rows untouched for more than `max_idle` pushes (seconds) leave; "lfu":
+    rows whose frequency (occurrences, decayed by `decay` per push) is below `min_frequency`; "l2": rows
+    whose L2 norm is below `min_norm`. Triggers: a sweep every `every_steps` pushes, when live rows pass
+    `max_rows` (evicting the lowest scores down to `low_water` x max_rows), and `evict()` on demand.
+    The same score orders the victims of a full shard (the least recently touched first under "none").
+    """
+
+    policy: str = "none"
+    max_idle: float = 0.0
+    decay: float = 1.0
+    min_frequency: float = 0.0
+    min_norm: float = 0.0
+    every_steps: int = 0
+    max_rows: int = 0
+    low_water: float = 0.9
+
+    def validate(self) -> Eviction:
+        """Self, or InvalidArgumentError naming the bad field."""
+        if self.policy not in EVICTIONS:
+            raise InvalidArgumentError(f"eviction policy {self.policy!r} unknown; use one of {', '.join(EVICTIONS)}")
+        if not (math.isfinite(self.max_idle) and self.max_idle >= 0):
+            raise InvalidArgumentError(f"eviction max_idle must be finite and >= 0, got {self.max_idle}")
+        if not 0.0 < self.decay <= 1.0:
+            raise InvalidArgumentError(f"eviction decay must be in (0, 1], got {self.decay}")
+        if self.min_frequency < 0 or self.min_norm < 0:
+            raise InvalidArgumentError("eviction min_frequency and min_norm must be >= 0")
+        if self.every_steps < 0 or self.max_rows < 0:
+            raise InvalidArgumentError(
+                f"eviction every_steps ({self.every_steps}) and max_rows ({self.max_rows}) must be >= 0")
+        if not 0.0 < self.low_water <= 1.0:
+            raise InvalidArgumentError(f"eviction low_water must be in (0, 1], got {self.low_water}")
+        return self
+
+
+@dataclass(frozen=True)
+class TableConfig:
+    """A dynamic table's row width, dtype, per-shard capacity, initializer and policies."""
+
+    dim: int
+    dtype: str = "float32"
+    capacity: int = 1 << 22
+    on_full: str = "evict"
+    initializer: str = "zeros"
+    init_value: float = 0.0
+    seed: int = 0
+    admission: Admission = field(default_factory=Admission)
+    eviction: Eviction = field(default_factory=Eviction)
+
+    def validate(self) -> TableConfig:
+        """Self, or InvalidArgumentError naming the bad field."""
+        if not 1 <= self.dim <= 1 << 20:
+            raise InvalidArgumentError(f"dynamic table dim must be in [1, 2**20], got {self.dim}")
+        if self.dtype not in ("float32", "float64"):
+            raise InvalidArgumentError(f"dynamic table dtype must be float32 or float64, got {self.dtype!r}")
+        if not 1 <= self.capacity < 2**31 - 1:
+            raise InvalidArgumentError(f"dynamic table capacity must be in [1, 2**31 - 1), got {self.capacity}")
+        if self.on_full not in ("evict", "refuse"):
+            raise InvalidArgumentError(f"on_full must be 'evict' or 'refuse', got {self.on_full!r}")
+        if self.initializer not in INITIALIZERS:
+            raise InvalidArgumentError(
+                f"initializer {self.initializer!r} unknown; use one of {', '.join(INITIALIZERS)}")
+        if not math.isfinite(self.init_value):
+            raise InvalidArgumentError(f"init_value must be finite, got {self.init_value}")
+        self.admission.validate()
+        self.eviction.validate()
+        return self

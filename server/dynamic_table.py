@@ -1,0 +1,266 @@
+"""One shard of a hash-keyed dynamic table: rows that appear on touch, are admitted, updated, evicted.
+
+One row id (from server/hash_index.py) per live key indexes every array of its state: value, each
+optimizer slot, last-touched step (and second), decayed frequency, the changed-since-checkpoint flag.
+A freed row id is reset completely before another key gets it, so a re-admitted key starts fresh and
+no slot outlives its row. Arrays are reserved at the shard's capacity with np.zeros (the OS commits
+a page when it is first written), so growing never copies rows.
+
+A push validates everything and plans its evictions before it changes anything; then it sums the
+gradients of duplicate keys (in float64, in key order: the result does not depend on the order of
+arrival), admits, makes room, and applies the table's optimizer through the PS's sparse kernel
+(server/optimizers.py) with this table's slot arrays. `t` is the table's push count, as for fixed
+tables. Callers hold `lock` (the store does); checkpoints live in server/table_state.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pscluster.errors import InvalidArgumentError, ResourceExhaustedError
+from pscluster.server import optimizers as opt
+from pscluster.server.hash_index import HashIndex
+from pscluster.server.table_filters import initial_rows, make_filter
+from pscluster.specs import OptimizerConfig
+from pscluster.tables import TableConfig
+
+_EMPTY_KEYS = np.zeros(0, np.int64)
+
+
+@dataclass(frozen=True)
+class TableResult:
+    """What one pull, push or sweep did: the table's version after it, rows updated, occurrences
+    dropped (not admitted), new rows, and every key evicted (sorted)."""
+
+    version: int
+    applied: int = 0
+    dropped: int = 0
+    inserted: int = 0
+    evicted: np.ndarray = field(default_factory=lambda: _EMPTY_KEYS)
+
+
+@dataclass
+class TableStats:
+    """Counters since the table was created (checkpointed)."""
+
+    inserted: int = 0
+    evicted: int = 0
+    dropped: int = 0
+    refused: int = 0
+
+
+def group_keys(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(unique sorted keys, their counts, the stable order that sorts keys, start of each run)."""
+    order = np.argsort(keys, kind="stable")
+    sk = keys[order]
+    first = np.ones(sk.size, np.bool_)
+    first[1:] = sk[1:] != sk[:-1]
+    starts = np.flatnonzero(first)
+    counts = np.diff(np.append(starts, sk.size))
+    return sk[starts], counts, order, starts
+
+
+class DynamicTable:
+    """One shard's rows of a dynamic table, keyed by int64."""
+
+    def __init__(self, cfg: TableConfig, optimizer: OptimizerConfig, name: str = "table",
+                 clock: Callable[[], float] = time.time) -> None:
+        self.cfg = cfg.validate()
+        self.optimizer = optimizer.validate()
+        self.name = name
+        self.clock = clock
+        cap, dt = cfg.capacity, np.dtype(cfg.dtype)
+        self.dtype = dt
+        self.index = HashIndex(cap)
+        self.values = np.zeros((cap, cfg.dim), dt)
+        self.slots = {s: np.zeros((cap, cfg.dim), dt) for s in optimizer.slot_names()}
+        self.last_step = np.zeros(cap, np.uint32)
+        self.freq = np.zeros(cap, np.float32)
+        self.touched_s = np.zeros(cap if cfg.eviction.policy == "seconds" else 0, np.uint32)
+        self.dirty = np.zeros(cap, np.bool_)
+        self.epoch = int(clock())
+        self.filter = make_filter(cfg)
+        self.version = 0
+        self.stats = TableStats()
+        self.removed_log: list[np.ndarray] | None = None  # keys removed since the last mark (None: no base)
+        self.lock = threading.Lock()
+
+    @property
+    def live(self) -> int:
+        """Live keys."""
+        return self.index.live
+
+    # -- reads -----------------------------------------------------------------------------------
+    def check_keys(self, keys: np.ndarray) -> None:
+        """InvalidArgumentError unless keys is a 1-D int64 array."""
+        if keys.ndim != 1 or keys.dtype != np.int64:
+            raise InvalidArgumentError(
+                f"{self.name}: keys must be a 1-D int64 array, got {keys.dtype}{list(keys.shape)}")
+
+    def lookup(self, keys: np.ndarray) -> np.ndarray:
+        """Row ids of keys, -1 for absent ones (read only)."""
+        return self.index.lookup(keys)
+
+    def pull(self, keys: np.ndarray) -> tuple[np.ndarray, TableResult]:
+        """Rows of keys (n, dim). Absent keys get a row when admission is "always" (evicting at a full
+        shard, or ResourceExhaustedError with on_full="refuse"); otherwise they read their initial row."""
+        self.check_keys(keys)
+        uniq, _, order, starts = group_keys(keys)
+        rows = self.index.lookup(uniq)
+        missing = rows < 0
+        result = TableResult(self.version)
+        if missing.any() and self.cfg.admission.kind == "always":
+            victims = self._plan_room(int(np.count_nonzero(missing)), rows[~missing])
+            evicted = self._remove(victims)
+            rows[missing] = self._create(uniq[missing], self.version)
+            result = TableResult(self.version, inserted=int(np.count_nonzero(missing)), evicted=evicted)
+            missing[:] = False
+        out_u = np.empty((uniq.size, self.cfg.dim), self.dtype)
+        out_u[~missing] = self.values[rows[~missing]]
+        if missing.any():
+            out_u[missing] = initial_rows(uniq[missing], self.cfg)
+        out = np.empty((keys.size, self.cfg.dim), self.dtype)
+        run = np.repeat(np.arange(uniq.size), np.diff(np.append(starts, keys.size)))
+        out[order] = out_u[run]
+        return out, result
+
+    # -- writes ----------------------------------------------------------------------------------
+    def push(self, keys: np.ndarray, grads: np.ndarray) -> TableResult:
+        """Sum duplicate keys' gradients, admit, make room, apply the optimizer; one version step.
+
+        Raises:
+            InvalidArgumentError: bad keys, gradient shape, dtype or a non-finite gradient (no change).
+            ResourceExhaustedError: the new rows do not fit the shard (on_full="refuse", or nothing left
+                to evict); nothing changed.
+        """
+        self.check_keys(keys)
+        if grads.shape != (keys.size, self.cfg.dim) or grads.dtype != self.dtype:
+            raise InvalidArgumentError(
+                f"{self.name}: gradients {grads.dtype}{list(grads.shape)} for {keys.size} keys; expected "
+                f"{self.dtype}{[keys.size, self.cfg.dim]}")
+        if not np.logical_and.reduce(np.isfinite(grads), axis=None):
+            raise InvalidArgumentError(f"{self.name}: gradient holds NaN or Inf; rejected")
+        step = self.version + 1
+        uniq, counts, order, starts = group_keys(keys)
+        if uniq.size == keys.size:
+            summed = grads[order]
+        else:  # float64 in key order: exact for any arrival order unless a key's parts span 2**29
+            summed = np.add.reduceat(grads[order], starts, axis=0, dtype=np.float64).astype(self.dtype)
+        rows = self.index.lookup(uniq)
+        missing = np.flatnonzero(rows < 0)
+        admitted = self.filter.decide(uniq[missing], counts[missing], step)
+        new = missing[admitted]
+        victims = self._plan_room(new.size, rows[rows >= 0])
+        # -- nothing has changed up to here --
+        self.filter.commit(uniq[missing], counts[missing], admitted, step)
+        evicted = [self._remove(victims)]
+        rows[new] = self._create(uniq[new], step)
+        hit = rows >= 0
+        live_rows = rows[hit]
+        opt.apply_sparse(self.optimizer, self.values, live_rows, summed[hit], self.slots, step)
+        self._touch(live_rows, counts[hit], step)
+        dropped = int(counts[~hit].sum())
+        self.stats.dropped += dropped
+        self.version = step
+        ev = self.cfg.eviction
+        if ev.every_steps and step % ev.every_steps == 0:
+            evicted.append(self.sweep().evicted)
+        if ev.max_rows and self.live > ev.max_rows:
+            evicted.append(self._remove(self._lowest(self.live - int(ev.max_rows * ev.low_water), None)))
+        out = np.sort(np.concatenate(evicted))
+        return TableResult(step, int(live_rows.size), dropped, int(new.size), out)
+
+    def sweep(self) -> TableResult:
+        """Evict every row the policy's threshold condemns now (the on-demand and periodic trigger)."""
+        rows = self.index.live_rows()
+        ev = self.cfg.eviction
+        if ev.policy == "none" or not rows.size:
+            return TableResult(self.version)
+        if ev.policy in ("steps", "seconds"):
+            idle = self._idle(rows)
+            gone = rows[idle > ev.max_idle]
+        else:
+            gone = rows[self._score(rows) < (ev.min_frequency if ev.policy == "lfu" else ev.min_norm)]
+        return TableResult(self.version, evicted=np.sort(self._remove(gone)))
+
+    # -- internals -------------------------------------------------------------------------------
+    def _idle(self, rows: np.ndarray) -> np.ndarray:
+        if self.cfg.eviction.policy == "seconds":
+            now = int(self.clock()) - self.epoch
+            return np.asarray(now - self.touched_s[rows].astype(np.int64))
+        return np.asarray(self.version - self.last_step[rows].astype(np.int64))
+
+    def _score(self, rows: np.ndarray) -> np.ndarray:
+        """Lower leaves first: recency, decayed frequency or L2 norm by policy."""
+        policy = self.cfg.eviction.policy
+        if policy == "lfu":
+            return self._frequency(rows)
+        if policy == "l2":
+            v = self.values[rows].astype(np.float64)
+            return np.asarray(np.sqrt(np.einsum("ij,ij->i", v, v)))
+        return -self._idle(rows).astype(np.float64)
+
+    def _frequency(self, rows: np.ndarray) -> np.ndarray:
+        idle = self.version - self.last_step[rows].astype(np.int64)
+        return np.asarray(self.freq[rows].astype(np.float64) * np.power(self.cfg.eviction.decay, idle))
+
+    def _lowest(self, n: int, keep: np.ndarray | None) -> np.ndarray:
+        """The n live rows of lowest score, ties by key (so every shard layout picks the same keys)."""
+        if n <= 0:
+            return np.zeros(0, np.int64)
+        rows = self.index.live_rows()
+        if keep is not None and keep.size:
+            rows = rows[~np.isin(rows, keep)]
+        score = self._score(rows)
+        pick = np.lexsort((self.index.row_keys[rows], score))[:n]
+        return rows[pick]
+
+    def _plan_room(self, need: int, keep: np.ndarray) -> np.ndarray:
+        """Rows to evict so that `need` new rows fit, sparing `keep`; raises if they cannot fit."""
+        short = need - (self.cfg.capacity - self.live)
+        if short <= 0:
+            return np.zeros(0, np.int64)
+        spare = self.live - keep.size
+        if self.cfg.on_full == "refuse" or short > spare:
+            self.stats.refused += need
+            why = "on_full='refuse'" if self.cfg.on_full == "refuse" else f"only {spare} rows may be evicted"
+            raise ResourceExhaustedError(
+                f"{self.name}: {need} new keys do not fit: {self.live} of {self.cfg.capacity} rows live "
+                f"({why}); raise capacity, add PS tasks or let eviction make room")
+        return self._lowest(short, keep)
+
+    def _remove(self, rows: np.ndarray) -> np.ndarray:
+        if not rows.size:
+            return _EMPTY_KEYS
+        keys = self.index.remove(rows)
+        self.stats.evicted += rows.size
+        if self.removed_log is not None:
+            self.removed_log.append(keys)
+        return keys
+
+    def _create(self, keys: np.ndarray, step: int) -> np.ndarray:
+        rows = self.index.insert(keys)
+        self.values[rows] = initial_rows(keys, self.cfg)
+        for name, slot in self.slots.items():
+            fill = self.optimizer.initial_accumulator_value if name == "accumulator" else 0.0
+            slot[rows] = fill
+        self.last_step[rows] = step
+        self.freq[rows] = 0.0
+        if self.touched_s.size:
+            self.touched_s[rows] = int(self.clock()) - self.epoch
+        self.dirty[rows] = True
+        self.stats.inserted += rows.size
+        return rows
+
+    def _touch(self, rows: np.ndarray, counts: np.ndarray, step: int) -> None:
+        if self.cfg.eviction.policy == "lfu":
+            self.freq[rows] = (self._frequency(rows) + counts).astype(np.float32)
+        self.last_step[rows] = step
+        if self.touched_s.size:
+            self.touched_s[rows] = int(self.clock()) - self.epoch
+        self.dirty[rows] = True

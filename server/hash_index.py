@@ -1,0 +1,187 @@
+"""A vectorized open-addressing hash index: int64 key -> row id, with the row ids it hands out.
+
+Why not a dict: a Python dict costs about 98 bytes per int key and one interpreter step per key; this
+index costs 4 bytes per slot (8 to 20 per key at its load of 1/5 to 1/2) plus the key itself, and
+probes whole batches in numpy.
+
+The slot table holds `row + 1` (0 = empty, -1 = deleted), never a key, so every int64 key is valid
+(0, -1 and 2**63-1 included): there is no key sentinel to collide with. A slot's key is read from
+`row_keys[row]`. Linear probing from `mix64(key) & mask`; deletion leaves a tombstone, and the table is
+rebuilt (at 2.5 x its live keys, rounded up to a power of two) when live entries plus tombstones pass
+half of it.
+
+Row ids are dense in [0, capacity): a freed row is reused by a later insert, so arrays indexed by row
+(values, slots, metadata) never grow past the capacity and hold one key's state per row id.
+
+    index = HashIndex(capacity=1 << 20)
+    rows = index.insert(np.array([7, -1], np.int64))   # keys known to be absent
+    index.lookup(np.array([-1, 5], np.int64))          # -> [rows[1], -1]
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pscluster.errors import InvalidArgumentError, ResourceExhaustedError
+
+_C0 = np.uint64(0x9E3779B97F4A7C15)
+_C1 = np.uint64(0xBF58476D1CE4E5B9)
+_C2 = np.uint64(0x94D049BB133111EB)
+_EMPTY = 0
+_TOMB = -1
+MIN_SLOTS = 1024
+
+
+def mix64(keys: np.ndarray, seed: int = 0) -> np.ndarray:
+    """splitmix64's finalizer of int64 keys (as uint64): stable across processes and platforms."""
+    z = keys.astype(np.int64, copy=False).view(np.uint64) + np.uint64((0x9E3779B97F4A7C15 * (seed + 1)) % (1 << 64))
+    z ^= z >> np.uint64(30)
+    z *= _C1
+    z ^= z >> np.uint64(27)
+    z *= _C2
+    z ^= z >> np.uint64(31)
+    return z
+
+
+def shard_of(keys: np.ndarray, num_shards: int) -> np.ndarray:
+    """The shard of each key: the high 32 bits of its hash, scaled to [0, num_shards).
+
+    High bits, because the index probes from the low ones: a shard's keys would otherwise share their
+    low bits and fill every other slot.
+    """
+    high = mix64(keys) >> np.uint64(32)
+    return ((high * np.uint64(num_shards)) >> np.uint64(32)).astype(np.int64)
+
+
+class HashIndex:
+    """int64 key -> dense row id in [0, capacity); rows are reused after removal."""
+
+    def __init__(self, capacity: int, slots: int = MIN_SLOTS) -> None:
+        if not 0 < capacity < 2**31 - 1:
+            raise InvalidArgumentError(f"capacity must be in [1, 2**31 - 1), got {capacity}")
+        self.capacity = capacity
+        # np.zeros at capacity: the OS commits pages on first touch, so rows never move or get copied
+        self.row_keys = np.zeros(capacity, np.int64)
+        self.row_live = np.zeros(capacity, np.bool_)
+        self._free = np.zeros(capacity, np.int32)  # a stack of freed row ids
+        self._nfree = 0
+        self._next_row = 0
+        self.live = 0
+        self._tombs = 0
+        self._slots = np.zeros(_pow2(slots), np.int32)
+        self.rebuilds = 0
+
+    # -- reads -----------------------------------------------------------------------------------
+    @property
+    def high_water(self) -> int:
+        """Rows ever handed out: every live row id is below it."""
+        return self._next_row
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this index holds for its live rows' range (slots, keys, live flags, free stack)."""
+        return self._slots.nbytes + self._next_row * (8 + 1 + 4)
+
+    def _find(self, keys: np.ndarray) -> np.ndarray:
+        """Slot position of each key, -1 where absent."""
+        slots, row_keys = self._slots, self.row_keys
+        mask = np.int64(slots.size - 1)
+        pos = (mix64(keys) & np.uint64(mask)).astype(np.int64)
+        out = np.full(keys.size, -1, np.int64)
+        active = np.arange(keys.size)
+        want = keys
+        while active.size:
+            s = slots[pos]
+            occupied = s > 0
+            hit = occupied.copy()
+            hit[occupied] = row_keys[s[occupied] - 1] == want[occupied]
+            out[active[hit]] = pos[hit]
+            go_on = ~hit & (s != _EMPTY)
+            active, pos, want = active[go_on], (pos[go_on] + 1) & mask, want[go_on]
+        return out
+
+    def lookup(self, keys: np.ndarray) -> np.ndarray:
+        """Row id of each key (int64), -1 where the key is absent."""
+        pos = self._find(keys)
+        found = pos >= 0
+        rows = np.full(keys.size, -1, np.int64)
+        rows[found] = self._slots[pos[found]].astype(np.int64) - 1
+        return rows
+
+    def live_rows(self) -> np.ndarray:
+        """Row ids of every live key, ascending."""
+        return np.flatnonzero(self.row_live[:self._next_row])
+
+    # -- writes ----------------------------------------------------------------------------------
+    def insert(self, keys: np.ndarray) -> np.ndarray:
+        """Give each key (unique, absent: the caller checked) a row id; returns them (int64).
+
+        Raises:
+            ResourceExhaustedError: more keys than free rows (nothing changed).
+        """
+        n = keys.size
+        if n > self.capacity - self.live:
+            raise ResourceExhaustedError(
+                f"{n} new keys but {self.capacity - self.live} free rows of {self.capacity}")
+        if (self.live + self._tombs + n) * 2 > self._slots.size:
+            self._rebuild(self.live + n)
+        reuse = min(n, self._nfree)
+        rows = np.empty(n, np.int64)
+        rows[:reuse] = self._free[self._nfree - reuse:self._nfree][::-1]
+        self._nfree -= reuse
+        rows[reuse:] = np.arange(self._next_row, self._next_row + n - reuse)
+        self._next_row += n - reuse
+        self.row_keys[rows] = keys
+        self.row_live[rows] = True
+        self._place(keys, rows)
+        self.live += n
+        return rows
+
+    def remove(self, rows: np.ndarray) -> np.ndarray:
+        """Free live rows (unique); returns their keys. Their slots become tombstones."""
+        keys = self.row_keys[rows].copy()
+        pos = self._find(keys)
+        self._slots[pos] = _TOMB
+        self._tombs += rows.size
+        self.row_live[rows] = False
+        self._free[self._nfree:self._nfree + rows.size] = rows
+        self._nfree += rows.size
+        self.live -= rows.size
+        return np.asarray(keys)
+
+    def _place(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        slots = self._slots
+        mask = np.int64(slots.size - 1)
+        pos = (mix64(keys) & np.uint64(mask)).astype(np.int64)
+        tag = (rows + 1).astype(np.int32)
+        while pos.size:
+            before = slots[pos]
+            free = before <= 0
+            # keys of one batch may want the same free slot: scatter all, then read back who won
+            cand = pos[free]
+            slots[cand] = tag[free]
+            won = np.zeros(pos.size, np.bool_)
+            won[free] = slots[cand] == tag[free]
+            self._tombs -= int(np.count_nonzero(before[won] == _TOMB))
+            lost = ~won
+            pos, tag = (pos[lost] + 1) & mask, tag[lost]
+
+    def _rebuild(self, need: int) -> None:
+        """A fresh slot table for `need` live keys at a load of 1/5 to 2/5, without tombstones."""
+        size = max(MIN_SLOTS, _pow2(need * 5 // 2))
+        self._slots = np.zeros(size, np.int32)
+        self._tombs = 0
+        self.rebuilds += 1
+        rows = self.live_rows()
+        if rows.size:
+            self._place(self.row_keys[rows], rows)
+
+    def clear(self) -> None:
+        """Forget every key (rows and slots back to empty)."""
+        self.row_live[:self._next_row] = False
+        self._next_row = self._nfree = self.live = self._tombs = 0
+        self._slots = np.zeros(MIN_SLOTS, np.int32)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()

@@ -1,0 +1,63 @@
+"""The dynamic tables' hash index against a Python dict, with the keys a sentinel would break."""
+
+import numpy as np
+import pytest
+
+from pscluster.errors import InvalidArgumentError, ResourceExhaustedError
+from pscluster.server.hash_index import HashIndex, mix64, shard_of
+
+EDGE = np.array([0, -1, 1, 2**63 - 1, -(2**63), 2**32, -(2**31)], np.int64)
+
+
+def test_sentinel_values_never_collide_with_user_keys() -> None:
+    index = HashIndex(capacity=16)
+    rows = index.insert(EDGE)
+    assert index.lookup(EDGE).tolist() == rows.tolist()
+    assert index.lookup(np.array([2, 3], np.int64)).tolist() == [-1, -1]
+    index.remove(rows[:2])  # 0 and -1 leave: their tombstones must not read as keys 0 or -1
+    assert index.lookup(EDGE).tolist() == [-1, -1] + rows[2:].tolist()
+
+
+def test_index_matches_a_dict_through_inserts_removes_and_rebuilds() -> None:
+    rng = np.random.default_rng(3)
+    index = HashIndex(capacity=5_000)
+    ref: dict[int, int] = {}
+    for _ in range(300):
+        batch = np.unique(rng.integers(-3_000, 3_000, 40)).astype(np.int64)
+        absent = np.array([k for k in batch.tolist() if k not in ref], np.int64)
+        if absent.size and len(ref) + absent.size <= index.capacity:
+            for k, r in zip(absent.tolist(), index.insert(absent).tolist()):
+                ref[k] = r
+        drop = [k for k in batch.tolist()[::3] if k in ref]
+        if drop:
+            index.remove(np.array([ref.pop(k) for k in drop], np.int64))
+        probe = rng.integers(-3_100, 3_100, 200).astype(np.int64)
+        assert index.lookup(probe).tolist() == [ref.get(k, -1) for k in probe.tolist()]
+        assert index.live == len(ref)
+    assert index.rebuilds > 1
+    live = index.live_rows()
+    assert sorted(index.row_keys[live].tolist()) == sorted(ref)
+    assert live.max() < index.capacity
+
+
+def test_freed_rows_are_reused_so_rows_stay_below_capacity() -> None:
+    index = HashIndex(capacity=4)
+    rows = index.insert(np.array([10, 11, 12, 13], np.int64))
+    with pytest.raises(ResourceExhaustedError):
+        index.insert(np.array([14], np.int64))
+    index.remove(rows[1:2])
+    assert index.insert(np.array([14], np.int64)).tolist() == [rows[1]]
+    assert index.high_water == 4
+
+
+def test_capacity_beyond_int32_rows_is_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="capacity"):
+        HashIndex(capacity=2**31)
+
+
+def test_hash_and_shard_are_stable_values_not_process_dependent() -> None:
+    # fixed expected values: a change of the hash would silently move every key to another shard
+    assert mix64(np.array([0], np.int64)).tolist() == [16294208416658607535]
+    shards = shard_of(np.arange(100_000, dtype=np.int64), 3)
+    counts = np.bincount(shards, minlength=3)
+    assert counts.min() > 32_000 and shards.max() == 2
