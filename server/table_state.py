@@ -1,0 +1,193 @@
+"""A dynamic table's saved state: full and incremental snapshots, re-sharding, export for serving.
+
+A state is a flat dict of arrays (safetensors-ready): live keys sorted ascending, their rows, slots
+and metadata in the same order, the admission filter's arrays (prefixed `filter.`), and `meta` =
+[version, epoch, inserted, evicted, dropped, refused]. Only live keys are saved. A snapshot is taken
+under the table's lock by the caller, so it is one consistent point between pushes.
+
+Incremental: `mark()` starts tracking; `delta()` then holds the rows created or updated since the
+last mark, the keys removed since then, and the whole (bounded) filter; `apply_delta(base, delta)`
+gives exactly the state a full snapshot would have given. Re-sharding (`reshard`) merges the states
+of every old shard and splits them by the stable key hash, so N shards restore into any M.
+
+    state = snapshot(table); mark(table); ...; d = delta(table)
+    restored = [load(DynamicTable(cfg, optimizer), s) for s in reshard([apply_delta(state, d)], 3)]
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+
+from pscluster.errors import FailedPreconditionError, InvalidArgumentError
+from pscluster.server.dynamic_table import DynamicTable, TableStats
+from pscluster.server.hash_index import shard_of
+
+State = dict[str, np.ndarray]
+_ROW_FIELDS = ("values", "last_step", "freq", "touched_s")
+_FILTER = "filter."
+_PER_KEY_FILTER = ("pending_keys", "pending_count", "pending_seen")
+# removed keys remembered between marks at most (beyond it, the next delta is refused: take a full one)
+REMOVED_LOG_LIMIT = 1 << 24
+
+
+def _row_arrays(table: DynamicTable) -> dict[str, np.ndarray]:
+    arrays = {"values": table.values, "last_step": table.last_step, "freq": table.freq}
+    if table.touched_s.size:
+        arrays["touched_s"] = table.touched_s
+    arrays.update({f"slot.{name}": slot for name, slot in table.slots.items()})
+    return arrays
+
+
+def _rows_state(table: DynamicTable, rows: np.ndarray) -> State:
+    keys = table.index.row_keys[rows]
+    order = np.argsort(keys, kind="stable")
+    rows = rows[order]
+    state: State = {"keys": keys[order]}
+    for name, arr in _row_arrays(table).items():
+        state[name] = arr[rows]
+    for name, arr in table.filter.state().items():
+        state[_FILTER + name] = arr
+    s = table.stats
+    state["meta"] = np.array([table.version, table.epoch, s.inserted, s.evicted, s.dropped, s.refused], np.int64)
+    return state
+
+
+def snapshot(table: DynamicTable) -> State:
+    """Every live key with its row, slots, metadata and the admission filter (hold table.lock)."""
+    return _rows_state(table, table.index.live_rows())
+
+
+def mark(table: DynamicTable) -> None:
+    """Start (or restart) change tracking here: the next delta holds what changes after this point."""
+    table.dirty[:table.index.high_water] = False
+    table.removed_log = []
+
+
+def delta(table: DynamicTable) -> State:
+    """Rows created or updated and keys removed since the last mark; then marks (hold table.lock).
+
+    Raises:
+        FailedPreconditionError: no mark yet, or more than REMOVED_LOG_LIMIT removals since it.
+    """
+    log = table.removed_log
+    if log is None or sum(part.size for part in log) > REMOVED_LOG_LIMIT:
+        raise FailedPreconditionError(f"{table.name}: no incremental base to build on; take a full snapshot")
+    rows = table.index.live_rows()
+    state = _rows_state(table, rows[table.dirty[rows]])
+    state["removed"] = np.unique(np.concatenate(log)) if log else np.zeros(0, np.int64)
+    mark(table)
+    return state
+
+
+def apply_delta(base: State, change: State) -> State:
+    """The state after `change` (a delta) on `base` (a full state or an earlier result)."""
+    gone = np.union1d(change["removed"], change["keys"])  # updated rows are replaced whole
+    keep = ~np.isin(base["keys"], gone)
+    out: State = {}
+    keys = np.concatenate([base["keys"][keep], change["keys"]])
+    order = np.argsort(keys, kind="stable")
+    out["keys"] = keys[order]
+    for name in base:
+        if name in ("keys", "removed") or name.startswith(_FILTER) or name == "meta":
+            continue
+        out[name] = np.concatenate([base[name][keep], change[name]])[order]
+    for name in change:
+        if name.startswith(_FILTER) or name == "meta":
+            out[name] = change[name]
+    return out
+
+
+def reshard(states: list[State], num_shards: int) -> list[State]:
+    """Merge every shard's state and split it for num_shards shards by the stable key hash.
+
+    Per-key arrays follow their keys; sketches are summed (a count-min sketch over the union of keys:
+    never an under-estimate); counters are summed onto shard 0, the version is shared.
+    """
+    if num_shards < 1 or not states:
+        raise InvalidArgumentError(f"reshard needs states and num_shards >= 1, got {len(states)}, {num_shards}")
+    versions = {int(s["meta"][0]) for s in states}
+    if len(versions) != 1:
+        raise InvalidArgumentError(f"shard states of different versions {sorted(versions)}: not one checkpoint")
+    merged: State = {}
+    for name in states[0]:
+        parts = [s[name] for s in states]
+        if name == "meta":
+            meta = np.sum(parts, axis=0)
+            meta[0], meta[1] = parts[0][0], parts[0][1]
+            merged[name] = meta
+        elif name == _FILTER + "sketch":
+            merged[name] = np.minimum(np.sum(parts, axis=0, dtype=np.int64), np.iinfo(np.uint32).max).astype(np.uint32)
+        elif name == _FILTER + "pending_forgotten":
+            merged[name] = np.array([sum(int(p.sum()) for p in parts)], np.int64)
+        else:
+            merged[name] = np.concatenate(parts)
+    out: list[State] = []
+    row_shard = shard_of(merged["keys"], num_shards)
+    pend_shard = shard_of(merged.get(_FILTER + "pending_keys", np.zeros(0, np.int64)), num_shards)
+    for i in range(num_shards):
+        rows, pend = np.flatnonzero(row_shard == i), np.flatnonzero(pend_shard == i)
+        part: State = {}
+        for name, arr in merged.items():
+            if name == "meta":
+                part[name] = arr if i == 0 else np.array([arr[0], arr[1], 0, 0, 0, 0], np.int64)
+            elif name == _FILTER + "pending_forgotten":
+                part[name] = arr if i == 0 else np.zeros(1, np.int64)
+            elif name.startswith(_FILTER) and name[len(_FILTER):] in _PER_KEY_FILTER:
+                part[name] = _sorted_take(merged[_FILTER + "pending_keys"], arr, pend)
+            elif name.startswith(_FILTER):
+                part[name] = arr
+            else:
+                part[name] = _sorted_take(merged["keys"], arr, rows)
+        out.append(part)
+    return out
+
+
+def _sorted_take(keys: np.ndarray, arr: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    sub = keys[idx]
+    return np.asarray(arr[idx[np.argsort(sub, kind="stable")]])
+
+
+def load(table: DynamicTable, state: State) -> DynamicTable:
+    """Fill an empty table from a state (its own shard's part); returns the table.
+
+    Raises:
+        InvalidArgumentError: the table is not empty, or the state does not fit its config.
+    """
+    keys = state["keys"]
+    if table.live:
+        raise InvalidArgumentError(f"{table.name}: restore needs an empty table, this one holds {table.live} keys")
+    if keys.size > table.cfg.capacity:
+        raise InvalidArgumentError(
+            f"{table.name}: {keys.size} saved keys exceed the shard's capacity {table.cfg.capacity}")
+    if state["values"].shape[1:] != (table.cfg.dim,):
+        raise InvalidArgumentError(
+            f"{table.name}: saved rows of width {state['values'].shape[1:]} for a table of dim {table.cfg.dim}")
+    arrays = _row_arrays(table)
+    saved = {name for name in state if name not in ("keys", "meta", "removed") and not name.startswith(_FILTER)}
+    if saved != set(arrays):
+        what = ", ".join(repr(n) for n in sorted(set(arrays) - saved)) or "nothing"
+        raise InvalidArgumentError(f"{table.name}: saved state lacks {what} and has {sorted(saved - set(arrays))} "
+                                   "(saved under another optimizer or eviction policy?)")
+    rows = table.index.insert(keys)
+    for name, arr in arrays.items():
+        arr[rows] = state[name]
+    table.filter.load({k[len(_FILTER):]: v for k, v in state.items() if k.startswith(_FILTER)})
+    meta = [int(x) for x in state["meta"]]
+    table.version, table.epoch = meta[0], meta[1]
+    table.stats = TableStats(*meta[2:6])
+    return table
+
+
+def export(state: State, directory: pathlib.Path, name: str,
+           float16: bool = False) -> tuple[pathlib.Path, pathlib.Path]:
+    """Write NAME.keys (int64, sorted) and NAME.values (rows in that order) as .npy files for serving."""
+    keys_path, values_path = directory / f"{name}.keys", directory / f"{name}.values"
+    for path, arr in ((keys_path, state["keys"].astype("<i8")),
+                      (values_path, state["values"].astype("<f2" if float16 else state["values"].dtype))):
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            np.save(f, arr)
+        tmp.replace(path)
+    return keys_path, values_path

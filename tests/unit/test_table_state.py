@@ -1,0 +1,158 @@
+"""Dynamic-table checkpoints: full, incremental, re-sharded into other shard counts, exported."""
+
+import pathlib
+
+import numpy as np
+import pytest
+
+from pscluster.errors import FailedPreconditionError, InvalidArgumentError
+from pscluster.optimizers import Adagrad, Adam
+from pscluster.server import table_state as ts
+from pscluster.server.dynamic_table import DynamicTable
+from pscluster.server.hash_index import shard_of
+from pscluster.tables import Admission, Eviction, TableConfig
+
+CFG = TableConfig(dim=4, capacity=4_000, initializer="uniform", init_value=0.1,
+                  admission=Admission("counter", min_count=2), eviction=Eviction("steps", max_idle=6, every_steps=4))
+
+
+class Sharded:
+    """A table split over n shards by key hash; every push reaches every shard (as the client does)."""
+
+    def __init__(self, n: int, cfg: TableConfig = CFG) -> None:
+        self.tables = [DynamicTable(cfg, Adam(0.01), name=f"t[{i}]") for i in range(n)]
+
+    def push(self, keys: np.ndarray, grads: np.ndarray) -> list[int]:
+        where = shard_of(keys, len(self.tables))
+        evicted: list[int] = []
+        for i, t in enumerate(self.tables):
+            evicted += t.push(keys[where == i], grads[where == i]).evicted.tolist()
+        return sorted(evicted)
+
+    def pull(self, keys: np.ndarray) -> np.ndarray:
+        where = shard_of(keys, len(self.tables))
+        out = np.empty((keys.size, CFG.dim), np.float32)
+        for i, t in enumerate(self.tables):
+            out[where == i] = t.pull(keys[where == i])[0]
+        return out
+
+    def states(self) -> list[ts.State]:
+        return [ts.snapshot(t) for t in self.tables]
+
+    @classmethod
+    def restored(cls, states: list[ts.State], n: int) -> "Sharded":
+        new = cls(n)
+        for t, s in zip(new.tables, ts.reshard(states, n)):
+            ts.load(t, s)
+        return new
+
+
+def batches(seed: int, count: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        keys = (rng.integers(0, 300, 64) * 7_919 - 2**40).astype(np.int64)
+        out.append((keys, rng.standard_normal((64, CFG.dim)).astype(np.float32)))
+    return out
+
+
+def merged(states: list[ts.State]) -> ts.State:
+    return ts.reshard(states, 1)[0]
+
+
+def assert_same(a: ts.State, b: ts.State) -> None:
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and np.array_equal(a[name], b[name]), name
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 6])
+def test_save_with_n_shards_restores_bit_identical_into_other_shard_counts(m: int) -> None:
+    n = 3
+    before = Sharded(n)
+    for keys, grads in batches(1, 30):
+        before.push(keys, grads)
+    after = Sharded.restored(before.states(), m)
+    assert_same(merged(after.states()), merged(before.states()))
+    for keys, grads in batches(2, 20):  # training goes on identically: values, slots, admission, eviction
+        assert before.push(keys, grads) == after.push(keys, grads)
+    probe = batches(3, 1)[0][0]
+    assert np.array_equal(before.pull(probe), after.pull(probe))
+    assert_same(merged(after.states()), merged(before.states()))
+
+
+def test_filter_state_survives_save_restore_on_every_shard() -> None:
+    before = Sharded(3)
+    for keys, grads in batches(4, 5):
+        before.push(keys, grads)
+    states = before.states()
+    assert all(s["filter.pending_keys"].size for s in states)
+    for old, new in zip(states, ts.reshard(states, 3)):
+        for name in ("filter.pending_keys", "filter.pending_count", "filter.pending_seen", "keys", "values"):
+            assert np.array_equal(old[name], new[name]), name
+
+
+def test_sketch_admission_state_is_summed_when_the_shard_count_changes() -> None:
+    cfg = TableConfig(dim=4, capacity=100, admission=Admission("cms", min_count=3, cms_width=256, cms_depth=2))
+    before = Sharded(2, cfg)
+    keys = np.arange(40, dtype=np.int64)
+    before.push(keys, np.ones((40, 4), np.float32))
+    states = before.states()
+    one = ts.reshard(states, 1)[0]
+    assert one["filter.sketch"].sum() == 2 * 40
+    after = DynamicTable(cfg, Adam(0.01))
+    ts.load(after, one)
+    assert after.push(keys, np.ones((40, 4), np.float32)).inserted == 0  # 2 of 3 occurrences, not forgotten
+    assert after.push(keys, np.ones((40, 4), np.float32)).inserted == 40
+
+
+def test_full_checkpoint_plus_increments_restores_exactly() -> None:
+    live = Sharded(2)
+    for keys, grads in batches(5, 10):
+        live.push(keys, grads)
+    bases = live.states()
+    for t in live.tables:
+        ts.mark(t)
+    chains = [[], []]  # type: list[list[ts.State]]
+    evicted = 0
+    for round_ in range(3):
+        for keys, grads in batches(10 + round_, 8):
+            evicted += len(live.push(keys, grads))
+        for t, chain in zip(live.tables, chains):
+            chain.append(ts.delta(t))
+    assert evicted > 0 and any(d["removed"].size for chain in chains for d in chain)
+    rebuilt = []
+    for base, chain in zip(bases, chains):
+        for d in chain:
+            base = ts.apply_delta(base, d)
+        rebuilt.append(base)
+    for got, want in zip(rebuilt, live.states()):
+        assert_same(got, want)
+    small = sum(d["keys"].size for d in chains[0])
+    assert small < 3 * bases[0]["keys"].size + 8 * 64  # a delta holds changed rows, not the table
+
+
+def test_delta_without_a_base_is_refused() -> None:
+    with pytest.raises(FailedPreconditionError, match="full snapshot"):
+        ts.delta(DynamicTable(CFG, Adam(0.01)))
+
+
+def test_restore_refuses_a_state_of_another_optimizer_or_width() -> None:
+    src = Sharded(1)
+    src.push(*batches(6, 1)[0])
+    state = ts.snapshot(src.tables[0])
+    with pytest.raises(InvalidArgumentError, match="lacks 'slot.accumulator'"):
+        ts.load(DynamicTable(CFG, Adagrad(0.1)), state)
+    with pytest.raises(InvalidArgumentError, match="dim 8"):
+        ts.load(DynamicTable(TableConfig(dim=8, capacity=100), Adam(0.01)), state)
+
+
+def test_export_writes_sorted_keys_and_their_rows(tmp_path: pathlib.Path) -> None:
+    src = Sharded(2)
+    src.push(*batches(7, 1)[0])
+    src.push(*batches(7, 1)[0])
+    state = merged(src.states())
+    keys_path, values_path = ts.export(state, tmp_path, "emb", float16=True)
+    keys, values = np.load(keys_path), np.load(values_path)
+    assert keys.dtype == np.int64 and np.all(np.diff(keys) > 0) and keys.size == state["keys"].size
+    assert values.dtype == np.float16 and np.allclose(values, src.pull(keys), atol=1e-3)
