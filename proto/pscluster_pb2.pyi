@@ -154,6 +154,7 @@ class ShardSpec(_message.Message):
     OPTIMIZER_FIELD_NUMBER: _builtins.int
     SPARSE_FIELD_NUMBER: _builtins.int
     ORDINAL_FIELD_NUMBER: _builtins.int
+    TABLE_FIELD_NUMBER: _builtins.int
     variable: _builtins.str
     shard_index: _builtins.int
     num_shards: _builtins.int
@@ -162,6 +163,8 @@ class ShardSpec(_message.Message):
     sparse: _builtins.bool
     ordinal: _builtins.int
     """global creation order of this shard; decides its PS task"""
+    table: _builtins.str
+    """a hash-keyed dynamic table: its TableConfig as JSON (pscluster/tables.py); empty otherwise"""
     @_builtins.property
     def full_shape(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -181,10 +184,11 @@ class ShardSpec(_message.Message):
         optimizer: Global___OptimizerSpec | None = ...,
         sparse: _builtins.bool = ...,
         ordinal: _builtins.int = ...,
+        table: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["optimizer", b"optimizer"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "full_shape", b"full_shape", "num_shards", b"num_shards", "optimizer", b"optimizer", "ordinal", b"ordinal", "row_offset", b"row_offset", "shape", b"shape", "shard_index", b"shard_index", "sparse", b"sparse", "variable", b"variable"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "full_shape", b"full_shape", "num_shards", b"num_shards", "optimizer", b"optimizer", "ordinal", b"ordinal", "row_offset", b"row_offset", "shape", b"shape", "shard_index", b"shard_index", "sparse", b"sparse", "table", b"table", "variable", b"variable"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -14,6 +14,7 @@ import numpy as np
 from pscluster.codec import wire_dtype
 from pscluster.errors import InvalidArgumentError
 from pscluster.proto import pscluster_pb2 as pb
+from pscluster.tables import TableConfig
 
 Key = tuple[str, int]  # (variable name, shard index)
 
@@ -63,6 +64,7 @@ class ShardSpec:
     optimizer: OptimizerConfig
     sparse: bool = False
     ordinal: int = 0
+    table: str = ""  # a dynamic table's TableConfig as JSON (pscluster/tables.py); "" for a fixed range
 
     @property
     def key(self) -> Key:
@@ -91,6 +93,13 @@ class ShardSpec:
                     f"does not fit full shape {self.full_shape}")
         if self.sparse and len(self.shape) < 1:
             raise InvalidArgumentError(f"{self.variable}: a sparse table needs at least one dimension")
+        if self.table:
+            cfg = TableConfig.from_json(self.table)
+            if not self.sparse or self.shape != (0, cfg.dim) or self.full_shape != (0, cfg.dim) or \
+                    np.dtype(self.dtype) != np.dtype(cfg.dtype):
+                raise InvalidArgumentError(
+                    f"{self.variable}: a dynamic table's shard is sparse with shape (0, {cfg.dim}) and dtype "
+                    f"{cfg.dtype}; got sparse={self.sparse} {self.dtype}{list(self.shape)}")
         wire_dtype(self.dtype)
         self.optimizer.validate()
         return self
@@ -114,7 +123,7 @@ def spec_to_pb(spec: ShardSpec) -> pb.ShardSpec:
     return pb.ShardSpec(
         variable=spec.variable, shard_index=spec.shard_index, num_shards=spec.num_shards,
         full_shape=spec.full_shape, shape=spec.shape, row_offset=spec.row_offset, dtype=spec.dtype,
-        optimizer=optimizer_to_pb(spec.optimizer), sparse=spec.sparse, ordinal=spec.ordinal)
+        optimizer=optimizer_to_pb(spec.optimizer), sparse=spec.sparse, ordinal=spec.ordinal, table=spec.table)
 
 
 def spec_from_pb(msg: pb.ShardSpec) -> ShardSpec:
@@ -123,4 +132,4 @@ def spec_from_pb(msg: pb.ShardSpec) -> ShardSpec:
         variable=msg.variable, shard_index=msg.shard_index, num_shards=msg.num_shards,
         full_shape=tuple(msg.full_shape), shape=tuple(msg.shape), row_offset=msg.row_offset,
         dtype=msg.dtype, optimizer=optimizer_from_pb(msg.optimizer), sparse=msg.sparse,
-        ordinal=msg.ordinal).validate()
+        ordinal=msg.ordinal, table=msg.table).validate()

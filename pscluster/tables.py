@@ -15,14 +15,42 @@ by the policy's score (`on_full="evict"`) or are refused with ResourceExhaustedE
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
 
 from pscluster.errors import InvalidArgumentError
 
 ADMISSIONS = ("always", "counter", "cms", "probability")
 EVICTIONS = ("none", "steps", "seconds", "lfu", "l2")
 INITIALIZERS = ("zeros", "ones", "constant", "uniform", "normal")
+
+_C1 = np.uint64(0xBF58476D1CE4E5B9)
+_C2 = np.uint64(0x94D049BB133111EB)
+
+
+def mix64(keys: np.ndarray, seed: int = 0) -> np.ndarray:
+    """splitmix64's finalizer of int64 keys (as uint64): stable across processes and platforms."""
+    z = keys.astype(np.int64, copy=False).view(np.uint64) + np.uint64((0x9E3779B97F4A7C15 * (seed + 1)) % (1 << 64))
+    z ^= z >> np.uint64(30)
+    z *= _C1
+    z ^= z >> np.uint64(27)
+    z *= _C2
+    z ^= z >> np.uint64(31)
+    return z
+
+
+def shard_of(keys: np.ndarray, num_shards: int) -> np.ndarray:
+    """The shard of each key: the high 32 bits of its hash, scaled to [0, num_shards).
+
+    High bits, because the index probes from the low ones: a shard's keys would otherwise share their
+    low bits and fill every other slot.
+    """
+    high = mix64(keys) >> np.uint64(32)
+    return ((high * np.uint64(num_shards)) >> np.uint64(32)).astype(np.int64)
 
 
 @dataclass(frozen=True)
@@ -123,3 +151,18 @@ class TableConfig:
         self.admission.validate()
         self.eviction.validate()
         return self
+
+    def to_json(self) -> str:
+        """Canonical JSON (sorted keys): what a shard spec carries, equal for equal configs."""
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> TableConfig:
+        """The validated config from to_json's text, or InvalidArgumentError naming what is wrong."""
+        try:
+            raw: dict[str, Any] = json.loads(text)
+            raw["admission"] = Admission(**raw.get("admission", {}))
+            raw["eviction"] = Eviction(**raw.get("eviction", {}))
+            return TableConfig(**raw).validate()
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise InvalidArgumentError(f"dynamic table config {text[:200]!r} does not parse: {exc}") from exc

@@ -24,9 +24,12 @@ import shutil
 from dataclasses import asdict, dataclass
 
 import numpy as np
+from pscluster.server import table_state
+from pscluster.server.dynamic_table import DynamicTable
+from pscluster.tables import TableConfig
 from pscluster.server import optimizers as opt
 from pscluster.server.push_record import PushRecord
-from pscluster.server.store import Shard, ShardSpec, VariableStore
+from pscluster.server.store import Shard, ShardSpec, VariableStore, shard_name
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -73,6 +76,9 @@ def save(store: VariableStore, root: pathlib.Path, step: int, ps_index: int, num
             tensors[f"{base}/value"] = shard.value
             for name, slot in shard.slots.items():
                 tensors[f"{base}/slot/{name}"] = slot
+            if shard.table is not None:  # live keys only, with slots, metadata and admission state
+                for name, arr in table_state.snapshot(shard.table).items():
+                    tensors[f"{base}/table/{name}"] = arr
             spec = asdict(shard.spec)
             meta.append({"spec": spec, "version": shard.version, "applied": shard.record.state()})
         header = {"placement_version": str(PLACEMENT_VERSION), "step": str(step),
@@ -162,8 +168,15 @@ def restore(store: VariableStore, root: pathlib.Path, ps_index: int, num_ps: int
                     continue
                 base = f"{spec.variable}/{spec.shard_index}"
                 value = _writable(fh.get_tensor(f"{base}/value"))
-                slots = {name: _writable(fh.get_tensor(f"{base}/slot/{name}")) for name in spec.optimizer.slot_names()}
+                slots = {name: _writable(fh.get_tensor(f"{base}/slot/{name}"))
+                         for name in ([] if spec.table else spec.optimizer.slot_names())}
                 record = PushRecord.from_state(entry["applied"], store.dedup_window, version=entry["version"])
-                store.install(Shard(spec, value, slots, entry["version"], entry["version"], record))
+                table = None
+                if spec.table:
+                    table = DynamicTable(TableConfig.from_json(spec.table), spec.optimizer, shard_name(spec))
+                    prefix = f"{base}/table/"
+                    state = {k[len(prefix):]: _writable(fh.get_tensor(k)) for k in fh.keys() if k.startswith(prefix)}
+                    table_state.load(table, state)
+                store.install(Shard(spec, value, slots, entry["version"], entry["version"], record, table=table))
                 loaded += 1
     return Restored(step, loaded, extra)

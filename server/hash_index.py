@@ -23,34 +23,11 @@ from __future__ import annotations
 import numpy as np
 
 from pscluster.errors import InvalidArgumentError, ResourceExhaustedError
+from pscluster.tables import mix64 as mix64, shard_of as shard_of
 
-_C0 = np.uint64(0x9E3779B97F4A7C15)
-_C1 = np.uint64(0xBF58476D1CE4E5B9)
-_C2 = np.uint64(0x94D049BB133111EB)
 _EMPTY = 0
 _TOMB = -1
 MIN_SLOTS = 1024
-
-
-def mix64(keys: np.ndarray, seed: int = 0) -> np.ndarray:
-    """splitmix64's finalizer of int64 keys (as uint64): stable across processes and platforms."""
-    z = keys.astype(np.int64, copy=False).view(np.uint64) + np.uint64((0x9E3779B97F4A7C15 * (seed + 1)) % (1 << 64))
-    z ^= z >> np.uint64(30)
-    z *= _C1
-    z ^= z >> np.uint64(27)
-    z *= _C2
-    z ^= z >> np.uint64(31)
-    return z
-
-
-def shard_of(keys: np.ndarray, num_shards: int) -> np.ndarray:
-    """The shard of each key: the high 32 bits of its hash, scaled to [0, num_shards).
-
-    High bits, because the index probes from the low ones: a shard's keys would otherwise share their
-    low bits and fill every other slot.
-    """
-    high = mix64(keys) >> np.uint64(32)
-    return ((high * np.uint64(num_shards)) >> np.uint64(32)).astype(np.int64)
 
 
 class HashIndex:

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field, replace
 from typing import Literal, NamedTuple
 
 import numpy as np
+from pscluster.tables import TableConfig
 from pscluster.server import optimizers as opt
+from pscluster.server.dynamic_table import DynamicTable
 from pscluster.server.push_record import PushKey, PushRecord, push_key
 
 from pscluster.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, ResourceExhaustedError
@@ -34,6 +36,7 @@ class Shard:
     restored_version: int = -1
     record: PushRecord = field(default_factory=PushRecord)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    table: DynamicTable | None = None  # a hash-keyed dynamic table's rows (spec.table); value is then empty
     dtype: np.dtype = field(init=False, repr=False)  # np.dtype(spec.dtype), looked up once, not per push
 
     def __post_init__(self) -> None:
@@ -43,6 +46,11 @@ class Shard:
     def name(self) -> str:
         """`variable[shard]`, as error messages name it."""
         return f"{self.spec.variable}[{self.spec.shard_index}]"
+
+
+def shard_name(spec: ShardSpec) -> str:
+    """`variable[shard]`, as error messages name a shard."""
+    return f"{spec.variable}[{spec.shard_index}]"
 
 
 class PushItem(NamedTuple):
@@ -133,8 +141,11 @@ class VariableStore:
                 return existing, False
             owned = value.flags.writeable and value.flags.c_contiguous and value.flags.owndata
             arr = value if owned else np.array(value, dtype=np.dtype(spec.dtype), copy=True, order="C")
-            shard = Shard(spec, arr, opt.init_slots(spec.optimizer, spec.shape, arr.dtype),
-                          record=PushRecord(self.dedup_window))
+            table = None
+            if spec.table:
+                table = DynamicTable(TableConfig.from_json(spec.table), spec.optimizer, shard_name(spec))
+            shard = Shard(spec, arr, {} if table else opt.init_slots(spec.optimizer, spec.shape, arr.dtype),
+                          record=PushRecord(self.dedup_window), table=table)
             self._shards[spec.key] = shard
             return shard, True
 
@@ -179,6 +190,12 @@ class VariableStore:
     def pull(self, key: Key, ids: np.ndarray | None = None) -> tuple[np.ndarray, int]:
         """A copy of the shard (or of its rows `ids`, global row numbers) and its version."""
         shard = self.get(key)
+        if shard.table is not None:
+            if ids is None:
+                raise InvalidArgumentError(f"{shard.name}: a dynamic table has no whole value; pull rows by key")
+            shard.table.check_keys(ids)
+            with shard.lock:
+                return shard.table.pull(ids)[0], shard.version
         local = None if ids is None else self._local_rows(shard, ids)
         with shard.lock:
             out = shard.value.copy() if local is None else shard.value[local]
@@ -243,11 +260,17 @@ class VariableStore:
             local = None
             shape = shard.spec.shape
             if ids is None:
+                if shard.table is not None:
+                    raise InvalidArgumentError(f"{shard.name}: a dynamic table takes row gradients by key")
                 if grad.shape != shape:
                     raise InvalidArgumentError(
                         f"{shard.name}: gradient shape {grad.shape} does not match shard shape {shape}")
             else:
-                local = self._local_rows(shard, ids)
+                if shard.table is not None:
+                    shard.table.check_keys(ids)
+                    local = ids  # keys: the table finds (or makes) their rows under the lock
+                else:
+                    local = self._local_rows(shard, ids)
                 want = (ids.shape[0],) + shape[1:]
                 if grad.shape != want:
                     raise InvalidArgumentError(
@@ -294,7 +317,10 @@ class VariableStore:
                 result = PushResult(shard.version if applied is None else applied, False, shard.version)
             else:
                 t = shard.version + 1
-                if local is None:
+                if shard.table is not None:
+                    assert local is not None  # validate_push refused a dense gradient
+                    shard.table.push(local, grad)  # evicted keys and drops: in shard.table.stats
+                elif local is None:
                     opt.apply_dense(shard.spec.optimizer, shard.value, grad, shard.slots, t)
                 else:
                     opt.apply_sparse(shard.spec.optimizer, shard.value, local, grad, shard.slots, t)

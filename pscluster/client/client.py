@@ -16,6 +16,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import grpc
@@ -37,6 +38,7 @@ from pscluster.placement import Partitioner, ps_for_ordinal, split_rows
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 from pscluster.specs import OptimizerConfig, ShardSpec, spec_to_pb
+from pscluster.tables import TableConfig
 
 Grads = plans.Grads
 T = TypeVar("T")
@@ -173,7 +175,7 @@ class PSClient:
                 tuple(ShardPlacement(i.spec.shard_index, ps, i.spec.row_offset,
                                      i.spec.shape[0] if i.spec.shape else 0, i.spec.ordinal)
                       for ps, i in items),
-                spec.sparse)
+                spec.sparse, spec.table)
         with self._lock:
             self._known = found
         return dict(found)
@@ -184,18 +186,27 @@ class PSClient:
             known = self._known
         return dict(known) if known is not None else self.discover()
 
-    def create_variable(self, name: str, shape: Sequence[int] | None = None, dtype: Any = None, *,
+    def create_variable(self, name: str, shape: Sequence[int | None] | None = None, dtype: Any = None, *,
                         initial_value: np.ndarray | None = None, initializer: str = "zeros",
                         init_scale: float = 0.0, seed: int = 0, partitioner: Partitioner | None = None,
-                        optimizer: OptimizerConfig | None = None, sparse: bool = False) -> Variable:
+                        optimizer: OptimizerConfig | None = None, sparse: bool = False,
+                        table: TableConfig | None = None) -> Variable:
         """Create a variable (idempotent for an identical definition), placed round-robin by shard ordinal.
+
+        `shape=(None, dim), sparse=True` makes a hash-keyed dynamic table (any int64 key; `table` sets
+        its capacity per shard, admission and eviction): one shard per PS task, or the partitioner's
+        count over capacity x PS tasks rows.
 
         Raises:
             AlreadyExistsError: the name exists with another shape, dtype or sharding.
             InvalidArgumentError: bad shape, dtype, partitioner or optimizer.
         """
         optimizer = (optimizer or OptimizerConfig()).validate()
-        if initial_value is not None:
+        table_json = ""
+        if shape is not None and len(shape) == 2 and shape[0] is None:
+            dt, full, table_json = self._table_config(name, shape, dtype, initial_value, initializer, init_scale,
+                                                      seed, sparse, table)
+        elif initial_value is not None:
             initial_value = np.asarray(initial_value)
             dt = codec.wire_dtype(initial_value.dtype if dtype is None else dtype)
             initial_value = initial_value.astype(dt, copy=False)
@@ -203,18 +214,25 @@ class PSClient:
             if shape is not None and tuple(shape) != full:
                 raise InvalidArgumentError(f"{name}: shape {tuple(shape)} does not match initial_value {full}")
         else:
-            if shape is None:
-                raise InvalidArgumentError(f"{name}: give a shape or an initial_value")
+            if shape is None or None in shape:
+                raise InvalidArgumentError(f"{name}: give a shape (None only as (None, dim) with sparse=True) "
+                                           "or an initial_value")
             dt = codec.wire_dtype(np.float32 if dtype is None else dtype)
-            full = tuple(int(d) for d in shape)
-        rows = split_rows(full, dt, partitioner)
+            full = tuple(int(d) for d in shape if d is not None)
+        if table_json:
+            cfg = TableConfig.from_json(table_json)
+            count = partitioner.count(cfg.capacity * self.num_ps, cfg.dim * dt.itemsize) if partitioner else self.num_ps
+            rows = [0] * count
+        else:
+            rows = split_rows(full, dt, partitioner)
         self.variables()  # discover once
         while True:  # reserve the name and its shard ordinals under the lock; the RPCs run outside it
             with self._lock:
                 assert self._known is not None
                 existing = self._known.get(name)
                 if existing is not None:
-                    if existing.shape != full or existing.dtype != dt or len(existing.shards) != len(rows):
+                    if existing.shape != full or existing.dtype != dt or len(existing.shards) != len(rows) or \
+                            existing.table != table_json:
                         raise AlreadyExistsError(
                             f"variable {name!r} exists as {existing.dtype}{list(existing.shape)} in "
                             f"{existing.num_shards} shard(s); cannot redefine it as {dt}{list(full)} in {len(rows)}")
@@ -229,7 +247,7 @@ class PSClient:
                         placements.append(ShardPlacement(i, ps_for_ordinal(first + i, self.num_ps), offset, n,
                                                          first + i))
                         offset += n
-                    var = Variable(name, full, dt, tuple(placements), sparse)
+                    var = Variable(name, full, dt, tuple(placements), sparse, table_json)
                     done = threading.Event()
                     self._creating[name] = (var, done)
                     break
@@ -237,7 +255,7 @@ class PSClient:
         calls = []
         for pl in placements:
             spec = ShardSpec(name, pl.shard_index, len(rows), full, var.shard_shape(pl), pl.row_offset,
-                             dt.str, optimizer, sparse, pl.ordinal)
+                             dt.str, optimizer, sparse, pl.ordinal, table_json)
             req = pb.CreateShardRequest(
                 spec=spec_to_pb(spec), initializer=pb.Initializer(kind=initializer, value=init_scale, seed=seed))
             if initial_value is not None:
@@ -255,6 +273,20 @@ class PSClient:
                 del self._creating[name]
             done.set()
         return var
+
+    @staticmethod
+    def _table_config(name: str, shape: Sequence[int | None], dtype: Any, initial_value: np.ndarray | None,
+                      initializer: str, init_scale: float, seed: int, sparse: bool,
+                      table: TableConfig | None) -> tuple[np.dtype, tuple[int, ...], str]:
+        """(dtype, (0, dim), TableConfig JSON) of a dynamic table, or InvalidArgumentError."""
+        if not sparse or initial_value is not None or not isinstance(shape[1], int):
+            raise InvalidArgumentError(f"{name}: shape (None, dim) makes a dynamic table: pass sparse=True, an "
+                                       f"int dim and no initial_value (got sparse={sparse}, shape={tuple(shape)})")
+        dt = codec.wire_dtype(np.float32 if dtype is None else dtype)
+        cfg = replace(table or TableConfig(dim=shape[1]), dim=shape[1], dtype=dt.name)
+        if initializer != "zeros":
+            cfg = replace(cfg, initializer=initializer, init_value=init_scale, seed=seed)
+        return dt, (0, shape[1]), cfg.validate().to_json()
 
     # -- pull ------------------------------------------------------------------------------------
     def recreate_missing(self, ps: int) -> int:

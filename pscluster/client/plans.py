@@ -42,6 +42,8 @@ def check_ids(var: Variable, ids: Sequence[int] | np.ndarray) -> np.ndarray:
     arr = arr.astype(np.int64, copy=False)
     if not var.shape:
         raise InvalidArgumentError(f"{var.name}: a scalar variable has no rows")
+    if var.table:
+        return arr  # any int64 is a key
     if arr.size and (arr.min() < 0 or arr.max() >= var.shape[0]):
         bad = arr[(arr < 0) | (arr >= var.shape[0])][0]
         raise InvalidArgumentError(f"{var.name}: row id {bad} outside [0, {var.shape[0]})")
@@ -66,6 +68,9 @@ def pull_plan(dense: Sequence[tuple[Variable, np.ndarray]], rows: Rows = ()) -> 
         InvalidArgumentError: not Variables, an `out` of the wrong shape, dtype or layout, bad ids.
     """
     check_variables([var for var, _ in dense], "pull")
+    for var, _ in dense:
+        if var.table:
+            raise InvalidArgumentError(f"{var.name}: a dynamic table has no whole value; pull rows by key")
     checked = [(var, check_ids(var, ids), out) for var, ids, out in rows]
     for var, ids, out in [(v, None, o) for v, o in dense] + checked:
         want = var.shape if ids is None else (ids.size,) + var.shape[1:]
@@ -132,6 +137,8 @@ def push_plan(grads: Grads, rows: Rows = (), with_values: bool = False
     targets: ValueTargets = defaultdict(list)
     plan: PushPlan = defaultdict(list)
     for var, grad in pairs:
+        if var.table:
+            raise InvalidArgumentError(f"{var.name}: a dynamic table takes row gradients by key (push_rows)")
         arr = as_grad(var, grad, var.shape)
         value = None
         if with_values:

@@ -20,6 +20,7 @@ import numpy as np
 
 from pscluster.closures import pickle_by_reference
 from pscluster.errors import FailedPreconditionError, InvalidArgumentError
+from pscluster.tables import shard_of
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,12 @@ class Variable:
     dtype: np.dtype
     shards: tuple[ShardPlacement, ...]
     sparse: bool = False
+    table: str = ""  # a hash-keyed dynamic table (shape (0, dim) here): its TableConfig as JSON
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether this is a hash-keyed dynamic table (rows keyed by any int64, placed by key hash)."""
+        return bool(self.table)
 
     @property
     def num_shards(self) -> int:
@@ -59,7 +66,11 @@ class Variable:
         return (placement.rows,) + self.shape[1:] if self.shape else ()
 
     def rows_by_shard(self, ids: np.ndarray) -> list[tuple[ShardPlacement, np.ndarray]]:
-        """(shard, positions in `ids` of the rows it holds) for every shard; ids are global row numbers."""
+        """(shard, positions in `ids` of the rows it holds) for every shard; ids are global row numbers,
+        or a dynamic table's keys (placed by their stable hash)."""
+        if self.table:
+            which = shard_of(ids, len(self.shards))
+            return [(pl, np.flatnonzero(which == k)) for k, pl in enumerate(self.shards)]
         starts = np.array([pl.row_offset for pl in self.shards])
         which = np.searchsorted(starts, ids, side="right") - 1
         return [(pl, np.flatnonzero(which == k)) for k, pl in enumerate(self.shards)]
@@ -77,6 +88,8 @@ class Variable:
 
     def pull(self) -> np.ndarray:
         """The current value, every shard pulled in parallel and reassembled."""
+        if self.table:
+            raise InvalidArgumentError(f"{self.name}: a dynamic table has no whole value; use pull_rows(keys)")
         return current_client().pull([self])[0]
 
     def read_value(self) -> np.ndarray:
