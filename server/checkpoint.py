@@ -24,10 +24,9 @@ import shutil
 from dataclasses import asdict, dataclass
 
 import numpy as np
+from pscluster.server import optimizers as opt
 from pscluster.server import table_state
 from pscluster.server.dynamic_table import DynamicTable
-from pscluster.tables import TableConfig
-from pscluster.server import optimizers as opt
 from pscluster.server.push_record import PushRecord
 from pscluster.server.store import Shard, ShardSpec, VariableStore, shard_name
 from safetensors import safe_open
@@ -36,6 +35,7 @@ from safetensors.numpy import save_file
 from pscluster.checkpoint_files import STEP_DIR as _STEP
 from pscluster.checkpoint_files import complete_steps as complete_steps
 from pscluster.placement import PLACEMENT_VERSION, ps_for_ordinal
+from pscluster.tables import TableConfig
 
 _TMP = re.compile(r"\.ps-\d+-of-\d+\.safetensors\.tmp-(\d+)$")
 

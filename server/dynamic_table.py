@@ -21,11 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-
-from pscluster.errors import InvalidArgumentError, ResourceExhaustedError
 from pscluster.server import optimizers as opt
 from pscluster.server.hash_index import HashIndex
 from pscluster.server.table_filters import initial_rows, make_filter
+
+from pscluster.errors import InvalidArgumentError, ResourceExhaustedError
 from pscluster.specs import OptimizerConfig
 from pscluster.tables import TableConfig
 

@@ -23,7 +23,8 @@ from __future__ import annotations
 import numpy as np
 
 from pscluster.errors import InvalidArgumentError, ResourceExhaustedError
-from pscluster.tables import mix64 as mix64, shard_of as shard_of
+from pscluster.tables import mix64 as mix64
+from pscluster.tables import shard_of as shard_of
 
 _EMPTY = 0
 _TOMB = -1

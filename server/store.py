@@ -15,7 +15,6 @@ from dataclasses import dataclass, field, replace
 from typing import Literal, NamedTuple
 
 import numpy as np
-from pscluster.tables import TableConfig
 from pscluster.server import optimizers as opt
 from pscluster.server.dynamic_table import DynamicTable
 from pscluster.server.push_record import PushKey, PushRecord, push_key
@@ -23,6 +22,7 @@ from pscluster.server.push_record import PushKey, PushRecord, push_key
 from pscluster.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from pscluster.specs import Key as Key
 from pscluster.specs import ShardSpec as ShardSpec
+from pscluster.tables import TableConfig
 
 
 @dataclass

@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Protocol
 
 import numpy as np
+from pscluster.server.hash_index import HashIndex, mix64
 
 from pscluster.errors import InvalidArgumentError
-from pscluster.server.hash_index import HashIndex, mix64
 from pscluster.tables import Admission, TableConfig
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)

@@ -19,10 +19,10 @@ from __future__ import annotations
 import pathlib
 
 import numpy as np
-
-from pscluster.errors import FailedPreconditionError, InvalidArgumentError
 from pscluster.server.dynamic_table import DynamicTable, TableStats
 from pscluster.server.hash_index import shard_of
+
+from pscluster.errors import FailedPreconditionError, InvalidArgumentError
 
 State = dict[str, np.ndarray]
 _ROW_FIELDS = ("values", "last_step", "freq", "touched_s")

@@ -2,11 +2,11 @@
 
 import numpy as np
 import pytest
+from pscluster.server import optimizers as opt
+from pscluster.server.dynamic_table import DynamicTable
 
 from pscluster.errors import InvalidArgumentError, ResourceExhaustedError
 from pscluster.optimizers import SGD, Adagrad, Adam, Momentum, OptimizerConfig
-from pscluster.server import optimizers as opt
-from pscluster.server.dynamic_table import DynamicTable
 from pscluster.tables import Admission, Eviction, TableConfig
 
 OPTIMIZERS = {"sgd": SGD(0.5), "momentum": Momentum(0.1, 0.9), "adagrad": Adagrad(0.1), "adam": Adam(0.01)}

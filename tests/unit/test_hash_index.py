@@ -2,9 +2,9 @@
 
 import numpy as np
 import pytest
+from pscluster.server.hash_index import HashIndex, mix64, shard_of
 
 from pscluster.errors import InvalidArgumentError, ResourceExhaustedError
-from pscluster.server.hash_index import HashIndex, mix64, shard_of
 
 EDGE = np.array([0, -1, 1, 2**63 - 1, -(2**63), 2**32, -(2**31)], np.int64)
 

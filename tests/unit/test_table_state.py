@@ -4,12 +4,12 @@ import pathlib
 
 import numpy as np
 import pytest
-
-from pscluster.errors import FailedPreconditionError, InvalidArgumentError
-from pscluster.optimizers import Adagrad, Adam
 from pscluster.server import table_state as ts
 from pscluster.server.dynamic_table import DynamicTable
 from pscluster.server.hash_index import shard_of
+
+from pscluster.errors import FailedPreconditionError, InvalidArgumentError
+from pscluster.optimizers import Adagrad, Adam
 from pscluster.tables import Admission, Eviction, TableConfig
 
 CFG = TableConfig(dim=4, capacity=4_000, initializer="uniform", init_value=0.1,
