@@ -51,6 +51,8 @@ def read_variables(files: list[pathlib.Path]) -> dict[str, np.ndarray]:
             for entry in json.loads(fh.metadata()["shards"]):
                 spec = entry["spec"]
                 name, shard = spec["variable"], spec["shard_index"]
+                if spec.get("table"):
+                    continue  # a dynamic table has no whole value (its rows: server/table_state.py)
                 value = fh.get_tensor(f"{name}/{shard}/value")
                 if spec["num_shards"] == 1 and tuple(spec["shape"]) == tuple(spec["full_shape"]):
                     out[name] = value

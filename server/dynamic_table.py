@@ -110,24 +110,27 @@ class DynamicTable:
         """Rows of keys (n, dim). Absent keys get a row when admission is "always" (evicting at a full
         shard, or ResourceExhaustedError with on_full="refuse"); otherwise they read their initial row."""
         self.check_keys(keys)
-        uniq, _, order, starts = group_keys(keys)
-        rows = self.index.lookup(uniq)
-        missing = rows < 0
+        rows = self.index.lookup(keys)  # duplicates look up twice: cheaper than sorting every batch
+        missing = np.flatnonzero(rows < 0)
         result = TableResult(self.version)
-        if missing.any() and self.cfg.admission.kind == "always":
-            victims = self._plan_room(int(np.count_nonzero(missing)), rows[~missing])
+        if missing.size and self.cfg.admission.kind == "always":
+            new, where = np.unique(keys[missing], return_inverse=True)
+            found = rows >= 0
+            victims = self._plan_room(new.size, np.unique(rows[found]) if new.size > self.free else rows[:0])
             evicted = self._remove(victims)
-            rows[missing] = self._create(uniq[missing], self.version)
-            result = TableResult(self.version, inserted=int(np.count_nonzero(missing)), evicted=evicted)
-            missing[:] = False
-        out_u = np.empty((uniq.size, self.cfg.dim), self.dtype)
-        out_u[~missing] = self.values[rows[~missing]]
-        if missing.any():
-            out_u[missing] = initial_rows(uniq[missing], self.cfg)
-        out = np.empty((keys.size, self.cfg.dim), self.dtype)
-        run = np.repeat(np.arange(uniq.size), np.diff(np.append(starts, keys.size)))
-        out[order] = out_u[run]
+            rows[missing] = self._create(new, self.version)[where]
+            result = TableResult(self.version, inserted=new.size, evicted=evicted)
+            missing = missing[:0]
+        if not missing.size:
+            return self.values[rows], result
+        out = self.values[np.maximum(rows, 0)]
+        out[missing] = initial_rows(keys[missing], self.cfg)
         return out, result
+
+    @property
+    def free(self) -> int:
+        """Rows this shard can still create without evicting."""
+        return self.cfg.capacity - self.index.live
 
     # -- writes ----------------------------------------------------------------------------------
     def push(self, keys: np.ndarray, grads: np.ndarray) -> TableResult:
@@ -245,10 +248,16 @@ class DynamicTable:
 
     def _create(self, keys: np.ndarray, step: int) -> np.ndarray:
         rows = self.index.insert(keys)
-        self.values[rows] = initial_rows(keys, self.cfg)
+        # fresh rows usually come as one run of row ids: slices write at memset speed, no index arrays
+        at: slice | np.ndarray = rows
+        if rows.size and rows[-1] - rows[0] + 1 == rows.size and rows.size == np.count_nonzero(np.diff(rows) == 1) + 1:
+            at = slice(int(rows[0]), int(rows[-1]) + 1)
+        if self.cfg.initializer in ("zeros", "ones", "constant"):
+            self.values[at] = {"zeros": 0.0, "ones": 1.0}.get(self.cfg.initializer, self.cfg.init_value)
+        else:
+            self.values[at] = initial_rows(keys, self.cfg)
         for name, slot in self.slots.items():
-            fill = self.optimizer.initial_accumulator_value if name == "accumulator" else 0.0
-            slot[rows] = fill
+            slot[at] = self.optimizer.initial_accumulator_value if name == "accumulator" else 0.0
         self.last_step[rows] = step
         self.freq[rows] = 0.0
         if self.touched_s.size:

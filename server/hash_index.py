@@ -39,7 +39,8 @@ class HashIndex:
             raise InvalidArgumentError(f"capacity must be in [1, 2**31 - 1), got {capacity}")
         self.capacity = capacity
         # np.zeros at capacity: the OS commits pages on first touch, so rows never move or get copied
-        self.row_keys = np.zeros(capacity, np.int64)
+        # two spare entries: the first probe reads row_keys[-1] / [-2] for an empty / deleted slot
+        self.row_keys = np.zeros(capacity + 2, np.int64)
         self.row_live = np.zeros(capacity, np.bool_)
         self._free = np.zeros(capacity, np.int32)  # a stack of freed row ids
         self._nfree = 0
@@ -65,9 +66,13 @@ class HashIndex:
         slots, row_keys = self._slots, self.row_keys
         mask = np.int64(slots.size - 1)
         pos = (mix64(keys) & np.uint64(mask)).astype(np.int64)
-        out = np.full(keys.size, -1, np.int64)
-        active = np.arange(keys.size)
-        want = keys
+        # the first probe, for every key at once and without index arrays: most keys end here
+        s = slots[pos]
+        hit = (row_keys[s - 1] == keys) & (s > 0)  # an empty / deleted slot reads a spare entry, ignored
+        out = np.where(hit, pos, -1)
+        go_on = ~hit & (s != _EMPTY)
+        active = np.flatnonzero(go_on)
+        pos, want = (pos[active] + 1) & mask, keys[active]
         while active.size:
             s = slots[pos]
             occupied = s > 0

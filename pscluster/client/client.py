@@ -457,11 +457,12 @@ class PSClient:
         return self._gather([(ps, "Status", pb.PsStatusRequest()) for ps in range(self.num_ps)])
 
     def export(self, path: str) -> dict[str, tuple[int, ...]]:
-        """Write every variable, whole, to one safetensors file readable without pscluster."""
+        """Write every variable, whole, to one safetensors file readable without pscluster (dynamic tables,
+        which have no whole value, are left out: their rows are in the checkpoints)."""
         from safetensors.numpy import save_file
 
         variables = self.discover()
-        names = sorted(variables)
+        names = sorted(n for n, v in variables.items() if not v.dynamic)
         values = self.pull([variables[n] for n in names])
         save_file(dict(zip(names, values)), path, metadata={"format": "pscluster-export"})
         return {n: v.shape for n, v in zip(names, values)}

@@ -108,7 +108,7 @@ class Evaluator:
         else:
             assert self._client is not None
             found = self._client.variables()
-            names = sorted(found)
+            names = sorted(n for n, v in found.items() if not v.dynamic)  # a dynamic table has no whole value
             values = self._client.pull([found[n] for n in names]) if names else []
             variables = dict(zip(names, values))
             step = int(self._client.sync_step().global_step)

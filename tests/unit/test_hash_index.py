@@ -61,3 +61,12 @@ def test_hash_and_shard_are_stable_values_not_process_dependent() -> None:
     shards = shard_of(np.arange(100_000, dtype=np.int64), 3)
     counts = np.bincount(shards, minlength=3)
     assert counts.min() > 32_000 and shards.max() == 2
+
+
+def test_a_one_row_index_probes_empty_and_deleted_slots_safely() -> None:
+    index = HashIndex(capacity=1)
+    assert index.lookup(EDGE).tolist() == [-1] * EDGE.size
+    row = index.insert(EDGE[:1])
+    index.remove(row)
+    assert index.lookup(EDGE).tolist() == [-1] * EDGE.size
+    assert index.insert(EDGE[1:2]).tolist() == row.tolist()

@@ -1,0 +1,171 @@
+"""B16, in-process: one shard of a hash-keyed dynamic table (server/dynamic_table.py), no sockets.
+
+    python bench/dyntables.py --keys 1000000 --dim 64 --runs 5
+    python bench/dyntables.py --ops 1000000 --check     # the randomized dict reference at a million ops
+
+Prints one JSON line per figure (median of --runs, with every run): inserts/s and the longest single
+insert batch while growing from empty; lookups/s of batches of 4,096 live keys; lookup + Adagrad update
+of such batches (keys/s, each key pulled once and pushed once); resident bytes per key beyond its row
+and slot bytes; checkpoint save (snapshot + safetensors file) and restore into 2 shards, s/GiB of
+state; an eviction sweep over every live key (keys scanned/s, none evicted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from pscluster.server import table_state as ts
+from pscluster.server.dynamic_table import DynamicTable
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from pscluster.optimizers import Adagrad, OptimizerConfig
+from pscluster.tables import Eviction, TableConfig
+
+BATCH = 4096
+GROW_BATCH = 65536
+
+
+def _rss_bytes() -> int:
+    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _emit(name: str, runs: list[float], unit: str, **extra: Any) -> None:
+    print(json.dumps({"figure": name, "median": statistics.median(runs), "unit": unit,
+                      "runs": [round(r, 4) for r in runs], **extra}), flush=True)
+
+
+def _table(n: int, dim: int, optimizer: OptimizerConfig) -> DynamicTable:
+    cfg = TableConfig(dim=dim, capacity=n + GROW_BATCH, eviction=Eviction("steps", max_idle=1e15))
+    return DynamicTable(cfg, optimizer)
+
+
+def grow(n: int, dim: int, optimizer: OptimizerConfig, keys: np.ndarray) -> tuple[DynamicTable, float, float, int]:
+    """A table filled from empty with `keys` by pulls (admission "always"); (table, keys/s, longest, rss)."""
+    before = _rss_bytes()
+    table = _table(n, dim, optimizer)
+    longest = 0.0
+    start = time.perf_counter()
+    for i in range(0, n, GROW_BATCH):
+        t0 = time.perf_counter()
+        table.pull(keys[i:i + GROW_BATCH])
+        longest = max(longest, time.perf_counter() - t0)
+    seconds = time.perf_counter() - start
+    return table, n / seconds, longest, _rss_bytes() - before
+
+
+def per_second(fn: Callable[[int], int], iters: int) -> float:
+    """Items per second over iters calls of fn(i) (each returns how many items it handled)."""
+    start = time.perf_counter()
+    done = sum(fn(i) for i in range(iters))
+    return done / (time.perf_counter() - start)
+
+
+def bench(n: int, dim: int, runs: int, checkpoint: bool) -> None:
+    """Every B16 figure at n live keys of dim floats."""
+    rng = np.random.default_rng(0)
+    keys = rng.integers(-(2**63), 2**63 - 1, n, dtype=np.int64, endpoint=True)
+    optimizer = Adagrad(0.01)
+    slot_bytes = dim * 4 * (1 + len(optimizer.slot_names()))
+    ins, longest, over = [], [], []
+    table = None
+    for _ in range(runs):
+        table = None  # free the previous table first: RSS growth is measured per table
+        table, rate, pause, rss = grow(n, dim, optimizer, keys)
+        ins.append(rate)
+        longest.append(pause)
+        over.append((rss - table.live * slot_bytes) / table.live)
+    assert table is not None
+    live = table.live  # random int64 keys: a few may repeat
+    _emit("insert", ins, "keys/s", live_keys=live, dim=dim)
+    _emit("insert_longest_batch", longest, "s", batch=GROW_BATCH)
+    _emit("bytes_per_key_beyond_row_and_slots", over, "B", measured="RSS growth", index=table.index.nbytes / live)
+    batches = [keys[rng.integers(0, n, BATCH)] for _ in range(64)]
+    grads = np.full((BATCH, dim), 0.01, np.float32)
+
+    def lookup(i: int) -> int:
+        return table.pull(batches[i % 64])[0].shape[0]
+
+    def update(i: int) -> int:
+        b = batches[i % 64]
+        table.pull(b)
+        table.push(b, grads)
+        return b.size
+
+    _emit("lookup", [per_second(lookup, 200) for _ in range(runs)], "keys/s", batch=BATCH, live_keys=live)
+    _emit("lookup_adagrad_update", [per_second(update, 100) for _ in range(runs)], "keys/s", batch=BATCH)
+    sweeps = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        assert table.sweep().evicted.size == 0
+        sweeps.append(live / (time.perf_counter() - start))
+    _emit("eviction_sweep", sweeps, "keys scanned/s")
+    if checkpoint:
+        saves, restores = [], []
+        with tempfile.TemporaryDirectory() as tmp:
+            path = pathlib.Path(tmp) / "shard.safetensors"
+            for _ in range(runs):
+                start = time.perf_counter()
+                state = ts.snapshot(table)
+                save_file(state, str(path))
+                gib = sum(a.nbytes for a in state.values()) / 2**30
+                saves.append((time.perf_counter() - start) / gib)
+                del state
+                start = time.perf_counter()
+                with safe_open(str(path), framework="numpy") as fh:
+                    loaded = {k: fh.get_tensor(k) for k in fh.keys()}
+                parts = ts.reshard([loaded], 2)
+                del loaded
+                for part in parts:
+                    ts.load(_table(n, dim, optimizer), part)
+                restores.append((time.perf_counter() - start) / gib)
+                del parts
+        _emit("checkpoint_save", saves, "s/GiB", state_gib=round(gib, 3))
+        _emit("restore_into_2_shards", restores, "s/GiB")
+
+
+def check(ops: int) -> None:
+    """The randomized run against a dict (tests/unit/test_dynamic_table.py) at `ops` key operations."""
+    import pytest
+
+    from tests.unit import test_dynamic_table as t
+
+    src = pathlib.Path(t.__file__).read_text()
+    assert "while ops < 60_000:" in src
+    code = src.replace("while ops < 60_000:", f"while ops < {ops}:")
+    scope: dict[str, Any] = {"__name__": "b16_check", "pytest": pytest}
+    exec(compile(code, t.__file__, "exec"), scope)
+    start = time.perf_counter()
+    scope["test_no_silent_loss_at_capacity_against_a_dict_reference"]()
+    print(json.dumps({"figure": "dict_reference_check", "ops": ops, "seconds": time.perf_counter() - start,
+                      "result": "identical"}), flush=True)
+
+
+def main() -> None:
+    """Parse arguments and run."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--keys", type=int, default=1_000_000)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--no-checkpoint", action="store_true", help="skip save/restore (needs 2x the table's memory)")
+    ap.add_argument("--ops", type=int, default=0, help="run the dict reference check at this many operations")
+    args = ap.parse_args()
+    if args.ops:
+        check(args.ops)
+        return
+    bench(args.keys, args.dim, args.runs, not args.no_checkpoint)
+
+
+if __name__ == "__main__":
+    main()
