@@ -80,6 +80,14 @@ def bench(n: int, dim: int, runs: int, checkpoint: bool) -> None:
     slot_bytes = dim * 4 * (1 + len(optimizer.slot_names()))
     ins, longest, over = [], [], []
     table = None
+    fills = []
+    for _ in range(runs):  # the floor of growing: first writes of as many rows (the OS commits pages)
+        start = time.perf_counter()
+        fresh = np.zeros((n, dim * (1 + len(optimizer.slot_names()))), np.float32)
+        fresh[:] = 1.0
+        fills.append(n / (time.perf_counter() - start))
+        del fresh
+    _emit("numpy_first_write_floor", fills, "rows/s", bytes_per_row=slot_bytes)
     for _ in range(runs):
         table = None  # free the previous table first: RSS growth is measured per table
         table, rate, pause, rss = grow(n, dim, optimizer, keys)
@@ -103,6 +111,12 @@ def bench(n: int, dim: int, runs: int, checkpoint: bool) -> None:
         table.push(b, grads)
         return b.size
 
+    floor_rows = rng.integers(0, live, (64, BATCH))
+
+    def gather(i: int) -> int:  # the numpy floor in the same run: a gather of as many rows, no hashing
+        return table.values[floor_rows[i % 64]].shape[0]
+
+    _emit("numpy_gather_floor", [per_second(gather, 200) for _ in range(runs)], "rows/s", batch=BATCH)
     _emit("lookup", [per_second(lookup, 200) for _ in range(runs)], "keys/s", batch=BATCH, live_keys=live)
     _emit("lookup_adagrad_update", [per_second(update, 100) for _ in range(runs)], "keys/s", batch=BATCH)
     sweeps = []

@@ -188,6 +188,39 @@ class PSParams:
         return tree_util.tree_unflatten(self.treedef, values)
 
 
+class DynamicRows:
+    """A dynamic table (create_variable(shape=(None, dim), sparse=True)) for a jax step over raw int64 ids.
+
+        rows, local = table_rows.pull(batch_ids)     # rows of the batch's unique keys; local: ids -> rows
+        g = jax.grad(lambda r: loss(r[local], y))(rows)
+        table_rows.push(g)                           # one row push of exactly those keys
+    """
+
+    def __init__(self, table: Variable) -> None:
+        if not isinstance(table, Variable) or not table.dynamic:
+            raise InvalidArgumentError(f"DynamicRows needs a dynamic table (shape=(None, dim), sparse=True), "
+                                       f"got {table!r:.80}")
+        self.table = table
+        self.keys = np.empty(0, np.int64)
+
+    def pull(self, ids: Any) -> tuple[np.ndarray, np.ndarray]:
+        """(rows of the unique keys in ids, each id's row index in them, shaped as ids)."""
+        arr = np.asarray(ids)
+        if arr.size and arr.dtype.kind not in "iu":
+            raise InvalidArgumentError(f"{self.table.name}: ids must be integers, got {arr.dtype}")
+        keys, inverse = np.unique(arr.astype(np.int64, copy=False).reshape(-1), return_inverse=True)
+        self.keys = keys
+        return self.table.pull_rows(keys), inverse.reshape(arr.shape)
+
+    def push(self, grad_rows: Any) -> list[int]:
+        """Push the gradient of the rows the last pull returned (same order); the shards' versions."""
+        grads = np.asarray(grad_rows)
+        if grads.shape[:1] != self.keys.shape:
+            raise InvalidArgumentError(f"{self.table.name}: {grads.shape[0] if grads.ndim else 0} gradient rows for "
+                                       f"the {self.keys.size} keys of the last pull")
+        return self.table.push_rows(self.keys, grads)
+
+
 def SGD(learning_rate: float = 1e-3) -> OptimizerConfig:  # noqa: N802 - optax's names
     """optax.sgd without momentum, run on the PS."""
     return optimizers.SGD(learning_rate)

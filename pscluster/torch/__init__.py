@@ -15,11 +15,13 @@
     net.load_state_dict(model.state_dict())
 
 Sparse `nn.Embedding`/`nn.EmbeddingBag(sparse=True)` weights are sparse PS tables: `pull(ids={"emb": ids})`
-pulls only the rows the batch touches and `push()` sends only their gradients. The core never imports
+pulls only the rows the batch touches and `push()` sends only their gradients. `DynamicEmbedding` stands in
+for either over raw int64 ids, on a hash-keyed dynamic table (pscluster/torch/dynamic.py). The core never imports
 torch; only this package does.
 """
 
+from pscluster.torch.dynamic import DynamicEmbedding
 from pscluster.torch.module import PSModule
 from pscluster.torch.optim import SGD, Adagrad, Adam, from_torch
 
-__all__ = ["Adagrad", "Adam", "PSModule", "SGD", "from_torch"]
+__all__ = ["Adagrad", "Adam", "DynamicEmbedding", "PSModule", "SGD", "from_torch"]

@@ -81,3 +81,35 @@ def test_dynamic_table_comes_back_from_a_checkpoint_after_sigkill(cluster, clien
     assert on_victim.any() and (~on_victim).any()
     np.testing.assert_array_equal(after[on_victim], saved[on_victim])
     np.testing.assert_array_equal(after[~on_victim], newer[~on_victim])
+
+
+def test_torch_and_jax_adapters_train_a_dynamic_table_over_raw_int64_ids(client):
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    from pscluster.client import context
+    from pscluster.jax import DynamicRows
+    from pscluster.torch.dynamic import DynamicEmbedding
+
+    table = client.create_variable("dyn_adapters", shape=(None, 3), sparse=True, optimizer=ps.SGD(1.0),
+                                   initializer="uniform", init_scale=0.5)
+    context.set_default_client(client)
+    try:
+        ids = torch.tensor([2**62, -7, 2**62, 0], dtype=torch.int64)
+        offsets = torch.tensor([0, 2])
+        before = client.pull_rows(table, ids.numpy())
+        bag = DynamicEmbedding(table, mode="sum")
+        out = bag(ids, offsets)
+        np.testing.assert_allclose(out.detach().numpy(), [before[0] + before[1], before[2] + before[3]], rtol=1e-6)
+        out.sum().backward()
+        bag.push()
+        after = client.pull_rows(table, ids.numpy())
+        np.testing.assert_allclose(after, before - np.array([[2], [1], [2], [1]]), rtol=1e-6)  # 2**62 counted twice
+        rows = DynamicRows(table)
+        got, local = rows.pull(np.array([[0, -7], [0, 0]]))
+        g = jax.grad(lambda r: jnp.sum(r[local]))(jnp.asarray(got))
+        rows.push(np.asarray(g))
+        np.testing.assert_allclose(client.pull_rows(table, [0, -7]), after[[3, 1]] - np.array([[3], [1]]), rtol=1e-6)
+    finally:
+        context.set_default_client(None)
