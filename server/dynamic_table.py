@@ -150,10 +150,14 @@ class DynamicTable:
             raise InvalidArgumentError(f"{self.name}: gradient holds NaN or Inf; rejected")
         step = self.version + 1
         uniq, counts, order, starts = group_keys(keys)
-        if uniq.size == keys.size:
-            summed = grads[order]
-        else:  # float64 in key order: exact for any arrival order unless a key's parts span 2**29
-            summed = np.add.reduceat(grads[order], starts, axis=0, dtype=np.float64).astype(self.dtype)
+        summed = grads[order[starts]]
+        dup = counts > 1
+        if dup.any():  # float64 in key order: exact for any arrival order unless a key's parts span 2**29
+            in_dup = np.repeat(dup, counts)
+            part_counts = counts[dup]
+            part_starts = np.concatenate(([0], np.cumsum(part_counts)[:-1]))
+            parts = grads[order[in_dup]].astype(np.float64)
+            summed[dup] = np.add.reduceat(parts, part_starts, axis=0).astype(self.dtype)
         rows = self.index.lookup(uniq)
         missing = np.flatnonzero(rows < 0)
         admitted = self.filter.decide(uniq[missing], counts[missing], step)
@@ -165,7 +169,7 @@ class DynamicTable:
         rows[new] = self._create(uniq[new], step)
         hit = rows >= 0
         live_rows = rows[hit]
-        opt.apply_sparse(self.optimizer, self.values, live_rows, summed[hit], self.slots, step)
+        opt.apply_rows(self.optimizer, self.values, live_rows, summed[hit], self.slots, step)
         self._touch(live_rows, counts[hit], step)
         dropped = int(counts[~hit].sum())
         self.stats.dropped += dropped

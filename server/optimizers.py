@@ -92,6 +92,12 @@ def apply_sparse(cfg: OptimizerConfig, value: np.ndarray, rows: np.ndarray, grad
     unique, inverse = np.unique(rows, return_inverse=True)
     summed = np.zeros((unique.size,) + grad_rows.shape[1:], dtype=value.dtype)
     np.add.at(summed, inverse, grad_rows)
+    apply_rows(cfg, value, unique, summed, slots, t)
+
+
+def apply_rows(cfg: OptimizerConfig, value: np.ndarray, unique: np.ndarray, summed: np.ndarray,
+               slots: dict[str, np.ndarray], t: int) -> None:
+    """Apply one gradient per row to rows `unique` (no repeats: a caller that sums duplicates itself)."""
     w = value[unique]
     sub = {k: s[unique] for k, s in slots.items()}
     _update(cfg, w, summed, sub, t)
