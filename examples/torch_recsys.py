@@ -2,6 +2,7 @@
 
     python examples/torch_recsys.py --steps 1000                # 2 PS, 2 workers, Adagrad on the PS
     python examples/torch_recsys.py --rows 10000000 --dim 16    # larger tables: workers hold only batch rows
+    python examples/torch_recsys.py --hashed --steps 1000       # raw hashed int64 ids on dynamic tables
 
 Model: user and item `nn.Embedding(rows, dim, sparse=True)` tables (created on the meta device, so
 neither the driver nor a worker ever holds a table: the PS initialises them) and a linear layer over
@@ -13,6 +14,13 @@ rows * u**4, scattered over the table by a bijective hash), and a click happens 
 sigmoid(2 (a_user + b_item) + 2 <p_user, q_item> / sqrt(k)), where a, b, p, q are fixed pseudo-random
 functions of the id. Held-out AUC (fresh samples from the same law) is printed: 0.5 is chance, the
 true click law itself scores 0.84 on 20,000 samples.
+
+`--hashed`: the model sees each id only as a hashed 64-bit feature id (any int64), and the tables are
+hash-keyed dynamic tables (`create_variable(shape=(None, dim), sparse=True)`, one
+`ps_torch.DynamicEmbedding` each): a key gets a row after `--admit` occurrences, rows untouched for
+`--max-idle` pushes are evicted every 50 pushes, and each shard holds at most `--capacity` rows. The
+live size of both tables, the evicted keys and the dropped (not yet admitted) gradient rows are
+printed as training goes.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from torch import nn
 import pscluster as ps
 import pscluster.torch as ps_torch
 from pscluster.ops.launcher import LocalCluster
+from pscluster.tables import Admission, Eviction, TableConfig, mix64
 
 LATENT = 4  # k, the dimension of the true user/item factors
 
@@ -94,6 +103,75 @@ class ClickModel(nn.Module):
         return self.out(torch.cat([u * i, u, i], 1)).squeeze(1)
 
 
+def feature_ids(ids: np.ndarray, salt: int) -> torch.Tensor:
+    """The raw 64-bit feature id a production system would see for an id: any int64."""
+    return torch.from_numpy(mix64(ids, salt).view(np.int64))
+
+
+class HashedClickModel(nn.Module):
+    """The same model over raw feature ids: user and item rows come from dynamic tables."""
+
+    def __init__(self, user: ps.Variable, item: ps.Variable, dim: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.user, self.item = ps_torch.DynamicEmbedding(user), ps_torch.DynamicEmbedding(item)
+        self.out = nn.Linear(3 * dim, 1)
+
+    def forward(self, users: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+        u, i = self.user(users), self.item(items)
+        return self.out(torch.cat([u * i, u, i], 1)).squeeze(1)
+
+
+def make_hashed_step(model: ps_torch.PSModule):
+    """A closure body for --hashed: dense layer through PSModule, the two tables through their own pushes."""
+
+    def train_step(iterator) -> float:
+        users, items, clicked = next(iterator)
+        net = model.pull()
+        logits = net(feature_ids(users, 1), feature_ids(items, 2))
+        loss = nn.functional.binary_cross_entropy_with_logits(logits, torch.from_numpy(clicked))
+        loss.backward()
+        model.push()
+        net.user.push()
+        net.item.push()
+        return loss.item()
+
+    return train_step
+
+
+def hashed_tables(coord: ps.ClusterCoordinator, args: argparse.Namespace) -> list[ps.Variable]:
+    """The user and item dynamic tables of --hashed."""
+    cfg = TableConfig(dim=args.dim, capacity=args.capacity, initializer="normal", init_value=0.1,
+                      admission=Admission("counter", min_count=args.admit),
+                      eviction=Eviction("steps", max_idle=args.max_idle, every_steps=50))
+    return [coord.create_variable(name, shape=(None, args.dim), sparse=True, table=cfg,
+                                  optimizer=ps_torch.Adagrad(lr=args.lr)) for name in ("user_ids", "item_ids")]
+
+
+def train_hashed(coord: ps.ClusterCoordinator, args: argparse.Namespace) -> tuple[list[float], float, float]:
+    """--hashed: train in 5 rounds, printing the tables' live size; (losses, seconds, held-out AUC)."""
+    user, item = hashed_tables(coord, args)
+    model = ps_torch.PSModule(coord, HashedClickModel(user, item, args.dim), ps_torch.Adagrad(lr=args.lr))
+    rows, batch = args.rows, args.batch
+    dataset = coord.create_per_worker_dataset(lambda info: click_batches(rows, batch, info.worker_index))
+    iterator, step = iter(dataset), make_hashed_step(model)
+    losses: list[float] = []
+    start = time.perf_counter()
+    for r in range(5):
+        n = args.steps // 5 + (1 if r < args.steps % 5 else 0)
+        losses += coord.fetch([coord.schedule(step, args=(iterator,)) for _ in range(n)])
+        stats = [coord.client.table_stats(t) for t in (user, item)]
+        print(f"after {len(losses)} steps: live keys user {stats[0]['live_keys']:,}, item {stats[1]['live_keys']:,}; "
+              f"evicted {sum(s['evicted_keys'] for s in stats):,}; "
+              f"dropped rows {sum(s['dropped_rows'] for s in stats):,}", flush=True)
+    seconds = time.perf_counter() - start
+    users, items, clicked = clicks(args.rows, args.eval_samples, np.random.default_rng(12345))
+    net = model.pull()
+    with torch.no_grad():
+        score = auc(net(feature_ids(users, 1), feature_ids(items, 2)).numpy(), clicked)
+    return losses, seconds, score
+
+
 def make_step(model: ps_torch.PSModule):
     """A closure body: pull the batch's rows and the dense layer, backward, push; returns the loss."""
 
@@ -138,17 +216,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--eval-samples", type=int, default=20_000)
     parser.add_argument("--min-auc", type=float, default=0.6, help="exit non-zero below this")
+    parser.add_argument("--hashed", action="store_true", help="raw hashed int64 ids on dynamic tables")
+    parser.add_argument("--admit", type=int, default=2, help="--hashed: occurrences before a key gets a row")
+    parser.add_argument("--max-idle", type=int, default=400, help="--hashed: evict rows untouched this many pushes")
+    parser.add_argument("--capacity", type=int, default=1 << 20, help="--hashed: rows per shard at most")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
     mib = 2 * args.rows * args.dim * 4 / 2**20
-    print(f"tables: 2 x {args.rows:,} rows x {args.dim} float32 ({mib:.0f} MiB on the PS); "
+    what = (f"2 dynamic tables of {args.dim} float32 per key (at most {args.capacity:,} rows per shard), ids drawn "
+            f"from {args.rows:,}" if args.hashed else f"2 x {args.rows:,} rows x {args.dim} float32 ({mib:.0f} MiB on the PS)")
+    print(f"tables: {what}; "
           f"cluster: {args.ps} PS, {args.workers} workers on 127.0.0.1")
     with tempfile.TemporaryDirectory(prefix="pscluster-torch-recsys-") as tmp:
         with LocalCluster(args.ps, args.workers, workdir=pathlib.Path(tmp, "cluster")) as cluster:
             coord = ps.ClusterCoordinator(cluster.settings())
             try:
                 coord.wait_for_workers(args.workers)
+                if args.hashed:
+                    losses, seconds, score = train_hashed(coord, args)
+                    workers_mib = [peak_rss_mib(d.pid) for d in cluster.workers]
+                    ps_mib = [peak_rss_mib(d.pid) for d in cluster.ps]
+                    return _report(args, losses, seconds, score, workers_mib, ps_mib)
                 model = ps_torch.PSModule(coord, ClickModel(args.rows, args.dim), ps_torch.Adagrad(lr=args.lr),
                                           partitioner=ps.FixedShardsPartitioner(args.ps), table_init=0.1)
                 rows, batch = args.rows, args.batch
@@ -162,6 +251,11 @@ def main(argv: list[str] | None = None) -> int:
                 ps_mib = [peak_rss_mib(d.pid) for d in cluster.ps]
             finally:
                 coord.shutdown()
+    return _report(args, losses, seconds, score, workers_mib, ps_mib)
+
+
+def _report(args: argparse.Namespace, losses: list[float], seconds: float, score: float,
+            workers_mib: list[float], ps_mib: list[float]) -> int:
     print(f"{args.steps} steps of {args.batch} in {seconds:.1f} s ({args.steps / seconds:.0f} steps/s); "
           f"loss {np.mean(losses[:20]):.3f} -> {np.mean(losses[-20:]):.3f}")
     print(f"peak RSS: workers {', '.join(f'{m:.0f}' for m in workers_mib)} MiB; "

@@ -254,10 +254,19 @@ class ShardInfo(_message.Message):
     VERSION_FIELD_NUMBER: _builtins.int
     PS_INDEX_FIELD_NUMBER: _builtins.int
     RESTORED_VERSION_FIELD_NUMBER: _builtins.int
+    LIVE_KEYS_FIELD_NUMBER: _builtins.int
+    EVICTED_KEYS_FIELD_NUMBER: _builtins.int
+    DROPPED_ROWS_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     ps_index: _builtins.int
     restored_version: _builtins.int
     """version the shard was restored with at start; -1 if not restored"""
+    live_keys: _builtins.int
+    """a dynamic table's shard: keys with a row now"""
+    evicted_keys: _builtins.int
+    """... keys evicted since creation (restored with checkpoints)"""
+    dropped_rows: _builtins.int
+    """... gradient rows dropped because their key was not admitted"""
     @_builtins.property
     def spec(self) -> Global___ShardSpec: ...
     def __init__(
@@ -267,10 +276,13 @@ class ShardInfo(_message.Message):
         version: _builtins.int = ...,
         ps_index: _builtins.int = ...,
         restored_version: _builtins.int = ...,
+        live_keys: _builtins.int = ...,
+        evicted_keys: _builtins.int = ...,
+        dropped_rows: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ps_index", b"ps_index", "restored_version", b"restored_version", "spec", b"spec", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped_rows", b"dropped_rows", "evicted_keys", b"evicted_keys", "live_keys", b"live_keys", "ps_index", b"ps_index", "restored_version", b"restored_version", "spec", b"spec", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -12,7 +12,7 @@ from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 from pscluster.server.ps import ParameterServerCore
 from pscluster.server.replication import Replication, Role
-from pscluster.server.store import PushItem
+from pscluster.server.store import PushItem, table_counts
 
 from pscluster import codec
 from pscluster.errors import FailedPreconditionError, InvalidArgumentError
@@ -44,7 +44,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def ListShards(self, request: pb.ListShardsRequest, context: grpc.ServicerContext) -> pb.ListShardsReply:
         return pb.ListShardsReply(shards=[
             pb.ShardInfo(spec=spec_to_pb(s.spec), version=s.version, ps_index=self.core.ps_index,
-                         restored_version=s.restored_version)
+                         restored_version=s.restored_version, **table_counts(s))
             for s in self.core.store.shards()])
 
     def Pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> pb.PullReply:

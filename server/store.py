@@ -373,6 +373,14 @@ class VariableStore:
         return local
 
 
+def table_counts(shard: Shard) -> dict[str, int]:
+    """A dynamic table shard's live keys, evicted keys and dropped rows (ShardInfo's fields); {} otherwise."""
+    table = shard.table
+    if table is None:
+        return {}
+    return {"live_keys": table.live, "evicted_keys": table.stats.evicted, "dropped_rows": table.stats.dropped}
+
+
 def ensure_created(store: VariableStore, spec: ShardSpec, initial: np.ndarray | None,
                    init_kind: str, init_value: float, seed: int) -> tuple[Shard, bool]:
     """Create a shard from an explicit value or an initializer spec (idempotently).

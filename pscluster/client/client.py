@@ -452,6 +452,17 @@ class PSClient:
         replies = self._gather([(ps, "Save", pb.SaveRequest(step=step)) for ps in range(self.num_ps)])
         return [r.path for r in replies]
 
+    def table_stats(self, table: Variable) -> dict[str, int]:
+        """A dynamic table's live keys, evicted keys and dropped (not admitted) gradient rows, summed
+        over its shards (one ListShards per PS task)."""
+        totals = {"live_keys": 0, "evicted_keys": 0, "dropped_rows": 0}
+        for reply in self._gather([(ps, "ListShards", pb.ListShardsRequest()) for ps in {pl.ps for pl in table.shards}]):
+            for info in reply.shards:
+                if info.spec.variable == table.name:
+                    for name in totals:
+                        totals[name] += getattr(info, name)
+        return totals
+
     def status(self) -> list[pb.PsStatus]:
         """Status of every PS task."""
         return self._gather([(ps, "Status", pb.PsStatusRequest()) for ps in range(self.num_ps)])

@@ -54,6 +54,8 @@ def test_any_int64_key_is_admitted_updated_and_placed_by_its_hash(client):
         pushes.append((keys, grads))
     probe = np.concatenate([EDGE, np.arange(-60, 60, dtype=np.int64)])
     np.testing.assert_array_equal(client.pull_rows(emb, probe), reference(pushes, probe))
+    stats = client.table_stats(emb)
+    assert stats["live_keys"] > 0 and stats["dropped_rows"] > 0 and stats["evicted_keys"] == 0
     again = client.create_variable("dyn_emb", shape=(None, 4), sparse=True, optimizer=ps.Adagrad(0.1), table=CFG)
     assert again == emb
     with ps.PSClient(client.settings) as other:  # discovered from the PS: still a dynamic table
@@ -99,6 +101,7 @@ def test_torch_and_jax_adapters_train_a_dynamic_table_over_raw_int64_ids(client)
         ids = torch.tensor([2**62, -7, 2**62, 0], dtype=torch.int64)
         offsets = torch.tensor([0, 2])
         before = client.pull_rows(table, ids.numpy())
+        assert client.table_stats(table) == {"live_keys": 3, "evicted_keys": 0, "dropped_rows": 0}
         bag = DynamicEmbedding(table, mode="sum")
         out = bag(ids, offsets)
         np.testing.assert_allclose(out.detach().numpy(), [before[0] + before[1], before[2] + before[3]], rtol=1e-6)
