@@ -7,8 +7,10 @@ probes whole batches in numpy.
 The slot table holds `row + 1` (0 = empty, -1 = deleted), never a key, so every int64 key is valid
 (0, -1 and 2**63-1 included): there is no key sentinel to collide with. A slot's key is read from
 `row_keys[row]`. Linear probing from `mix64(key) & mask`; deletion leaves a tombstone, and the table is
-rebuilt (at 2.5 x its live keys, rounded up to a power of two) when live entries plus tombstones pass
-half of it.
+replaced (by one of 2.5 x its live keys, rounded up to a power of two) when live entries plus tombstones
+pass half of it. The move is incremental, so growing never stops the shard for a whole rehash: the old
+table stays searchable while each insert moves a bounded stretch of it (MOVE_PER_KEY old slots per new
+key, at least MOVE_MIN), which finishes the move before the new table can fill.
 
 Row ids are dense in [0, capacity): a freed row is reused by a later insert, so arrays indexed by row
 (values, slots, metadata) never grow past the capacity and hold one key's state per row id.
@@ -29,12 +31,14 @@ from pscluster.tables import shard_of as shard_of
 _EMPTY = 0
 _TOMB = -1
 MIN_SLOTS = 1024
+MOVE_PER_KEY = 16  # old slots moved per inserted key: the old table (<= 2 x need) is gone after need/8 inserts
+MOVE_MIN = 1 << 16
 
 
 class HashIndex:
     """int64 key -> dense row id in [0, capacity); rows are reused after removal."""
 
-    def __init__(self, capacity: int, slots: int = MIN_SLOTS) -> None:
+    def __init__(self, capacity: int, slots: int = MIN_SLOTS, move_min: int = MOVE_MIN) -> None:
         if not 0 < capacity < 2**31 - 1:
             raise InvalidArgumentError(f"capacity must be in [1, 2**31 - 1), got {capacity}")
         self.capacity = capacity
@@ -48,6 +52,9 @@ class HashIndex:
         self.live = 0
         self._tombs = 0
         self._slots = np.zeros(_pow2(slots), np.int32)
+        self._old: np.ndarray | None = None  # the slot table being moved out of, searched after _slots
+        self._cursor = 0  # old slots below it are moved (tombstones now)
+        self.move_min = move_min
         self.rebuilds = 0
 
     # -- reads -----------------------------------------------------------------------------------
@@ -59,11 +66,13 @@ class HashIndex:
     @property
     def nbytes(self) -> int:
         """Bytes this index holds for its live rows' range (slots, keys, live flags, free stack)."""
-        return self._slots.nbytes + self._next_row * (8 + 1 + 4)
+        old = 0 if self._old is None else self._old.nbytes
+        return self._slots.nbytes + old + self._next_row * (8 + 1 + 4)
 
-    def _find(self, keys: np.ndarray) -> np.ndarray:
-        """Slot position of each key, -1 where absent."""
-        slots, row_keys = self._slots, self.row_keys
+    def _find(self, keys: np.ndarray, slots: np.ndarray | None = None) -> np.ndarray:
+        """Slot position of each key in `slots` (default: the current table), -1 where absent."""
+        slots = self._slots if slots is None else slots
+        row_keys = self.row_keys
         mask = np.int64(slots.size - 1)
         pos = (mix64(keys) & np.uint64(mask)).astype(np.int64)
         # the first probe, for every key at once and without index arrays: most keys end here
@@ -89,6 +98,11 @@ class HashIndex:
         found = pos >= 0
         rows = np.full(keys.size, -1, np.int64)
         rows[found] = self._slots[pos[found]].astype(np.int64) - 1
+        if self._old is not None and not found.all():  # keys not moved yet
+            rest = np.flatnonzero(~found)
+            old_pos = self._find(keys[rest], self._old)
+            hit = old_pos >= 0
+            rows[rest[hit]] = self._old[old_pos[hit]].astype(np.int64) - 1
         return rows
 
     def live_rows(self) -> np.ndarray:
@@ -106,6 +120,8 @@ class HashIndex:
         if n > self.capacity - self.live:
             raise ResourceExhaustedError(
                 f"{n} new keys but {self.capacity - self.live} free rows of {self.capacity}")
+        if self._old is not None:
+            self._move(max(self.move_min, MOVE_PER_KEY * n))
         if (self.live + self._tombs + n) * 2 > self._slots.size:
             self._rebuild(self.live + n)
         reuse = min(n, self._nfree)
@@ -124,8 +140,11 @@ class HashIndex:
         """Free live rows (unique); returns their keys. Their slots become tombstones."""
         keys = self.row_keys[rows].copy()
         pos = self._find(keys)
-        self._slots[pos] = _TOMB
-        self._tombs += rows.size
+        self._slots[pos[pos >= 0]] = _TOMB
+        self._tombs += int(np.count_nonzero(pos >= 0))
+        if self._old is not None:  # a key not moved yet is only there
+            old_pos = self._find(keys, self._old)
+            self._old[old_pos[old_pos >= 0]] = _TOMB
         self.row_live[rows] = False
         self._free[self._nfree:self._nfree + rows.size] = rows
         self._nfree += rows.size
@@ -150,20 +169,37 @@ class HashIndex:
             pos, tag = (pos[lost] + 1) & mask, tag[lost]
 
     def _rebuild(self, need: int) -> None:
-        """A fresh slot table for `need` live keys at a load of 1/5 to 2/5, without tombstones."""
+        """Start moving into a fresh slot table for `need` live keys (a load of 1/5 to 2/5, no tombstones)."""
+        if self._old is not None:
+            self._move(self._old.size)  # the previous move first (rare: moves outpace inserts)
         size = max(MIN_SLOTS, _pow2(need * 5 // 2))
+        self._old, self._cursor = self._slots, 0
         self._slots = np.zeros(size, np.int32)
         self._tombs = 0
         self.rebuilds += 1
-        rows = self.live_rows()
+        if self._old.size <= self.move_min:
+            self._move(self._old.size)
+
+    def _move(self, count: int) -> None:
+        """Move the next `count` old slots' keys into the current table."""
+        old = self._old
+        assert old is not None
+        end = min(old.size, self._cursor + count)
+        part = old[self._cursor:end]
+        rows = part[part > 0].astype(np.int64) - 1
         if rows.size:
             self._place(self.row_keys[rows], rows)
+        part[part > 0] = _TOMB  # keeps the old probe chains of keys still to move intact
+        self._cursor = end
+        if end == old.size:
+            self._old = None
 
     def clear(self) -> None:
         """Forget every key (rows and slots back to empty)."""
         self.row_live[:self._next_row] = False
         self._next_row = self._nfree = self.live = self._tombs = 0
         self._slots = np.zeros(MIN_SLOTS, np.int32)
+        self._old = None
 
 
 def _pow2(n: int) -> int:

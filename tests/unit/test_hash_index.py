@@ -18,9 +18,12 @@ def test_sentinel_values_never_collide_with_user_keys() -> None:
     assert index.lookup(EDGE).tolist() == [-1, -1] + rows[2:].tolist()
 
 
-def test_index_matches_a_dict_through_inserts_removes_and_rebuilds() -> None:
+@pytest.mark.parametrize("move_min", [1 << 16, 8])
+def test_index_matches_a_dict_through_inserts_removes_and_rebuilds(move_min: int) -> None:
+    """move_min=8: tables are moved a few slots per insert, so most steps run mid-move."""
     rng = np.random.default_rng(3)
-    index = HashIndex(capacity=5_000)
+    index = HashIndex(capacity=5_000, move_min=move_min)
+    moving = 0
     ref: dict[int, int] = {}
     for _ in range(300):
         batch = np.unique(rng.integers(-3_000, 3_000, 40)).astype(np.int64)
@@ -31,10 +34,11 @@ def test_index_matches_a_dict_through_inserts_removes_and_rebuilds() -> None:
         drop = [k for k in batch.tolist()[::3] if k in ref]
         if drop:
             index.remove(np.array([ref.pop(k) for k in drop], np.int64))
+        moving += index._old is not None
         probe = rng.integers(-3_100, 3_100, 200).astype(np.int64)
         assert index.lookup(probe).tolist() == [ref.get(k, -1) for k in probe.tolist()]
         assert index.live == len(ref)
-    assert index.rebuilds > 1
+    assert index.rebuilds > 1 and (moving > 10 or move_min > 8)
     live = index.live_rows()
     assert sorted(index.row_keys[live].tolist()) == sorted(ref)
     assert live.max() < index.capacity
