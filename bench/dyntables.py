@@ -1,7 +1,8 @@
 """B16, in-process: one shard of a hash-keyed dynamic table (server/dynamic_table.py), no sockets.
 
     python bench/dyntables.py --keys 1000000 --dim 64 --runs 5
-    python bench/dyntables.py --ops 1000000 --check     # the randomized dict reference at a million ops
+    python bench/dyntables.py --ops 1000000             # the randomized dict reference at a million ops
+    python bench/dyntables.py --b13 300 --runs 3         # B13 end to end: fixed table, then dynamic table
 
 Prints one JSON line per figure (median of --runs, with every run): inserts/s and the longest single
 insert batch while growing from empty; lookups/s of batches of 4,096 live keys; lookup + Adagrad update
@@ -151,19 +152,59 @@ def bench(n: int, dim: int, runs: int, checkpoint: bool) -> None:
 
 def check(ops: int) -> None:
     """The randomized run against a dict (tests/unit/test_dynamic_table.py) at `ops` key operations."""
-    import pytest
+    import sys
 
-    from tests.unit import test_dynamic_table as t
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the repository root: tests/
+    from tests.unit.test_dynamic_table import run_against_dict
 
-    src = pathlib.Path(t.__file__).read_text()
-    assert "while ops < 60_000:" in src
-    code = src.replace("while ops < 60_000:", f"while ops < {ops}:")
-    scope: dict[str, Any] = {"__name__": "b16_check", "pytest": pytest}
-    exec(compile(code, t.__file__, "exec"), scope)
     start = time.perf_counter()
-    scope["test_no_silent_loss_at_capacity_against_a_dict_reference"]()
+    run_against_dict(ops, seed=11)
     print(json.dumps({"figure": "dict_reference_check", "ops": ops, "seconds": time.perf_counter() - start,
                       "result": "identical"}), flush=True)
+
+
+def _dynamic_steps(table: Any, id_range: int, batch: int, steps: int, warmup: int) -> dict[str, float]:
+    import time as _time
+
+    import numpy as _np
+
+    from pscluster.client import context as _context
+    from pscluster.tables import mix64 as _mix64
+
+    client = _context.current_client()
+    rng = _np.random.default_rng(0)
+    start, moved = 0.0, 0
+    for i in range(warmup + steps):
+        if i == warmup:
+            start = _time.perf_counter()
+        # 10 M distinct hashed ids: mix64 is a bijection of the 64-bit integers
+        keys = _np.unique(_mix64(rng.integers(0, id_range, batch)).view(_np.int64))
+        rows = client.pull_rows(table, keys)
+        client.push_rows(table, keys, _np.full_like(rows, 0.01))
+        if i >= warmup:
+            moved += 2 * keys.size
+    seconds = _time.perf_counter() - start
+    return {"rows_per_s": moved / seconds, "batches_per_s": steps / seconds}
+
+
+def b13_dynamic(id_range: int = 10_000_000, dim: int = 64, batch: int = 4096, steps: int = 300,
+                warmup: int = 20) -> dict[str, float]:
+    """B13's workload on a dynamic table (empty at start, keys hashed from id_range ids): 2 PS, 1 worker."""
+    import pscluster as ps
+    from pscluster.ops.launcher import LocalCluster
+
+    with tempfile.TemporaryDirectory(prefix="pscluster-b13d-") as tmp, \
+            LocalCluster(2, 1, workdir=f"{tmp}/cluster") as cluster:
+        coord = ps.ClusterCoordinator(cluster.settings())
+        try:
+            coord.wait_for_workers(1)
+            cfg = TableConfig(dim=dim, capacity=id_range // 2 + id_range // 10)
+            table = coord.create_variable("emb", shape=(None, dim), sparse=True, optimizer=ps.SGD(0.1), table=cfg)
+            out: dict[str, float] = coord.schedule(_dynamic_steps, args=(table, id_range, batch, steps, warmup)).fetch()
+            out["live_keys"] = coord.client.table_stats(table)["live_keys"]
+            return out
+        finally:
+            coord.shutdown()
 
 
 def main() -> None:
@@ -174,7 +215,22 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--no-checkpoint", action="store_true", help="skip save/restore (needs 2x the table's memory)")
     ap.add_argument("--ops", type=int, default=0, help="run the dict reference check at this many operations")
+    ap.add_argument("--b13", type=int, default=0, help="B13's workload end to end for this many batches: the "
+                    "fixed table (bench/sparse.py) and a dynamic table, one after the other")
     args = ap.parse_args()
+    if args.b13:
+        import sys
+
+        sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+        from bench.sparse import b13
+
+        for _ in range(args.runs):
+            fixed = b13(steps=args.b13)
+            dynamic = b13_dynamic(steps=args.b13)
+            print(json.dumps({"figure": "b13_pair", "fixed_rows_per_s": fixed["rows_per_s"],
+                              "dynamic_rows_per_s": dynamic["rows_per_s"], "dynamic_live_keys": dynamic["live_keys"],
+                              "ratio": dynamic["rows_per_s"] / fixed["rows_per_s"]}), flush=True)
+        return
     if args.ops:
         check(args.ops)
         return

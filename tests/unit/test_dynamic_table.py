@@ -220,11 +220,16 @@ def test_memory_bound_evicts_down_to_low_water_and_reports() -> None:
 def test_no_silent_loss_at_capacity_against_a_dict_reference() -> None:
     """Mixed pushes, pulls and sweeps at a full shard: every key is live with the reference's value,
     or was reported evicted; nothing else. (bench/dyntables.py --ops 1000000 runs the million.)"""
-    rng = np.random.default_rng(11)
+    run_against_dict(60_000, seed=11)
+
+
+def run_against_dict(total_ops: int, seed: int) -> None:
+    """`total_ops` key operations in random pushes, pulls and sweeps, checked against a dict."""
+    rng = np.random.default_rng(seed)
     t = table(dim=2, capacity=300, eviction=Eviction("steps", max_idle=40, every_steps=7))
     ref: dict[int, float] = {}
     ops = 0
-    while ops < 60_000:
+    while ops < total_ops:
         keys = rng.integers(-1_000, 1_000, int(rng.integers(1, 64))).astype(np.int64)
         kind = rng.integers(0, 10)
         if kind < 6:
