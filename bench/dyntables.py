@@ -163,7 +163,7 @@ def check(ops: int) -> None:
                       "result": "identical"}), flush=True)
 
 
-def _dynamic_steps(table: Any, id_range: int, batch: int, steps: int, warmup: int) -> dict[str, float]:
+def _steps(table: Any, id_range: int, hashed: bool, batch: int, steps: int, warmup: int) -> dict[str, float]:
     import time as _time
 
     import numpy as _np
@@ -177,8 +177,9 @@ def _dynamic_steps(table: Any, id_range: int, batch: int, steps: int, warmup: in
     for i in range(warmup + steps):
         if i == warmup:
             start = _time.perf_counter()
-        # 10 M distinct hashed ids: mix64 is a bijection of the 64-bit integers
-        keys = _np.unique(_mix64(rng.integers(0, id_range, batch)).view(_np.int64))
+        ids = rng.integers(0, id_range, batch)
+        # hashed: 10 M distinct int64 keys (mix64 is a bijection of the 64-bit integers)
+        keys = _np.unique(_mix64(ids).view(_np.int64) if hashed else ids)
         rows = client.pull_rows(table, keys)
         client.push_rows(table, keys, _np.full_like(rows, 0.01))
         if i >= warmup:
@@ -187,9 +188,10 @@ def _dynamic_steps(table: Any, id_range: int, batch: int, steps: int, warmup: in
     return {"rows_per_s": moved / seconds, "batches_per_s": steps / seconds}
 
 
-def b13_dynamic(id_range: int = 10_000_000, dim: int = 64, batch: int = 4096, steps: int = 300,
-                warmup: int = 20) -> dict[str, float]:
-    """B13's workload on a dynamic table (empty at start, keys hashed from id_range ids): 2 PS, 1 worker."""
+def b13_pair(id_range: int = 10_000_000, dim: int = 64, batch: int = 4096, steps: int = 300,
+             warmup: int = 20) -> dict[str, float]:
+    """B13's workload on the fixed table (id_range rows, zeros) and then on a dynamic table (empty, keys
+    hashed from id_range ids), one worker closure each, on one cluster of 2 PS and 1 worker."""
     import pscluster as ps
     from pscluster.ops.launcher import LocalCluster
 
@@ -198,10 +200,16 @@ def b13_dynamic(id_range: int = 10_000_000, dim: int = 64, batch: int = 4096, st
         coord = ps.ClusterCoordinator(cluster.settings())
         try:
             coord.wait_for_workers(1)
+            fixed = coord.create_variable("fixed", shape=(id_range, dim), dtype="float32", sparse=True,
+                                          partitioner=ps.FixedShardsPartitioner(2), optimizer=ps.SGD(0.1))
             cfg = TableConfig(dim=dim, capacity=id_range // 2 + id_range // 10)
-            table = coord.create_variable("emb", shape=(None, dim), sparse=True, optimizer=ps.SGD(0.1), table=cfg)
-            out: dict[str, float] = coord.schedule(_dynamic_steps, args=(table, id_range, batch, steps, warmup)).fetch()
-            out["live_keys"] = coord.client.table_stats(table)["live_keys"]
+            dyn = coord.create_variable("dyn", shape=(None, dim), sparse=True, optimizer=ps.SGD(0.1), table=cfg)
+            out = {}
+            for name, table, hashed in (("fixed", fixed, False), ("dynamic", dyn, True)):
+                r = coord.schedule(_steps, args=(table, id_range, hashed, batch, steps, warmup)).fetch()
+                out[f"{name}_rows_per_s"] = r["rows_per_s"]
+            out["ratio"] = out["dynamic_rows_per_s"] / out["fixed_rows_per_s"]
+            out["dynamic_live_keys"] = coord.client.table_stats(dyn)["live_keys"]
             return out
         finally:
             coord.shutdown()
@@ -216,20 +224,11 @@ def main() -> None:
     ap.add_argument("--no-checkpoint", action="store_true", help="skip save/restore (needs 2x the table's memory)")
     ap.add_argument("--ops", type=int, default=0, help="run the dict reference check at this many operations")
     ap.add_argument("--b13", type=int, default=0, help="B13's workload end to end for this many batches: the "
-                    "fixed table (bench/sparse.py) and a dynamic table, one after the other")
+                    "fixed table and a dynamic table, one after the other on one cluster")
     args = ap.parse_args()
     if args.b13:
-        import sys
-
-        sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-        from bench.sparse import b13
-
         for _ in range(args.runs):
-            fixed = b13(steps=args.b13)
-            dynamic = b13_dynamic(steps=args.b13)
-            print(json.dumps({"figure": "b13_pair", "fixed_rows_per_s": fixed["rows_per_s"],
-                              "dynamic_rows_per_s": dynamic["rows_per_s"], "dynamic_live_keys": dynamic["live_keys"],
-                              "ratio": dynamic["rows_per_s"] / fixed["rows_per_s"]}), flush=True)
+            print(json.dumps({"figure": "b13_pair", **b13_pair(steps=args.b13)}), flush=True)
         return
     if args.ops:
         check(args.ops)

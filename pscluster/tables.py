@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -166,3 +166,16 @@ class TableConfig:
             return TableConfig(**raw).validate()
         except (TypeError, ValueError, AttributeError) as exc:
             raise InvalidArgumentError(f"dynamic table config {text[:200]!r} does not parse: {exc}") from exc
+
+
+def dynamic_config(name: str, shape: Any, dtype: np.dtype, table: TableConfig | None, initializer: str = "zeros",
+                   init_scale: float = 0.0, seed: int = 0) -> TableConfig:
+    """The validated TableConfig of `create_variable(name, shape=(None, dim), sparse=True, table=...)`:
+    dim and dtype from the call; its initializer arguments win over the table's when not "zeros"."""
+    dim = shape[1] if len(shape) == 2 else None
+    if not isinstance(dim, (int, np.integer)) or isinstance(dim, bool):
+        raise InvalidArgumentError(f"{name}: a dynamic table's shape is (None, dim) with an int dim, got {tuple(shape)}")
+    cfg = replace(table or TableConfig(dim=int(dim)), dim=int(dim), dtype=np.dtype(dtype).name)
+    if initializer != "zeros":
+        cfg = replace(cfg, initializer=initializer, init_value=init_scale, seed=seed)
+    return cfg.validate()

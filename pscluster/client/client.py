@@ -16,7 +16,6 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any, TypeVar
 
 import grpc
@@ -38,7 +37,7 @@ from pscluster.placement import Partitioner, ps_for_ordinal, split_rows
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 from pscluster.specs import OptimizerConfig, ShardSpec, spec_to_pb
-from pscluster.tables import TableConfig
+from pscluster.tables import TableConfig, dynamic_config
 
 Grads = plans.Grads
 T = TypeVar("T")
@@ -204,8 +203,12 @@ class PSClient:
         optimizer = (optimizer or OptimizerConfig()).validate()
         table_json = ""
         if shape is not None and len(shape) == 2 and shape[0] is None:
-            dt, full, table_json = self._table_config(name, shape, dtype, initial_value, initializer, init_scale,
-                                                      seed, sparse, table)
+            if not sparse or initial_value is not None:
+                raise InvalidArgumentError(f"{name}: shape (None, dim) makes a dynamic table: pass sparse=True and no "
+                                           f"initial_value (got sparse={sparse})")
+            dt = codec.wire_dtype(np.float32 if dtype is None else dtype)
+            table_json = dynamic_config(name, shape, dt, table, initializer, init_scale, seed).to_json()
+            full: tuple[int, ...] = (0, int(shape[1] or 0))
         elif initial_value is not None:
             initial_value = np.asarray(initial_value)
             dt = codec.wire_dtype(initial_value.dtype if dtype is None else dtype)
@@ -273,20 +276,6 @@ class PSClient:
                 del self._creating[name]
             done.set()
         return var
-
-    @staticmethod
-    def _table_config(name: str, shape: Sequence[int | None], dtype: Any, initial_value: np.ndarray | None,
-                      initializer: str, init_scale: float, seed: int, sparse: bool,
-                      table: TableConfig | None) -> tuple[np.dtype, tuple[int, ...], str]:
-        """(dtype, (0, dim), TableConfig JSON) of a dynamic table, or InvalidArgumentError."""
-        if not sparse or initial_value is not None or not isinstance(shape[1], int):
-            raise InvalidArgumentError(f"{name}: shape (None, dim) makes a dynamic table: pass sparse=True, an "
-                                       f"int dim and no initial_value (got sparse={sparse}, shape={tuple(shape)})")
-        dt = codec.wire_dtype(np.float32 if dtype is None else dtype)
-        cfg = replace(table or TableConfig(dim=shape[1]), dim=shape[1], dtype=dt.name)
-        if initializer != "zeros":
-            cfg = replace(cfg, initializer=initializer, init_value=init_scale, seed=seed)
-        return dt, (0, shape[1]), cfg.validate().to_json()
 
     # -- pull ------------------------------------------------------------------------------------
     def recreate_missing(self, ps: int) -> int:
