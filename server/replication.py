@@ -32,14 +32,18 @@ from dataclasses import dataclass
 
 import numpy as np
 from pscluster.proto import pscluster_pb2 as pb
+from pscluster.server import table_state
+from pscluster.server.dynamic_table import DynamicTable
 from pscluster.server.push_record import PushKey, PushRecord, push_key
 from pscluster.server.replicator import MAX_QUEUED_BYTES, ReplicaLink, Replicator, name_of
-from pscluster.server.store import Key, Shard, VariableStore
+from pscluster.server.store import Key, Shard, VariableStore, shard_name
 
 from pscluster import codec
 from pscluster.errors import UnavailableError
 from pscluster.specs import spec_from_pb, spec_to_pb
+from pscluster.tables import TableConfig
 
+_TABLE = "table/"  # a dynamic table's state arrays ride in a catch-up's slots under this prefix
 log = logging.getLogger(__name__)
 
 PENDING = 1 << 62  # a catch-up's version before its state was queued: above any the backup can confirm
@@ -191,6 +195,9 @@ class Replication:
                                     value=codec.encode(shard.value), record=json.dumps(shard.record.state()))
             for name, slot in shard.slots.items():
                 msg.slots[name].CopyFrom(codec.encode(slot))
+            if shard.table is not None:  # a dynamic table's live rows, slots and admission state
+                for name, arr in table_state.snapshot(shard.table).items():
+                    msg.slots[_TABLE + name].CopyFrom(codec.encode(arr))
             with self._lock:
                 self._install_at[key] = shard.version
             rep.put(key, shard.version, msg, shard.value.nbytes * (1 + len(shard.slots)))
@@ -250,7 +257,12 @@ class Replication:
         slots = {name: np.array(codec.decode(t, f"{spec.variable} slot {name}"), copy=True)
                  for name, t in f.slots.items()}
         record = PushRecord.from_state(json.loads(f.record) if f.record else {}, self.store.dedup_window, f.version)
-        shard = Shard(spec, value, slots, f.version, record=record)
+        table = None
+        if spec.table:
+            table = DynamicTable(TableConfig.from_json(spec.table), spec.optimizer, shard_name(spec))
+            table_state.load(table, {k[len(_TABLE):]: v for k, v in slots.items() if k.startswith(_TABLE)})
+            slots = {}
+        shard = Shard(spec, value, slots, f.version, record=record, table=table)
         existing = self.store.find(spec.key)
         if existing is not None:
             with existing.lock:  # a pull or a checkpoint of the old object finishes first

@@ -347,7 +347,10 @@ class VariableStore:
             if version > shard.version + 1:
                 return "gap"
             shard.record.advance(final_below)
-            if local is None:
+            if shard.table is not None:
+                assert local is not None  # the primary applied row gradients by key
+                shard.table.push(local, grad)
+            elif local is None:
                 opt.apply_dense(shard.spec.optimizer, shard.value, grad, shard.slots, version)
             else:
                 opt.apply_sparse(shard.spec.optimizer, shard.value, local, grad, shard.slots, version)

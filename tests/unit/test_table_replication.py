@@ -1,0 +1,53 @@
+"""A dynamic table's shard under replication: forwards and a catch-up's whole state reach the backup."""
+
+from __future__ import annotations
+
+import numpy as np
+from pscluster.server import table_state as ts
+from pscluster.server.ps import ParameterServerCore
+from pscluster.server.replication import Role
+from pscluster.server.store import PushItem, ShardSpec
+
+from pscluster.optimizers import Adam
+from pscluster.tables import Admission, TableConfig
+from tests.unit.test_replication import make_core, pair  # noqa: F401 - the fixture, used by name
+
+DYN = ("dyn", 0)
+CFG = TableConfig(dim=2, capacity=64, initializer="uniform", init_value=0.1, admission=Admission("counter", min_count=2))
+
+
+def create(core: ParameterServerCore) -> None:
+    core.create(ShardSpec("dyn", 0, 1, (0, 2), (0, 2), 0, "<f4", Adam(0.1), True, 0, CFG.to_json()), None, "zeros", 0, 0)
+
+
+def set_roles(core: ParameterServerCore, epoch: int = 1) -> None:
+    core.replication.set_roles(epoch, [Role(DYN, epoch, 0, 1)])
+
+
+def push(core: ParameterServerCore, pid: str, keys: list[int]) -> None:
+    k = np.array(keys, np.int64)
+    core.push(pid, 0, [PushItem(DYN, np.ones((k.size, 2), np.float32), k)])
+
+
+def same_table(a: ParameterServerCore, b: ParameterServerCore) -> None:
+    ta, tb = a.store.get(DYN).table, b.store.get(DYN).table
+    assert ta is not None and tb is not None and a.store.get(DYN).version == b.store.get(DYN).version
+    sa, sb = ts.snapshot(ta), ts.snapshot(tb)
+    assert sorted(sa) == sorted(sb) and all(np.array_equal(sa[k], sb[k]) for k in sa)
+
+
+def test_a_dynamic_table_reaches_its_backup_by_forwards_and_by_catch_up(pair):
+    a, b, links = pair
+    create(a)
+    for core in (b, a):
+        set_roles(core)
+    a.replication.wait([(DYN, a.store.get(DYN).version)])
+    push(a, "c1.0", [-1, -1, 2**63 - 1])
+    push(a, "c2.0", [2**63 - 1, 7, 7])
+    same_table(a, b)  # rows, Adam's slots, admission candidates and versions, by forwards
+    fresh = make_core(1, {0: a}, {})  # the backup restarts empty: the next update finds a gap
+    set_roles(fresh)
+    links[1].target = fresh
+    push(a, "c3.0", [-1, 7, 12])
+    same_table(a, fresh)  # by the catch-up's whole state
+    fresh.replication.stop()
