@@ -109,11 +109,11 @@ class OptimizerConfig:
         if bad:
             raise InvalidArgumentError(f"{self.kind}: cannot change {', '.join(bad)} while training; "
                                        f"changeable: {', '.join(MUTABLE)}")
-        values = dict(changes)
-        if "learning_rate" in values and "schedule" not in values:
-            values["schedule"] = None
         try:
-            new = replace(self, **{k: (float(v) if k != "schedule" else v) for k, v in values.items()}).validate()
+            values: dict[str, Any] = {k: (v if k == "schedule" else float(v)) for k, v in changes.items()}
+            if "learning_rate" in values and "schedule" not in values:
+                values["schedule"] = None
+            new = replace(self, **values).validate()
         except (TypeError, ValueError) as exc:
             raise InvalidArgumentError(f"{self.kind}: bad hyper-parameter change {changes!r}: {exc}") from exc
         if new.slot_names() != self.slot_names():

@@ -99,7 +99,8 @@ class Piecewise(Schedule):
             raise InvalidArgumentError(f"schedule: piecewise needs one more value than boundaries, got "
                                        f"{len(self.values)} values for {len(self.boundaries)} boundaries")
         if list(self.boundaries) != sorted(self.boundaries):
-            raise InvalidArgumentError(f"schedule: piecewise boundaries must be increasing, got {list(self.boundaries)}")
+            raise InvalidArgumentError(
+                f"schedule: piecewise boundaries must be increasing, got {list(self.boundaries)}")
         for v in self.values:
             _finite("piecewise value", v)
         return self
@@ -175,7 +176,7 @@ class Polynomial(Schedule):
             steps *= 1.0 if c == 0 else math.ceil(c / steps)
         else:
             c = min(c, self.decay_steps)
-        return (self.initial - self.end) * (1 - c / steps) ** self.power + self.end
+        return float((self.initial - self.end) * (1 - c / steps) ** self.power + self.end)
 
     def validate(self) -> Schedule:
         _finite("initial_learning_rate", self.initial)
@@ -222,7 +223,7 @@ class Cosine(Schedule):
     def __call__(self, count: int) -> float:
         c = count if self.periodic else min(count, self.decay_steps)
         cos = 0.5 * (1 + math.cos(math.pi * c / self.decay_steps))
-        return self.end + (self.initial - self.end) * cos ** self.exponent
+        return float(self.end + (self.initial - self.end) * cos ** self.exponent)
 
     def validate(self) -> Schedule:
         _finite("initial_learning_rate", self.initial)

@@ -20,6 +20,6 @@ torch; only this package does.
 """
 
 from pscluster.torch.module import PSModule
-from pscluster.torch.optim import SGD, Adagrad, Adam, from_torch
+from pscluster.torch.optim import SGD, Adagrad, Adam, AdamW, ParamGroups, RMSprop, from_torch
 
-__all__ = ["Adagrad", "Adam", "PSModule", "SGD", "from_torch"]
+__all__ = ["Adagrad", "Adam", "AdamW", "PSModule", "ParamGroups", "RMSprop", "SGD", "from_torch"]
