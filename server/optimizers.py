@@ -25,9 +25,9 @@ import math
 from collections.abc import Iterator
 
 import numpy as np
+from pscluster.server.optimizer_kernels import KERNELS
 
 from pscluster.optimizer_config import OptimizerConfig as OptimizerConfig  # the PS applies what the spec says
-from pscluster.server.optimizer_kernels import KERNELS
 
 BLOCK_BYTES = 8 << 20
 

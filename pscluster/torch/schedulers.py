@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 from typing import Any
 
-from pscluster import schedules as S
+from pscluster import schedules as sch
 from pscluster.errors import InvalidArgumentError
 
 _REFUSED = {
@@ -25,11 +25,11 @@ _REFUSED = {
 }
 
 
-def _one(s: Any, base: float, group: dict[str, Any]) -> S.Schedule:
+def _one(s: Any, base: float, group: dict[str, Any]) -> sch.Schedule:
     """Scheduler `s` for a group of base rate `base`."""
     kind = type(s).__name__
     if kind == "StepLR":
-        return S.Exponential(base, float(s.step_size), float(s.gamma), staircase=True)
+        return sch.Exponential(base, float(s.step_size), float(s.gamma), staircase=True)
     if kind == "MultiStepLR":
         counts = collections.Counter(s.milestones)
         bounds = sorted(counts)
@@ -37,29 +37,29 @@ def _one(s: Any, base: float, group: dict[str, Any]) -> S.Schedule:
         for b in bounds:
             lr *= float(s.gamma) ** counts[b]
             values.append(lr)
-        return S.Piecewise(tuple(int(b) for b in bounds), tuple(values), right_closed=False)
+        return sch.Piecewise(tuple(int(b) for b in bounds), tuple(values), right_closed=False)
     if kind == "ExponentialLR":
-        return S.Exponential(base, 1.0, float(s.gamma))
+        return sch.Exponential(base, 1.0, float(s.gamma))
     if kind == "CosineAnnealingLR":
-        return S.Cosine(base, int(s.T_max), float(s.eta_min), periodic=True)
+        return sch.Cosine(base, int(s.T_max), float(s.eta_min), periodic=True)
     if kind == "CosineAnnealingWarmRestarts":
-        return S.WarmRestarts(base, int(s.T_0), int(s.T_mult), float(s.eta_min))
+        return sch.WarmRestarts(base, int(s.T_0), int(s.T_mult), float(s.eta_min))
     if kind == "LinearLR":
-        return S.Linear(base * float(s.start_factor), base * float(s.end_factor), int(s.total_iters))
+        return sch.Linear(base * float(s.start_factor), base * float(s.end_factor), int(s.total_iters))
     if kind == "ConstantLR":
-        return S.Piecewise((int(s.total_iters),), (base * float(s.factor), base), right_closed=False)
+        return sch.Piecewise((int(s.total_iters),), (base * float(s.factor), base), right_closed=False)
     if kind == "PolynomialLR":
-        return S.Polynomial(base, 0.0, int(s.total_iters), float(s.power))
+        return sch.Polynomial(base, 0.0, int(s.total_iters), float(s.power))
     if kind == "OneCycleLR":
         if s.cycle_momentum:
             raise InvalidArgumentError("from_torch: OneCycleLR(cycle_momentum=True) changes momentum every step, "
                                        "which the PS does not schedule; pass cycle_momentum=False")
         phases = tuple((float(p["end_step"]), float(group[p["start_lr"]]), float(group[p["end_lr"]]))
                        for p in s._schedule_phases)
-        return S.OneCycle(phases, str(getattr(s, "_anneal_func_type", "cos")))
+        return sch.OneCycle(phases, str(getattr(s, "_anneal_func_type", "cos")))
     if kind == "SequentialLR":
         subs = tuple(_one(sub, base, group) for sub in s._schedulers)
-        return S.Sequence(subs, tuple(int(m) for m in s._milestones))
+        return sch.Sequence(subs, tuple(int(m) for m in s._milestones))
     if kind in _REFUSED:
         raise InvalidArgumentError(f"from_torch: {kind} cannot run on the PS: {_REFUSED[kind]}")
     raise InvalidArgumentError(f"from_torch: {kind} has no PS equivalent; use StepLR, MultiStepLR, ExponentialLR, "
@@ -67,7 +67,7 @@ def _one(s: Any, base: float, group: dict[str, Any]) -> S.Schedule:
                                "OneCycleLR or SequentialLR, or pscluster.schedules")
 
 
-def from_torch_scheduler(scheduler: Any, group: int) -> S.Schedule:
+def from_torch_scheduler(scheduler: Any, group: int) -> sch.Schedule:
     """The PS schedule of parameter group `group` under a freshly built torch scheduler.
 
     Raises:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pathlib
 
 import numpy as np
+from pscluster.server import checkpoint
+from pscluster.server.store import PushItem, VariableStore
 
 from pscluster.optimizer_config import OptimizerConfig
 from pscluster.placement import ps_for_ordinal
-from pscluster.server import checkpoint
-from pscluster.server.store import PushItem, VariableStore
 from pscluster.specs import ShardSpec, spec_from_pb, spec_to_pb
 
 

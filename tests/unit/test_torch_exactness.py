@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from torch.optim import lr_scheduler as L
+from torch.optim import lr_scheduler as L  # noqa: N812 - torch.optim.lr_scheduler, short in tables
 
 import pscluster.torch as ps_torch
 from pscluster.errors import InvalidArgumentError
