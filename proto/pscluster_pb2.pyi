@@ -1051,6 +1051,64 @@ class StepReply(_message.Message):
 Global___StepReply: _TypeAlias = StepReply  # noqa: Y015
 
 @_typing.final
+class HyperparametersRequest(_message.Message):
+    """A driver's change of optimizer hyper-parameters (coord.set_learning_rate / set_hyperparameters):
+    applied to every shard of the named variables (all, when none is named) from their next update.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VARIABLES_FIELD_NUMBER: _builtins.int
+    CHANGES_JSON_FIELD_NUMBER: _builtins.int
+    DRY_RUN_FIELD_NUMBER: _builtins.int
+    changes_json: _builtins.str
+    """{"learning_rate": 0.01, "schedule": {...} | null, "weight_decay": ...}"""
+    dry_run: _builtins.bool
+    """validate only: the client checks every task before any changes"""
+    @_builtins.property
+    def variables(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        variables: _abc.Iterable[_builtins.str] | None = ...,
+        changes_json: _builtins.str = ...,
+        dry_run: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changes_json", b"changes_json", "dry_run", b"dry_run", "variables", b"variables"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HyperparametersRequest: _TypeAlias = HyperparametersRequest  # noqa: Y015
+
+@_typing.final
+class HyperparametersReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHARDS_FIELD_NUMBER: _builtins.int
+    VARIABLES_FIELD_NUMBER: _builtins.int
+    shards: _builtins.int
+    """shards of this PS task that changed"""
+    @_builtins.property
+    def variables(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """variables they belong to"""
+
+    def __init__(
+        self,
+        *,
+        shards: _builtins.int = ...,
+        variables: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["shards", b"shards", "variables", b"variables"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HyperparametersReply: _TypeAlias = HyperparametersReply  # noqa: Y015
+
+@_typing.final
 class ReplicaForward(_message.Message):
     """--- replicated shards (replicas: 2; server/replication.py, docs/ps_failures.md) ----------------
     One update a primary applied, for its backup; or, with `spec` set, a shard's whole state (its

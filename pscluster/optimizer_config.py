@@ -7,6 +7,7 @@ the wire carries (OptimizerSpec), the PS applies (server/optimizers.py) and chec
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -122,11 +123,18 @@ class OptimizerConfig:
                                        "with that setting instead")
         return new
 
+    def structure(self) -> OptimizerConfig:
+        """Self with every MUTABLE field at its default: what a re-creation of the variable must match."""
+        return replace(self, **{name: getattr(_DEFAULT, name) for name in MUTABLE})
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (checkpoints); inverse of `config_from_dict`."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["schedule"] = None if self.schedule is None else self.schedule.to_dict()
         return out
+
+
+_DEFAULT = OptimizerConfig()
 
 
 def config_from_dict(d: dict[str, Any]) -> OptimizerConfig:
@@ -150,3 +158,24 @@ def optimizer_from_pb(msg: pb.OptimizerSpec) -> OptimizerConfig:
     args: dict[str, Any] = {f.name: getattr(msg, f.name) for f in fields(OptimizerConfig) if f.name != "schedule"}
     args["kind"] = msg.kind or "sgd"
     return OptimizerConfig(**args, schedule=schedule_from_json(msg.schedule)).validate()
+
+
+def changes_to_json(changes: dict[str, Any]) -> str:
+    """Wire form of a driver's hyper-parameter changes (a schedule as its dict); names are checked on the PS."""
+    try:
+        return json.dumps({k: (v.to_dict() if isinstance(v, Schedule) else v) for k, v in changes.items()})
+    except TypeError as exc:
+        raise InvalidArgumentError(f"hyper-parameter changes must be numbers or a schedule: {exc}") from exc
+
+
+def changes_from_json(text: str) -> dict[str, Any]:
+    """Inverse of changes_to_json: config field -> value, a schedule parsed."""
+    try:
+        changes = json.loads(text or "{}")
+    except ValueError as exc:
+        raise InvalidArgumentError(f"malformed hyper-parameter changes {text[:80]!r}: {exc}") from exc
+    if not isinstance(changes, dict) or not changes:
+        raise InvalidArgumentError(f"hyper-parameter changes must be a non-empty JSON object, got {text[:80]!r}")
+    if changes.get("schedule") is not None:
+        changes["schedule"] = schedule_from_dict(changes["schedule"])
+    return changes

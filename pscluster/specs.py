@@ -7,7 +7,7 @@ translate them to and from wire messages here, so neither side imports the other
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -70,6 +70,13 @@ class ShardSpec:
                 f"{self.variable}: clip_norm on the PS needs the variable in one shard (it is split in "
                 f"{self.num_shards}); use clip_value, or clip the global norm in the worker before the push")
         return self
+
+
+def same_definition(existing: ShardSpec, spec: ShardSpec) -> bool:
+    """Whether `spec` re-creates `existing`: equal but for the ordinal and the hyper-parameters a driver may
+    change while training (learning rate, schedule, ...; the PS's current ones stay)."""
+    return replace(existing, ordinal=spec.ordinal, optimizer=existing.optimizer.structure()) == \
+        replace(spec, optimizer=spec.optimizer.structure())
 
 
 def spec_to_pb(spec: ShardSpec) -> pb.ShardSpec:
