@@ -32,10 +32,58 @@ import jax
 import numpy as np
 from jax import tree_util
 
-from pscluster import optimizers
+from pscluster import jax_optim, optimizers
 from pscluster.client import context
 from pscluster.client.variables import Variable, check_table_ids, unique_rows
 from pscluster.errors import InvalidArgumentError
+from pscluster.jax_optim import (
+    adagrad as adagrad,
+)
+from pscluster.jax_optim import (
+    adam as adam,
+)
+from pscluster.jax_optim import (
+    adamw as adamw,
+)
+from pscluster.jax_optim import (
+    constant_schedule as constant_schedule,
+)
+from pscluster.jax_optim import (
+    cosine_decay_schedule as cosine_decay_schedule,
+)
+from pscluster.jax_optim import (
+    exponential_decay as exponential_decay,
+)
+from pscluster.jax_optim import (
+    join_schedules as join_schedules,
+)
+from pscluster.jax_optim import (
+    linear_schedule as linear_schedule,
+)
+from pscluster.jax_optim import (
+    lion as lion,
+)
+from pscluster.jax_optim import (
+    piecewise_constant_schedule as piecewise_constant_schedule,
+)
+from pscluster.jax_optim import (
+    polynomial_schedule as polynomial_schedule,
+)
+from pscluster.jax_optim import (
+    rmsprop as rmsprop,
+)
+from pscluster.jax_optim import (
+    sgd as sgd,
+)
+from pscluster.jax_optim import (
+    sgdr_schedule as sgdr_schedule,
+)
+from pscluster.jax_optim import (
+    warmup_cosine_decay_schedule as warmup_cosine_decay_schedule,
+)
+from pscluster.jax_optim import (
+    warmup_exponential_decay_schedule as warmup_exponential_decay_schedule,
+)
 from pscluster.optimizers import OptimizerConfig
 from pscluster.placement import Partitioner
 
@@ -188,11 +236,11 @@ class PSParams:
         return tree_util.tree_unflatten(self.treedef, values)
 
 
-def SGD(learning_rate: float = 1e-3) -> OptimizerConfig:  # noqa: N802 - optax's names
-    """optax.sgd without momentum, run on the PS."""
-    return optimizers.SGD(learning_rate)
+def SGD(learning_rate: float = 1e-3) -> OptimizerConfig:  # noqa: N802 - optax's names, capitalised as before
+    """optax.sgd without momentum, run on the PS (see also `sgd`)."""
+    return jax_optim.sgd(learning_rate)
 
 
 def Adam(learning_rate: float = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> OptimizerConfig:  # noqa: N802
-    """optax.adam's names and defaults, run on the PS (lazy on sparse tables)."""
-    return optimizers.Adam(learning_rate, b1, b2, eps)
+    """optax.adam's names and defaults, run on the PS (lazy on sparse tables; see also `adam`)."""
+    return jax_optim.adam(learning_rate, b1, b2, eps)

@@ -351,6 +351,9 @@ def schedule_from_dict(d: dict[str, Any]) -> Schedule:
     cls = _KINDS.get(str(d.get("kind")))
     if cls is None:
         raise InvalidArgumentError(f"unknown schedule kind {d.get('kind')!r}; known: {', '.join(sorted(_KINDS))}")
+    unknown = sorted(set(d) - {"kind"} - {f.name for f in fields(cls)})
+    if unknown:
+        raise InvalidArgumentError(f"schedule {cls.kind}: unknown argument(s) {', '.join(unknown)}")
     args: dict[str, Any] = {}
     try:
         for f in fields(cls):
