@@ -12,6 +12,7 @@ float32 variables stay in float32 arithmetic; numpy ufuncs only, no Python loop 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -20,11 +21,26 @@ from pscluster.optimizer_config import OptimizerConfig
 
 Slots = dict[str, np.ndarray]
 Kernel = Callable[[OptimizerConfig, np.ndarray, np.ndarray, Slots, int, float], None]
+SCRATCH_MAX_BYTES = 8 << 20  # a dense block's size (server/optimizers.BLOCK_BYTES): larger ones are not kept
+_local = threading.local()
+
+
+def scratch(like: np.ndarray, n: int = 0) -> np.ndarray:
+    """This thread's n-th temporary shaped like `like`, reused across blocks and updates: an update
+    allocates (and page-faults) nothing per block. Blocks above SCRATCH_MAX_BYTES get a fresh array."""
+    if like.nbytes > SCRATCH_MAX_BYTES:
+        return np.empty_like(like)
+    bufs: dict[tuple[str, int], np.ndarray] = _local.__dict__.setdefault("bufs", {})
+    buf = bufs.get((like.dtype.str, n))
+    if buf is None or buf.size < like.size:
+        buf = bufs[(like.dtype.str, n)] = np.empty(max(like.size, SCRATCH_MAX_BYTES // like.itemsize), like.dtype)
+    return buf[:like.size].reshape(like.shape)
 
 
 def sgd(cfg: OptimizerConfig, w: np.ndarray, g: np.ndarray, s: Slots, t: int, lr: float) -> None:
     """w -= lr * g."""
-    w -= w.dtype.type(lr) * g
+    step = np.multiply(g, w.dtype.type(lr), out=scratch(w))
+    w -= step
 
 
 def momentum(cfg: OptimizerConfig, w: np.ndarray, g: np.ndarray, s: Slots, t: int, lr: float) -> None:
@@ -35,22 +51,30 @@ def momentum(cfg: OptimizerConfig, w: np.ndarray, g: np.ndarray, s: Slots, t: in
         np.copyto(buf, g)  # torch starts the buffer at the gradient itself, dampening or not
     else:
         buf *= dt(cfg.momentum)
-        buf += g if cfg.dampening == 0 else dt(1 - cfg.dampening) * g
+        buf += g if cfg.dampening == 0 else np.multiply(g, dt(1 - cfg.dampening), out=scratch(w))
+    step = scratch(w)
     if cfg.nesterov:
-        w -= dt(lr) * (g + dt(cfg.momentum) * buf)
+        np.multiply(buf, dt(cfg.momentum), out=step)
+        step += g
+        step *= dt(lr)
     else:
-        w -= dt(lr) * buf
+        np.multiply(buf, dt(lr), out=step)
+    w -= step
 
 
 def adagrad(cfg: OptimizerConfig, w: np.ndarray, g: np.ndarray, s: Slots, t: int, lr: float) -> None:
     """acc += g^2; w -= lr / (1 + (t - 1) * lr_decay) * g / (sqrt(acc) + eps)  (or sqrt(acc + eps))."""
     dt = w.dtype.type
     acc = s["accumulator"]
-    acc += g * g
-    denom = np.sqrt(acc + dt(cfg.epsilon)) if cfg.eps_in_sqrt else np.sqrt(acc)
-    if not cfg.eps_in_sqrt:
-        denom += dt(cfg.epsilon)
-    step = g / denom
+    step = np.multiply(g, g, out=scratch(w))
+    acc += step
+    if cfg.eps_in_sqrt:
+        np.add(acc, dt(cfg.epsilon), out=step)
+        np.sqrt(step, out=step)
+    else:
+        np.sqrt(acc, out=step)
+        step += dt(cfg.epsilon)
+    np.divide(g, step, out=step)
     step *= dt(lr / (1 + (t - 1) * cfg.lr_decay))
     w -= step
 
@@ -61,14 +85,18 @@ def adam(cfg: OptimizerConfig, w: np.ndarray, g: np.ndarray, s: Slots, t: int, l
     dt = w.dtype.type
     m, v = s["m"], s["v"]
     b1, b2 = cfg.beta1, cfg.beta2
-    m += dt(1 - b1) * (g - m)  # torch's lerp, Keras's form
+    tmp = np.subtract(g, m, out=scratch(w))
+    tmp *= dt(1 - b1)
+    m += tmp  # torch's lerp, Keras's form
+    np.multiply(g, g, out=tmp)
+    tmp *= dt(1 - b2)
     v *= dt(b2)
-    v += dt(1 - b2) * (g * g)
+    v += tmp
     if cfg.amsgrad:
         np.maximum(s["v_max"], v, out=s["v_max"])
         v = s["v_max"]
     bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
-    denom = np.sqrt(v)
+    denom = np.sqrt(v, out=tmp)
     if cfg.epsilon_hat:
         denom += dt(cfg.epsilon)
         step_size = lr * math.sqrt(bc2) / bc1
@@ -76,7 +104,7 @@ def adam(cfg: OptimizerConfig, w: np.ndarray, g: np.ndarray, s: Slots, t: int, l
         denom /= dt(math.sqrt(bc2))
         denom += dt(cfg.epsilon)
         step_size = lr / bc1
-    step = m / denom
+    step = np.divide(m, denom, out=tmp)
     step *= dt(step_size)
     w -= step
 
@@ -135,10 +163,14 @@ def lion(cfg: OptimizerConfig, w: np.ndarray, g: np.ndarray, s: Slots, t: int, l
     """Lion: w -= lr * sign(b1 * m + (1 - b1) g); m = b2 * m + (1 - b2) g."""
     dt = w.dtype.type
     m = s["m"]
-    c = dt(cfg.beta1) * m + dt(1 - cfg.beta1) * g
-    w -= dt(lr) * np.sign(c)
+    c, d = scratch(w), scratch(w, 1)
+    np.multiply(m, dt(cfg.beta1), out=c)
+    c += np.multiply(g, dt(1 - cfg.beta1), out=d)
+    np.sign(c, out=c)
+    c *= dt(lr)
+    w -= c
     m *= dt(cfg.beta2)
-    m += dt(1 - cfg.beta2) * g
+    m += np.multiply(g, dt(1 - cfg.beta2), out=d)
 
 
 KERNELS: dict[str, Kernel] = {"sgd": sgd, "momentum": momentum, "adagrad": adagrad, "adam": adam,
