@@ -14,7 +14,8 @@
     trained = model.state()                          # the pytree, whole, as numpy arrays
 
 Each leaf is a PS variable named by its path in the tree (`dense/w`, `layers/0/b`, ...), so the
-partitioners, the four PS optimizers, sync and bounded modes and checkpoints apply unchanged. A leaf
+partitioners, the PS optimizers and schedules (under optax's names: `adamw`, `warmup_cosine_decay_schedule`,
+...), sync and bounded modes and checkpoints apply unchanged. A leaf
 named in `sparse=` is a sparse table: `pull(ids={"emb": batch_ids})` pulls only the rows the batch
 touches and puts them in the tree in the table's place; `pulled.ids["emb"]` gives each batch id's
 row in them, so the model indexes `params["emb"][ids]` and `jax.grad` yields the gradient of just
@@ -142,7 +143,8 @@ class PSParams:
             params: the initial parameters, any pytree of arrays (jax or numpy); a sparse table may be a
                 `jax.ShapeDtypeStruct`: then the PS initialises it, N(0, table_init**2) seeded by `seed`
                 and the shard, and the driver never holds the table.
-            optimizer: the PS optimizer of every leaf (pscluster.SGD/Momentum/Adagrad/Adam); default SGD(1e-3).
+            optimizer: the PS optimizer of every leaf (`adam`, `adamw`, ... under optax's names, or any
+                pscluster optimizer); default SGD(1e-3).
             sparse: names of leaves (see leaf_name) that are embedding tables, pulled and pushed by rows.
             partitioner: applied to every leaf with at least one axis.
             prefix: prepended to every variable name (two models on one cluster).
