@@ -238,6 +238,20 @@ def bench_b13(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
                 f"worker RSS far below the table: {'met' if r['worker_peak_rss_mib'] < 0.2 * r['table_mib'] else 'NOT met'}")]
 
 
+def bench_b14(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
+    from bench import optimizers
+
+    r = optimizers.b14(runs=args.runs)
+    copy_s = r["copy_s"]
+    dense = "; ".join(f"{name} {s * 1e3:.0f} ms ({s / copy_s:.1f} x)" for name, s in r["dense_s"].items())
+    sparse = "; ".join(f"{name} {s * 1e3:.1f} ms" for name, s in r["sparse_s"].items())
+    return r, [("B14", "PS optimizers in process, CPU time per update (median): 1 GiB dense float32 variable, and 4,096 "
+                "random rows of a 10 M x 64 float32 table; bench/optimizers.py",
+                f"numpy copy of 1 GiB {copy_s * 1e3:.0f} ms ({r['copy_gib_per_s']:.1f} GiB/s); dense: {dense} "
+                f"(x = ratio to the copy); sparse 4,096 rows: {sparse}",
+                "measure (first half of B14; the CNN with AdamW comes later)")]
+
+
 def bench_b15(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
     f = replicas.failover(kills=args.kills)
     c = replicas.cost(runs=args.runs)
@@ -270,7 +284,7 @@ def bench_profile(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
 
 BENCHES = {"B1": bench_b1, "B1TLS": bench_b1tls, "B9": bench_b9, "B2": bench_b2, "FLOOR": bench_floor, "B3": bench_b3, "B4": bench_b4, "B5": bench_b5,
            "B6": bench_b6, "B7": bench_b7, "B8": bench_b8,
-           "B10": bench_b10, "B11": bench_b11, "B12": bench_b12, "B13": bench_b13, "B15": bench_b15,
+           "B10": bench_b10, "B11": bench_b11, "B12": bench_b12, "B13": bench_b13, "B14": bench_b14, "B15": bench_b15,
            "PROFILE": bench_profile}
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 

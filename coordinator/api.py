@@ -3,12 +3,12 @@
 Both classes offer the same public methods (tests/unit/test_remote_clients.py compares them);
 DAEMON_SIDE names ClusterCoordinator's entry points for the servicer, which a client has no use for,
 and CLIENT_SIDE what only a remote client needs. `lost_updates_by_variable` is also embedded-only: the
-Status RPC carries the total (`lost_updates`), not the per-variable breakdown.
+Status RPC carries the total (`lost_updates`), not the per-variable breakdown; so is `replica_table`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Self
 
 from pscluster.coordinator.values import RemoteValue
@@ -16,8 +16,10 @@ from pscluster.coordinator.values import RemoteValue
 from pscluster.client.client import PSClient
 from pscluster.client.datasets import PerWorkerDataset
 from pscluster.client.variables import Variable
+from pscluster.schedules import Schedule
 
-DAEMON_SIDE = frozenset({"schedule_payload", "register", "heartbeat", "release", "snapshot", "lost_updates_by_variable"})
+DAEMON_SIDE = frozenset({"schedule_payload", "register", "heartbeat", "release", "snapshot", "lost_updates_by_variable",
+                         "replica_table"})
 CLIENT_SIDE = frozenset({"close"})  # detach without ending the job (RemoteCoordinator(settings, job=...) re-attaches)
 
 
@@ -43,6 +45,42 @@ class CoordinatorAPI:
         if isinstance(values, (list, tuple)):
             return type(values)(self.fetch(v) for v in values)
         return values
+
+    def set_learning_rate(self, lr: float | Schedule, variables: Sequence[str | Variable] | None = None) -> int:
+        """Set the learning rate of `variables` (every variable when None) on every shard from its next update.
+
+        `lr` is a number, or a schedule (pscluster.schedules) evaluated at each variable's own update count
+        (absolute: wrap it in a Sequence to start it later). The PS keeps it in its checkpoints; the PS
+        metrics (`pscluster_ps_learning_rate`) and the training curves (`hparams/learning_rate`) show it.
+        Returns the number of shards changed.
+
+        Raises:
+            NotFoundError: a named variable is on no PS task (nothing changed).
+            InvalidArgumentError: a negative or non-finite rate (nothing changed).
+        """
+        if isinstance(lr, Schedule):
+            return self.set_hyperparameters(variables, learning_rate=float(lr(0)), schedule=lr)
+        return self.set_hyperparameters(variables, learning_rate=float(lr))
+
+    def set_hyperparameters(self, variables: Sequence[str | Variable] | None = None,
+                            **changes: float | Schedule | None) -> int:
+        """Change optimizer hyper-parameters (learning_rate, schedule, momentum, beta1, beta2, epsilon,
+        weight_decay, dampening, rho, lr_decay, l1, l2, l2_shrinkage, beta, clip_value, clip_norm) of
+        `variables` (every variable when None) on every shard from its next update; checkpointed on the PS.
+        A new learning_rate without a schedule ends the schedule. Returns the number of shards changed.
+
+        Raises:
+            NotFoundError: a named variable is on no PS task (nothing changed).
+            InvalidArgumentError: an unknown name, a bad value, or a change of the slot variables (nothing
+                changed on any PS task).
+        """
+        names = None if variables is None else [v if isinstance(v, str) else v.name for v in variables]
+        shards = self.client.set_hyperparameters(dict(changes), names)
+        self._record_hyperparameters({k: float(v) for k, v in changes.items() if isinstance(v, (int, float))}, names)
+        return shards
+
+    def _record_hyperparameters(self, values: dict[str, float], variables: list[str] | None) -> None:
+        """Hook: the embedded coordinator shows driver-set values in its metrics and training curves."""
 
     def sync_stats(self) -> dict[str, float]:
         """Global step, stale gradients dropped (all PS), and bounded mode's widest admitted spread."""

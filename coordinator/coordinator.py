@@ -116,6 +116,7 @@ class ClusterCoordinator(CoordinatorAPI):
             clock=clock, on_fatal=lambda exc: self._fail("auto-checkpoint", exc))
         self._curves = TrainingCurves(self.settings.logdir, self.settings.curve_interval_s) \
             if self.settings.logdir is not None else None
+        self._hyperparameters: dict[str, float] = {}  # what the driver set, for metrics and curves
         self._loop = self._thread(self._run, "coordinator-loop")
         self._ticker = self._thread(self._tick, "coordinator-tick")
         self.metrics_port = 0
@@ -262,7 +263,14 @@ class ClusterCoordinator(CoordinatorAPI):
         snap = self._snapshot
         return {"queued": snap.queued, "running": snap.running, "done": snap.completed, "retried": snap.retried,
                 "failed": snap.failed, "workers_alive": snap.alive, "lost_updates": self.lost_updates,
-                "rates": {w.wid: w.steps_per_s for w in snap.workers}}
+                "rates": {w.wid: w.steps_per_s for w in snap.workers}, "hyperparameters": self._hyperparameters}
+
+    def _record_hyperparameters(self, values: dict[str, float], variables: list[str] | None) -> None:
+        scope = "" if variables is None else "[" + ",".join(variables) + "]"
+        named = {f"{k}{scope}": v for k, v in values.items()}
+        self._hyperparameters = {**self._hyperparameters, **named}  # a new dict: scrapes read it unlocked
+        if self._curves is not None:
+            self._curves.hyperparameters(named)
 
     def num_workers(self) -> int:
         """Workers currently registered and alive."""

@@ -82,8 +82,25 @@ class OptimizerSpec(_message.Message):
     BETA2_FIELD_NUMBER: _builtins.int
     EPSILON_FIELD_NUMBER: _builtins.int
     INITIAL_ACCUMULATOR_VALUE_FIELD_NUMBER: _builtins.int
+    WEIGHT_DECAY_FIELD_NUMBER: _builtins.int
+    DECOUPLED_WEIGHT_DECAY_FIELD_NUMBER: _builtins.int
+    AMSGRAD_FIELD_NUMBER: _builtins.int
+    DAMPENING_FIELD_NUMBER: _builtins.int
+    RHO_FIELD_NUMBER: _builtins.int
+    CENTERED_FIELD_NUMBER: _builtins.int
+    LR_DECAY_FIELD_NUMBER: _builtins.int
+    L1_FIELD_NUMBER: _builtins.int
+    L2_FIELD_NUMBER: _builtins.int
+    L2_SHRINKAGE_FIELD_NUMBER: _builtins.int
+    LEARNING_RATE_POWER_FIELD_NUMBER: _builtins.int
+    BETA_FIELD_NUMBER: _builtins.int
+    EPSILON_HAT_FIELD_NUMBER: _builtins.int
+    EPS_IN_SQRT_FIELD_NUMBER: _builtins.int
+    CLIP_VALUE_FIELD_NUMBER: _builtins.int
+    CLIP_NORM_FIELD_NUMBER: _builtins.int
+    SCHEDULE_FIELD_NUMBER: _builtins.int
     kind: _builtins.str
-    """sgd | momentum | adagrad | adam"""
+    """sgd | momentum | adagrad | adam | rmsprop | ftrl | lion"""
     learning_rate: _builtins.float
     momentum: _builtins.float
     nesterov: _builtins.bool
@@ -91,6 +108,32 @@ class OptimizerSpec(_message.Message):
     beta2: _builtins.float
     epsilon: _builtins.float
     initial_accumulator_value: _builtins.float
+    weight_decay: _builtins.float
+    decoupled_weight_decay: _builtins.bool
+    """w -= lr * weight_decay * w (AdamW, Lion) instead of g += weight_decay * w"""
+    amsgrad: _builtins.bool
+    dampening: _builtins.float
+    rho: _builtins.float
+    """RMSprop's decay"""
+    centered: _builtins.bool
+    lr_decay: _builtins.float
+    """Adagrad"""
+    l1: _builtins.float
+    """FTRL"""
+    l2: _builtins.float
+    l2_shrinkage: _builtins.float
+    learning_rate_power: _builtins.float
+    beta: _builtins.float
+    epsilon_hat: _builtins.bool
+    """Adam: epsilon before the bias correction (Keras/TF) instead of after (torch, optax)"""
+    eps_in_sqrt: _builtins.bool
+    """Adagrad/RMSprop: sqrt(acc + eps) (Keras, optax) instead of sqrt(acc) + eps (torch)"""
+    clip_value: _builtins.float
+    """0: off"""
+    clip_norm: _builtins.float
+    """0: off"""
+    schedule: _builtins.str
+    """JSON of a pscluster.schedules value; "": the constant learning_rate"""
     def __init__(
         self,
         *,
@@ -102,10 +145,27 @@ class OptimizerSpec(_message.Message):
         beta2: _builtins.float = ...,
         epsilon: _builtins.float = ...,
         initial_accumulator_value: _builtins.float = ...,
+        weight_decay: _builtins.float = ...,
+        decoupled_weight_decay: _builtins.bool = ...,
+        amsgrad: _builtins.bool = ...,
+        dampening: _builtins.float = ...,
+        rho: _builtins.float = ...,
+        centered: _builtins.bool = ...,
+        lr_decay: _builtins.float = ...,
+        l1: _builtins.float = ...,
+        l2: _builtins.float = ...,
+        l2_shrinkage: _builtins.float = ...,
+        learning_rate_power: _builtins.float = ...,
+        beta: _builtins.float = ...,
+        epsilon_hat: _builtins.bool = ...,
+        eps_in_sqrt: _builtins.bool = ...,
+        clip_value: _builtins.float = ...,
+        clip_norm: _builtins.float = ...,
+        schedule: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["beta1", b"beta1", "beta2", b"beta2", "epsilon", b"epsilon", "initial_accumulator_value", b"initial_accumulator_value", "kind", b"kind", "learning_rate", b"learning_rate", "momentum", b"momentum", "nesterov", b"nesterov"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["amsgrad", b"amsgrad", "beta", b"beta", "beta1", b"beta1", "beta2", b"beta2", "centered", b"centered", "clip_norm", b"clip_norm", "clip_value", b"clip_value", "dampening", b"dampening", "decoupled_weight_decay", b"decoupled_weight_decay", "eps_in_sqrt", b"eps_in_sqrt", "epsilon", b"epsilon", "epsilon_hat", b"epsilon_hat", "initial_accumulator_value", b"initial_accumulator_value", "kind", b"kind", "l1", b"l1", "l2", b"l2", "l2_shrinkage", b"l2_shrinkage", "learning_rate", b"learning_rate", "learning_rate_power", b"learning_rate_power", "lr_decay", b"lr_decay", "momentum", b"momentum", "nesterov", b"nesterov", "rho", b"rho", "schedule", b"schedule", "weight_decay", b"weight_decay"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1005,6 +1065,64 @@ class StepReply(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StepReply: _TypeAlias = StepReply  # noqa: Y015
+
+@_typing.final
+class HyperparametersRequest(_message.Message):
+    """A driver's change of optimizer hyper-parameters (coord.set_learning_rate / set_hyperparameters):
+    applied to every shard of the named variables (all, when none is named) from their next update.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VARIABLES_FIELD_NUMBER: _builtins.int
+    CHANGES_JSON_FIELD_NUMBER: _builtins.int
+    DRY_RUN_FIELD_NUMBER: _builtins.int
+    changes_json: _builtins.str
+    """{"learning_rate": 0.01, "schedule": {...} | null, "weight_decay": ...}"""
+    dry_run: _builtins.bool
+    """validate only: the client checks every task before any changes"""
+    @_builtins.property
+    def variables(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        variables: _abc.Iterable[_builtins.str] | None = ...,
+        changes_json: _builtins.str = ...,
+        dry_run: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["changes_json", b"changes_json", "dry_run", b"dry_run", "variables", b"variables"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HyperparametersRequest: _TypeAlias = HyperparametersRequest  # noqa: Y015
+
+@_typing.final
+class HyperparametersReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHARDS_FIELD_NUMBER: _builtins.int
+    VARIABLES_FIELD_NUMBER: _builtins.int
+    shards: _builtins.int
+    """shards of this PS task that changed"""
+    @_builtins.property
+    def variables(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """variables they belong to"""
+
+    def __init__(
+        self,
+        *,
+        shards: _builtins.int = ...,
+        variables: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["shards", b"shards", "variables", b"variables"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HyperparametersReply: _TypeAlias = HyperparametersReply  # noqa: Y015
 
 @_typing.final
 class ReplicaForward(_message.Message):

@@ -109,6 +109,11 @@ class ParameterServerStub:
                 request_serializer=pscluster_dot_proto_dot_pscluster__pb2.GetRolesRequest.SerializeToString,
                 response_deserializer=pscluster_dot_proto_dot_pscluster__pb2.SetRolesRequest.FromString,
                 _registered_method=True)
+        self.SetHyperparameters = channel.unary_unary(
+                '/pscluster.ParameterServer/SetHyperparameters',
+                request_serializer=pscluster_dot_proto_dot_pscluster__pb2.HyperparametersRequest.SerializeToString,
+                response_deserializer=pscluster_dot_proto_dot_pscluster__pb2.HyperparametersReply.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -207,6 +212,12 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetHyperparameters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -284,6 +295,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.GetRoles,
                     request_deserializer=pscluster_dot_proto_dot_pscluster__pb2.GetRolesRequest.FromString,
                     response_serializer=pscluster_dot_proto_dot_pscluster__pb2.SetRolesRequest.SerializeToString,
+            ),
+            'SetHyperparameters': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetHyperparameters,
+                    request_deserializer=pscluster_dot_proto_dot_pscluster__pb2.HyperparametersRequest.FromString,
+                    response_serializer=pscluster_dot_proto_dot_pscluster__pb2.HyperparametersReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -691,6 +707,33 @@ class ParameterServer:
             '/pscluster.ParameterServer/GetRoles',
             pscluster_dot_proto_dot_pscluster__pb2.GetRolesRequest.SerializeToString,
             pscluster_dot_proto_dot_pscluster__pb2.SetRolesRequest.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetHyperparameters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pscluster.ParameterServer/SetHyperparameters',
+            pscluster_dot_proto_dot_pscluster__pb2.HyperparametersRequest.SerializeToString,
+            pscluster_dot_proto_dot_pscluster__pb2.HyperparametersReply.FromString,
             options,
             channel_credentials,
             insecure,

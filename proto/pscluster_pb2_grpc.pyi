@@ -49,6 +49,7 @@ class ParameterServerStub:
     """coordinator -> PS (replicas: 2)"""
     GetRoles: _grpc.UnaryUnaryMultiCallable[_pscluster_pb2.GetRolesRequest, _pscluster_pb2.SetRolesRequest]
     """clients: where each shard's primary is now"""
+    SetHyperparameters: _grpc.UnaryUnaryMultiCallable[_pscluster_pb2.HyperparametersRequest, _pscluster_pb2.HyperparametersReply]
 
 @_typing.type_check_only
 class ParameterServerAsyncStub(ParameterServerStub):
@@ -71,6 +72,7 @@ class ParameterServerAsyncStub(ParameterServerStub):
     """coordinator -> PS (replicas: 2)"""
     GetRoles: _aio.UnaryUnaryMultiCallable[_pscluster_pb2.GetRolesRequest, _pscluster_pb2.SetRolesRequest]  # type: ignore[assignment]
     """clients: where each shard's primary is now"""
+    SetHyperparameters: _aio.UnaryUnaryMultiCallable[_pscluster_pb2.HyperparametersRequest, _pscluster_pb2.HyperparametersReply]  # type: ignore[assignment]
 
 class ParameterServerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -180,6 +182,13 @@ class ParameterServerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_pscluster_pb2.SetRolesRequest, _abc.Awaitable[_pscluster_pb2.SetRolesRequest]]:
         """clients: where each shard's primary is now"""
+
+    @_abc_1.abstractmethod
+    def SetHyperparameters(
+        self,
+        request: _pscluster_pb2.HyperparametersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_pscluster_pb2.HyperparametersReply, _abc.Awaitable[_pscluster_pb2.HyperparametersReply]]: ...
 
 def add_ParameterServerServicer_to_server(servicer: ParameterServerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

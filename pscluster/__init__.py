@@ -23,7 +23,9 @@ _EXPORTS = {
     "ClusterSpec": "pscluster.config", "Settings": "pscluster.config", "load_settings": "pscluster.config",
     "ClosureError": "pscluster.errors", "ConfigError": "pscluster.errors", "PsclusterError": "pscluster.errors",
     "SGD": "pscluster.optimizers", "Adagrad": "pscluster.optimizers", "Adam": "pscluster.optimizers",
-    "Momentum": "pscluster.optimizers",
+    "Momentum": "pscluster.optimizers", "AdamW": "pscluster.optimizers", "RMSprop": "pscluster.optimizers",
+    "Ftrl": "pscluster.optimizers", "Lion": "pscluster.optimizers",
+    "ReduceLROnPlateau": "pscluster.plateau", "schedules": "pscluster.schedules",
     "FixedShardsPartitioner": "pscluster.placement", "MaxSizePartitioner": "pscluster.placement",
     "MinSizePartitioner": "pscluster.placement",
     "ClusterCoordinator": "pscluster.coordinator.coordinator", "RemoteValue": "pscluster.coordinator.values",
@@ -32,13 +34,14 @@ _EXPORTS = {
 }
 
 __all__ = [
-    "Adagrad", "Adam", "ClosureError", "ClusterCoordinator", "ClusterSpec", "ConfigError", "FixedShardsPartitioner",
+    "Adagrad", "Adam", "AdamW", "Ftrl", "Lion", "RMSprop", "ReduceLROnPlateau", "schedules", "ClosureError", "ClusterCoordinator", "ClusterSpec", "ConfigError", "FixedShardsPartitioner",
     "LocalCluster", "MaxSizePartitioner", "MinSizePartitioner", "Momentum", "PSClient", "PsclusterError",
     "RemoteCoordinator", "RemoteValue", "SGD", "Settings", "Token", "Variable", "load_settings", "pull", "push",
     "report", "ship_module", "sync_token", "worker_info",
 ]
 
 if TYPE_CHECKING:
+    from pscluster import schedules
     from pscluster.client.client import PSClient
     from pscluster.client.context import Token, report, sync_token, worker_info
     from pscluster.client.variables import Variable, pull, push
@@ -49,15 +52,17 @@ if TYPE_CHECKING:
     from pscluster.coordinator.values import RemoteValue
     from pscluster.errors import ClosureError, ConfigError, PsclusterError
     from pscluster.ops.launcher import LocalCluster
-    from pscluster.optimizers import SGD, Adagrad, Adam, Momentum
+    from pscluster.optimizers import SGD, Adagrad, Adam, AdamW, Ftrl, Lion, Momentum, RMSprop
     from pscluster.placement import FixedShardsPartitioner, MaxSizePartitioner, MinSizePartitioner
+    from pscluster.plateau import ReduceLROnPlateau
 
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'pscluster' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    imported = importlib.import_module(module)
+    value = imported if module == f"pscluster.{name}" else getattr(imported, name)  # a module (schedules) or a name
     globals()[name] = value  # the next lookup is a plain attribute
     return value
 

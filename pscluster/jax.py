@@ -14,7 +14,8 @@
     trained = model.state()                          # the pytree, whole, as numpy arrays
 
 Each leaf is a PS variable named by its path in the tree (`dense/w`, `layers/0/b`, ...), so the
-partitioners, the four PS optimizers, sync and bounded modes and checkpoints apply unchanged. A leaf
+partitioners, the PS optimizers and schedules (under optax's names: `adamw`, `warmup_cosine_decay_schedule`,
+...), sync and bounded modes and checkpoints apply unchanged. A leaf
 named in `sparse=` is a sparse table: `pull(ids={"emb": batch_ids})` pulls only the rows the batch
 touches and puts them in the tree in the table's place; `pulled.ids["emb"]` gives each batch id's
 row in them, so the model indexes `params["emb"][ids]` and `jax.grad` yields the gradient of just
@@ -32,10 +33,58 @@ import jax
 import numpy as np
 from jax import tree_util
 
-from pscluster import optimizers
+from pscluster import jax_optim, optimizers
 from pscluster.client import context
 from pscluster.client.variables import Variable, check_table_ids, unique_rows
 from pscluster.errors import InvalidArgumentError
+from pscluster.jax_optim import (
+    adagrad as adagrad,
+)
+from pscluster.jax_optim import (
+    adam as adam,
+)
+from pscluster.jax_optim import (
+    adamw as adamw,
+)
+from pscluster.jax_optim import (
+    constant_schedule as constant_schedule,
+)
+from pscluster.jax_optim import (
+    cosine_decay_schedule as cosine_decay_schedule,
+)
+from pscluster.jax_optim import (
+    exponential_decay as exponential_decay,
+)
+from pscluster.jax_optim import (
+    join_schedules as join_schedules,
+)
+from pscluster.jax_optim import (
+    linear_schedule as linear_schedule,
+)
+from pscluster.jax_optim import (
+    lion as lion,
+)
+from pscluster.jax_optim import (
+    piecewise_constant_schedule as piecewise_constant_schedule,
+)
+from pscluster.jax_optim import (
+    polynomial_schedule as polynomial_schedule,
+)
+from pscluster.jax_optim import (
+    rmsprop as rmsprop,
+)
+from pscluster.jax_optim import (
+    sgd as sgd,
+)
+from pscluster.jax_optim import (
+    sgdr_schedule as sgdr_schedule,
+)
+from pscluster.jax_optim import (
+    warmup_cosine_decay_schedule as warmup_cosine_decay_schedule,
+)
+from pscluster.jax_optim import (
+    warmup_exponential_decay_schedule as warmup_exponential_decay_schedule,
+)
 from pscluster.optimizers import OptimizerConfig
 from pscluster.placement import Partitioner
 
@@ -94,7 +143,8 @@ class PSParams:
             params: the initial parameters, any pytree of arrays (jax or numpy); a sparse table may be a
                 `jax.ShapeDtypeStruct`: then the PS initialises it, N(0, table_init**2) seeded by `seed`
                 and the shard, and the driver never holds the table.
-            optimizer: the PS optimizer of every leaf (pscluster.SGD/Momentum/Adagrad/Adam); default SGD(1e-3).
+            optimizer: the PS optimizer of every leaf (`adam`, `adamw`, ... under optax's names, or any
+                pscluster optimizer); default SGD(1e-3).
             sparse: names of leaves (see leaf_name) that are embedding tables, pulled and pushed by rows.
             partitioner: applied to every leaf with at least one axis.
             prefix: prepended to every variable name (two models on one cluster).
@@ -221,11 +271,11 @@ class DynamicRows:
         return self.table.push_rows(self.keys, grads)
 
 
-def SGD(learning_rate: float = 1e-3) -> OptimizerConfig:  # noqa: N802 - optax's names
-    """optax.sgd without momentum, run on the PS."""
-    return optimizers.SGD(learning_rate)
+def SGD(learning_rate: float = 1e-3) -> OptimizerConfig:  # noqa: N802 - optax's names, capitalised as before
+    """optax.sgd without momentum, run on the PS (see also `sgd`)."""
+    return jax_optim.sgd(learning_rate)
 
 
 def Adam(learning_rate: float = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> OptimizerConfig:  # noqa: N802
-    """optax.adam's names and defaults, run on the PS (lazy on sparse tables)."""
-    return optimizers.Adam(learning_rate, b1, b2, eps)
+    """optax.adam's names and defaults, run on the PS (lazy on sparse tables; see also `adam`)."""
+    return jax_optim.adam(learning_rate, b1, b2, eps)

@@ -7,47 +7,18 @@ translate them to and from wire messages here, so neither side imports the other
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from pscluster.codec import wire_dtype
 from pscluster.errors import InvalidArgumentError
+from pscluster.optimizer_config import OptimizerConfig as OptimizerConfig
+from pscluster.optimizer_config import optimizer_from_pb, optimizer_to_pb
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.tables import TableConfig
 
 Key = tuple[str, int]  # (variable name, shard index)
-
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    """Hyper-parameters of a PS-side optimizer (TF/Keras defaults)."""
-
-    kind: str = "sgd"
-    learning_rate: float = 0.01
-    momentum: float = 0.0
-    nesterov: bool = False
-    beta1: float = 0.9
-    beta2: float = 0.999
-    epsilon: float = 1e-7
-    initial_accumulator_value: float = 0.1
-
-    def slot_names(self) -> tuple[str, ...]:
-        """Names of the slot variables this optimizer keeps per shard."""
-        return {"sgd": (), "momentum": ("momentum",), "adagrad": ("accumulator",),
-                "adam": ("m", "v")}[self.kind]
-
-    def validate(self) -> OptimizerConfig:
-        """Self, or InvalidArgumentError naming the bad hyper-parameter."""
-        if self.kind not in ("sgd", "momentum", "adagrad", "adam"):
-            raise InvalidArgumentError(f"unknown optimizer {self.kind!r}; use sgd, momentum, adagrad or adam")
-        if not (math.isfinite(self.learning_rate) and self.learning_rate >= 0):
-            raise InvalidArgumentError(f"learning_rate must be finite and >= 0, got {self.learning_rate}")
-        if not 0 <= self.momentum < 1 + 1e-12 or not 0 <= self.beta1 < 1 or not 0 <= self.beta2 < 1:
-            raise InvalidArgumentError("momentum must be in [0, 1]; beta1 and beta2 in [0, 1)")
-        if self.epsilon < 0 or self.initial_accumulator_value < 0:
-            raise InvalidArgumentError("epsilon and initial_accumulator_value must be >= 0")
-        return self
 
 
 @dataclass(frozen=True)
@@ -102,20 +73,19 @@ class ShardSpec:
                     f"{cfg.dtype}; got sparse={self.sparse} {self.dtype}{list(self.shape)}")
         wire_dtype(self.dtype)
         self.optimizer.validate()
+        if self.optimizer.clip_norm and self.num_shards > 1:
+            # a shard sees only its part of the gradient: its norm is not the variable's
+            raise InvalidArgumentError(
+                f"{self.variable}: clip_norm on the PS needs the variable in one shard (it is split in "
+                f"{self.num_shards}); use clip_value, or clip the global norm in the worker before the push")
         return self
 
 
-def optimizer_to_pb(cfg: OptimizerConfig) -> pb.OptimizerSpec:
-    """OptimizerConfig -> OptimizerSpec message."""
-    return pb.OptimizerSpec(**asdict(cfg))
-
-
-def optimizer_from_pb(msg: pb.OptimizerSpec) -> OptimizerConfig:
-    """OptimizerSpec message -> validated OptimizerConfig (empty kind means sgd)."""
-    return OptimizerConfig(
-        kind=msg.kind or "sgd", learning_rate=msg.learning_rate, momentum=msg.momentum,
-        nesterov=msg.nesterov, beta1=msg.beta1, beta2=msg.beta2, epsilon=msg.epsilon,
-        initial_accumulator_value=msg.initial_accumulator_value).validate()
+def same_definition(existing: ShardSpec, spec: ShardSpec) -> bool:
+    """Whether `spec` re-creates `existing`: equal but for the ordinal and the hyper-parameters a driver may
+    change while training (learning rate, schedule, ...; the PS's current ones stay)."""
+    return replace(existing, ordinal=spec.ordinal, optimizer=existing.optimizer.structure()) == \
+        replace(spec, optimizer=spec.optimizer.structure())
 
 
 def spec_to_pb(spec: ShardSpec) -> pb.ShardSpec:

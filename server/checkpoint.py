@@ -24,7 +24,6 @@ import shutil
 from dataclasses import asdict, dataclass
 
 import numpy as np
-from pscluster.server import optimizers as opt
 from pscluster.server import table_state
 from pscluster.server.dynamic_table import DynamicTable
 from pscluster.server.push_record import PushRecord
@@ -34,6 +33,7 @@ from safetensors.numpy import save_file
 
 from pscluster.checkpoint_files import STEP_DIR as _STEP
 from pscluster.checkpoint_files import complete_steps as complete_steps
+from pscluster.optimizer_config import config_from_dict
 from pscluster.placement import PLACEMENT_VERSION, ps_for_ordinal
 from pscluster.tables import TableConfig
 
@@ -79,7 +79,7 @@ def save(store: VariableStore, root: pathlib.Path, step: int, ps_index: int, num
             if shard.table is not None:  # live keys only, with slots, metadata and admission state
                 for name, arr in table_state.snapshot(shard.table).items():
                     tensors[f"{base}/table/{name}"] = arr
-            spec = asdict(shard.spec)
+            spec = {**asdict(shard.spec), "optimizer": shard.spec.optimizer.to_dict()}
             meta.append({"spec": spec, "version": shard.version, "applied": shard.record.state()})
         header = {"placement_version": str(PLACEMENT_VERSION), "step": str(step),
                   "shards": json.dumps(meta), "extra": json.dumps(extra or {})}
@@ -163,7 +163,7 @@ def restore(store: VariableStore, root: pathlib.Path, ps_index: int, num_ps: int
             for entry in json.loads(header["shards"]):
                 raw = entry["spec"]
                 spec = ShardSpec(**{**raw, "full_shape": tuple(raw["full_shape"]), "shape": tuple(raw["shape"]),
-                                    "optimizer": opt.OptimizerConfig(**raw["optimizer"])})
+                                    "optimizer": config_from_dict(raw["optimizer"])})
                 if ps_for_ordinal(spec.ordinal, num_ps) != ps_index:
                     continue
                 base = f"{spec.variable}/{spec.shard_index}"

@@ -1,15 +1,22 @@
 """Optimizers applied on the PS, next to the shard; slot variables live beside it.
 
 Dense updates run over blocks of rows so that a 1 GB shard never needs a 1 GB temporary. Sparse
-updates touch only the given (unique, summed) rows, as TF's sparse apply ops; Adam's sparse variant
-is the "lazy" one (moments of untouched rows do not decay).
+updates touch only the given (unique, summed) rows, as TF's sparse apply ops: every optimizer's
+sparse variant is the "lazy" one (TF's LazyAdam, torch's SparseAdam): slots of untouched rows do not
+decay, weight decay reaches only touched rows, and a momentum buffer starts at (1 - dampening) * g on
+a row's first touch after the variable's first update.
 
-The step `t` (Adam's bias correction) counts updates of the whole *variable*, as PyTorch's
-SparseAdam counts `step` per parameter and TF's optimizers count `iterations` per apply, never per
-shard or per row: every push reaches every shard of its variable (a row push sends an empty part to
-shards without rows, which still counts), so the shard's version is the variable's step count and a
-variable's values are the same for 1 or P shards. The version is checkpointed with the shard, so
-restore (into any number of PS tasks) continues the same count.
+Per update, in order: the rate of update t comes from the schedule (`cfg.lr_at(t)`); the gradient is
+clipped by norm then by value (Keras's order); coupled weight decay adds wd * w to it (torch's
+`weight_decay`) or decoupled decay scales w by 1 - lr * wd (AdamW, Lion, Keras); then the kernel
+(server/optimizer_kernels.py).
+
+The step `t` (Adam's bias correction, the schedule) counts updates of the whole *variable*, as
+PyTorch's SparseAdam counts `step` per parameter and TF's optimizers count `iterations` per apply,
+never per shard or per row: every push reaches every shard of its variable (a row push sends an
+empty part to shards without rows, which still counts), so the shard's version is the variable's step
+count and a variable's values are the same for 1 or P shards. The version is checkpointed with the
+shard, so restore (into any number of PS tasks) continues the same count and the same schedule.
 """
 
 from __future__ import annotations
@@ -18,8 +25,9 @@ import math
 from collections.abc import Iterator
 
 import numpy as np
+from pscluster.server.optimizer_kernels import KERNELS
 
-from pscluster.specs import OptimizerConfig as OptimizerConfig  # the PS applies what the spec says
+from pscluster.optimizer_config import OptimizerConfig as OptimizerConfig  # the PS applies what the spec says
 
 BLOCK_BYTES = 8 << 20
 
@@ -27,7 +35,7 @@ BLOCK_BYTES = 8 << 20
 def init_slots(cfg: OptimizerConfig, shape: tuple[int, ...], dtype: np.dtype) -> dict[str, np.ndarray]:
     """Fresh slot variables for one shard."""
     slots = {name: np.zeros(shape, dtype=dtype) for name in cfg.slot_names()}
-    if cfg.kind == "adagrad":
+    if cfg.kind in ("adagrad", "ftrl"):
         slots["accumulator"].fill(cfg.initial_accumulator_value)
     return slots
 
@@ -38,52 +46,56 @@ def _blocks(rows: int, row_bytes: int) -> Iterator[slice]:
         yield slice(start, min(rows, start + step) if rows else None)
 
 
-def _update(cfg: OptimizerConfig, w: np.ndarray, g: np.ndarray, slots: dict[str, np.ndarray], t: int) -> None:
+def _clip_scale(cfg: OptimizerConfig, g: np.ndarray) -> float:
+    """Keras's clipnorm factor clip_norm / max(||g||, clip_norm) over the whole gradient (1.0: no change)."""
+    if not cfg.clip_norm or g.dtype.kind != "f":
+        return 1.0
+    flat = g.reshape(-1)
+    norm = math.sqrt(float(np.dot(flat, flat)))
+    return 1.0 if norm <= cfg.clip_norm else cfg.clip_norm / norm
+
+
+def _update(cfg: OptimizerConfig, w: np.ndarray, g: np.ndarray, slots: dict[str, np.ndarray], t: int,
+            lr: float, scale: float = 1.0) -> None:
     """One update of w (a view) in place; slots are views of the same rows. t counts from 1."""
-    lr = cfg.learning_rate
     if not np.issubdtype(w.dtype, np.floating):
         # Integer variables take SGD steps rounded toward zero (counters, step variables).
         np.subtract(w, (lr * g.astype(np.float64)).astype(w.dtype), out=w, casting="unsafe")
         return
-    if cfg.kind == "sgd":
-        w -= w.dtype.type(lr) * g
-    elif cfg.kind == "momentum":
-        a = slots["momentum"]
-        a *= w.dtype.type(cfg.momentum)
-        a += g
-        if cfg.nesterov:
-            w -= w.dtype.type(lr) * (g + w.dtype.type(cfg.momentum) * a)
+    dt = w.dtype.type
+    if scale != 1.0:
+        g = g * dt(scale)
+    if cfg.clip_value:
+        g = np.clip(g, dt(-cfg.clip_value), dt(cfg.clip_value))
+    if cfg.weight_decay:
+        if cfg.decoupled_weight_decay:
+            w *= dt(1 - lr * cfg.weight_decay)
         else:
-            w -= w.dtype.type(lr) * a
-    elif cfg.kind == "adagrad":
-        acc = slots["accumulator"]
-        acc += g * g
-        w -= w.dtype.type(lr) * g / (np.sqrt(acc) + w.dtype.type(cfg.epsilon))
-    else:  # adam
-        m, v = slots["m"], slots["v"]
-        b1, b2 = cfg.beta1, cfg.beta2
-        m *= w.dtype.type(b1)
-        m += w.dtype.type(1 - b1) * g
-        v *= w.dtype.type(b2)
-        v += w.dtype.type(1 - b2) * (g * g)
-        lr_t = lr * math.sqrt(1 - b2 ** t) / (1 - b1 ** t)
-        w -= w.dtype.type(lr_t) * m / (np.sqrt(v) + w.dtype.type(cfg.epsilon))
+            g = g + dt(cfg.weight_decay) * w
+    KERNELS[cfg.kind](cfg, w, g, slots, t, lr)
+
+
+def _plain(cfg: OptimizerConfig) -> bool:
+    """Plain SGD: no slots, no decay, no clipping (the one-ufunc fast path)."""
+    return cfg.kind == "sgd" and not (cfg.weight_decay or cfg.clip_value or cfg.clip_norm)
 
 
 def apply_dense(cfg: OptimizerConfig, value: np.ndarray, grad: np.ndarray,
                 slots: dict[str, np.ndarray], t: int) -> None:
-    """Apply a dense gradient to value in place; t is the update's 1-based count on this shard."""
-    if cfg.kind == "sgd" and value.dtype.kind == "f" and value.nbytes <= BLOCK_BYTES:
+    """Apply a dense gradient to value in place; t is the update's 1-based count of the variable."""
+    lr = cfg.lr_at(t)
+    if _plain(cfg) and value.dtype.kind == "f" and value.nbytes <= BLOCK_BYTES:
         # the common small case in one ufunc call, without the block loop (a W2 push: 3 shards per request)
-        np.subtract(value, value.dtype.type(cfg.learning_rate) * grad, out=value)
+        np.subtract(value, value.dtype.type(lr) * grad, out=value)
         return
+    scale = _clip_scale(cfg, grad)
     if value.ndim == 0:
         v = value.reshape(1)
-        _update(cfg, v, grad.reshape(1), {k: s.reshape(1) for k, s in slots.items()}, t)
+        _update(cfg, v, grad.reshape(1), {k: s.reshape(1) for k, s in slots.items()}, t, lr, scale)
         return
     row_bytes = value.itemsize * (value.size // max(value.shape[0], 1))
     for rows in _blocks(value.shape[0], row_bytes):
-        _update(cfg, value[rows], grad[rows], {k: s[rows] for k, s in slots.items()}, t)
+        _update(cfg, value[rows], grad[rows], {k: s[rows] for k, s in slots.items()}, t, lr, scale)
 
 
 def apply_sparse(cfg: OptimizerConfig, value: np.ndarray, rows: np.ndarray, grad_rows: np.ndarray,
@@ -100,7 +112,7 @@ def apply_rows(cfg: OptimizerConfig, value: np.ndarray, unique: np.ndarray, summ
     """Apply one gradient per row to rows `unique` (no repeats: a caller that sums duplicates itself)."""
     w = value[unique]
     sub = {k: s[unique] for k, s in slots.items()}
-    _update(cfg, w, summed, sub, t)
+    _update(cfg, w, summed, sub, t, cfg.lr_at(t), _clip_scale(cfg, summed))
     value[unique] = w
     for k, s in slots.items():
         s[unique] = sub[k]

@@ -12,10 +12,11 @@ from typing import Any
 
 import numpy as np
 from pscluster.proto import pscluster_pb2 as pb
-from pscluster.server import checkpoint
+from pscluster.server import checkpoint, hyperparams
 from pscluster.server.store import PushItem, PushResult, Shard, ShardSpec, VariableStore, ensure_created
 
 from pscluster.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
+from pscluster.optimizer_config import changes_from_json
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,22 @@ class ParameterServerCore:
         if self.replication is not None:
             self.replication.check_primary([key])
         return self.store.pull_chunks(key, chunk_bytes)
+
+    def set_hyperparameters(self, variables: Sequence[str], changes_json: str,
+                            dry_run: bool = False) -> tuple[int, list[str]]:
+        """A driver's change of hyper-parameters on this task's shards of `variables` (all when empty);
+        returns (shards changed, their variables); dry_run only validates."""
+        changes = changes_from_json(changes_json)
+        names = hyperparams.set_hyperparameters(self.store, variables, changes, dry_run)
+        count = sum(1 for s in self.store.shards() if s.spec.variable in names)
+        if not dry_run:
+            log.info("ps %d: %s set on %d shards of %s", self.ps_index, sorted(changes), count,
+                     ", ".join(names) or "-")
+        return count, names
+
+    def learning_rates(self) -> dict[str, float]:
+        """Variable -> the rate of its next update on this task (schedule at the shard's count, or the set rate)."""
+        return {s.spec.variable: s.spec.optimizer.lr_at(s.version + 1) for s in self.store.shards()}
 
     def save(self, step: int) -> pathlib.Path:
         """Checkpoint every shard at `step` (consistent on this task: pushes wait)."""

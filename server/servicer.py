@@ -130,6 +130,11 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         replication: Replication = self.core.replication
         return replication
 
+    def SetHyperparameters(self, request: pb.HyperparametersRequest,
+                           context: grpc.ServicerContext) -> pb.HyperparametersReply:
+        shards, names = self.core.set_hyperparameters(list(request.variables), request.changes_json, request.dry_run)
+        return pb.HyperparametersReply(shards=shards, variables=names)
+
     def Status(self, request: pb.PsStatusRequest, context: grpc.ServicerContext) -> pb.PsStatus:
         core = self.core
         return pb.PsStatus(ps_index=core.ps_index, num_ps=core.num_ps, global_step=core.global_step,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -22,6 +22,7 @@ from pscluster.server.push_record import PushKey, PushRecord, push_key
 from pscluster.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from pscluster.specs import Key as Key
 from pscluster.specs import ShardSpec as ShardSpec
+from pscluster.specs import same_definition
 from pscluster.tables import TableConfig
 
 
@@ -131,7 +132,7 @@ class VariableStore:
         with self._create_lock:
             existing = self._shards.get(spec.key)
             if existing is not None:
-                if replace(existing.spec, ordinal=spec.ordinal) != spec:
+                if not same_definition(existing.spec, spec):
                     raise AlreadyExistsError(
                         f"variable {spec.variable!r} shard {spec.shard_index} exists as "
                         f"{existing.spec.dtype}{list(existing.spec.full_shape)} "

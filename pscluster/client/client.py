@@ -33,6 +33,7 @@ from pscluster.net.bulk import BulkClient, BulkTensors
 from pscluster.net.channels import Channels
 from pscluster.net.grpc_tensors import GrpcTensors
 from pscluster.net.transport import PullPlan, PushPlan, TensorTransport, ValueTargets
+from pscluster.optimizer_config import changes_to_json
 from pscluster.placement import Partitioner, ps_for_ordinal, split_rows
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
@@ -451,6 +452,28 @@ class PSClient:
                     for name in totals:
                         totals[name] += getattr(info, name)
         return totals
+
+    def set_hyperparameters(self, changes: dict[str, Any], variables: Sequence[str] | None = None) -> int:
+        """Change optimizer hyper-parameters (learning_rate, schedule, weight_decay, ...) of `variables` (every
+        variable when None) on every PS task, from each shard's next update; returns the shards changed.
+
+        Every task validates first (a dry run), so a change one task refuses changes nothing anywhere.
+
+        Raises:
+            NotFoundError: a named variable is on no PS task.
+            InvalidArgumentError: an unknown or unchangeable hyper-parameter, or a bad value.
+        """
+        names = list(variables or [])
+        text = changes_to_json(changes)
+        checks = self._gather([(ps, "SetHyperparameters",
+                                pb.HyperparametersRequest(variables=names, changes_json=text, dry_run=True))
+                               for ps in range(self.num_ps)])
+        missing = set(names) - {v for r in checks for v in r.variables}
+        if missing:
+            raise NotFoundError(f"set_hyperparameters: no PS task holds {', '.join(sorted(missing))}")
+        replies = self._gather([(ps, "SetHyperparameters", pb.HyperparametersRequest(variables=names, changes_json=text))
+                                for ps in range(self.num_ps)])
+        return sum(int(r.shards) for r in replies)
 
     def status(self) -> list[pb.PsStatus]:
         """Status of every PS task."""

@@ -10,7 +10,7 @@ closures queued/running/done/retried/failed, workers alive, per-worker step rate
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -30,8 +30,10 @@ class PsMetrics:
     """Metrics of one PS task."""
 
     def __init__(self, shards: Callable[[], float], held: Callable[[], float], step: Callable[[], float],
-                 dropped: Callable[[], float]) -> None:
+                 dropped: Callable[[], float], rates: Callable[[], Mapping[str, float]] | None = None) -> None:
         self.registry = CollectorRegistry()
+        if rates is not None:
+            self.registry.register(_RatesCollector(rates))
         self.requests = Counter("pscluster_ps_requests", "Pull/push requests served", ["op", "transport"],
                                 registry=self.registry)
         self.bytes = Counter("pscluster_ps_tensor_bytes", "Tensor bytes moved", ["op"], registry=self.registry)
@@ -56,6 +58,20 @@ class PsMetrics:
         requests.inc()
         moved.inc(nbytes)
         latency.observe(time.perf_counter() - started)
+
+
+class _RatesCollector(Collector):
+    """The learning rate of each variable's next update (its schedule, or the driver's last change), at scrape time."""
+
+    def __init__(self, rates: Callable[[], Mapping[str, float]]) -> None:
+        self._rates = rates
+
+    def collect(self) -> Iterator[Any]:
+        gauge = GaugeMetricFamily("pscluster_ps_learning_rate", "Learning rate of the next update of each variable",
+                                  labels=["variable"])
+        for name, rate in sorted(self._rates().items()):
+            gauge.add_metric([name], rate)
+        yield gauge
 
 
 class WorkerMetrics:
@@ -85,6 +101,12 @@ class CoordinatorCollector(Collector):
                                 value=s["workers_alive"])
         yield GaugeMetricFamily("pscluster_coordinator_lost_updates", "Updates lost to PS restarts",
                                 value=s["lost_updates"])
+        hparams = GaugeMetricFamily("pscluster_coordinator_hyperparameter",
+                                    "Hyper-parameters the driver set (set_learning_rate, set_hyperparameters)",
+                                    labels=["name"])
+        for name, value in sorted(s.get("hyperparameters", {}).items()):
+            hparams.add_metric([name], value)
+        yield hparams
         rate = GaugeMetricFamily("pscluster_coordinator_worker_steps_per_second",
                                  "Closures completed per second by each worker, last 10 s", labels=["worker"])
         for worker, value in s["rates"].items():

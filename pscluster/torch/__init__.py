@@ -22,6 +22,7 @@ torch; only this package does.
 
 from pscluster.torch.dynamic import DynamicEmbedding
 from pscluster.torch.module import PSModule
-from pscluster.torch.optim import SGD, Adagrad, Adam, from_torch
+from pscluster.torch.optim import SGD, Adagrad, Adam, AdamW, ParamGroups, RMSprop, from_torch
 
-__all__ = ["Adagrad", "Adam", "DynamicEmbedding", "PSModule", "SGD", "from_torch"]
+__all__ = ["Adagrad", "Adam", "AdamW", "DynamicEmbedding", "PSModule", "ParamGroups", "RMSprop", "SGD",
+           "from_torch"]

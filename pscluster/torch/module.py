@@ -37,6 +37,7 @@ from pscluster.client.variables import Variable, check_table_ids
 from pscluster.errors import InvalidArgumentError
 from pscluster.optimizers import OptimizerConfig
 from pscluster.placement import Partitioner
+from pscluster.torch.optim import ParamGroups
 from pscluster.torch.tables import LocalTable, TableModule, sparse_tables, unique_ids
 
 MAX_MODELS = 16  # models whose replicas a worker keeps (least recently unpickled dropped first)
@@ -89,7 +90,7 @@ class _Replica:
 class PSModule:
     """A torch.nn.Module trained on the PS tasks: pull() it in a closure, push() its gradients."""
 
-    def __init__(self, coord: Any, module: nn.Module, optimizer: OptimizerConfig | None = None, *,
+    def __init__(self, coord: Any, module: nn.Module, optimizer: OptimizerConfig | ParamGroups | None = None, *,
                  partitioner: Partitioner | None = None, prefix: str = "", seed: int = 0,
                  table_init: float = 1.0, worker_threads: int | None = 1) -> None:
         """Create the module's variables on the cluster (idempotent: the same call again reuses them).
@@ -99,8 +100,8 @@ class PSModule:
             module: the model; a sparse table's weight may live on the meta device: then the PS
                 initialises it, N(0, table_init**2) seeded by `seed` and the shard (torch's default is
                 N(0, 1)), and the driver never holds the table.
-            optimizer: the PS optimizer of every parameter (pscluster.torch.SGD/Adagrad/Adam or
-                from_torch(...)); default SGD(lr=1e-3).
+            optimizer: the PS optimizer of every parameter (pscluster.torch.SGD/Adam/AdamW/... or
+                from_torch(...), whose ParamGroups gives each parameter its group's); default SGD(lr=1e-3).
             partitioner: applied to every parameter with at least one axis (Min/MaxSizePartitioner
                 split only the large ones).
             prefix: prepended to every variable name (two models on one cluster).
@@ -110,7 +111,7 @@ class PSModule:
             InvalidArgumentError: a dtype without a PS equivalent, or a table with max_norm.
             AlreadyExistsError: a variable of the same name exists with another shape or dtype.
         """
-        optimizer = optimizer or optimizers.SGD(1e-3)
+        chosen = optimizer or optimizers.SGD(1e-3)
         self.prefix = prefix
         self.worker_threads = worker_threads
         self.tables = sparse_tables(module)
@@ -121,16 +122,17 @@ class PSModule:
         # every definition is checked before the first variable is created: bad input creates nothing
         definitions: list[tuple[str, dict[str, Any]]] = []
         for name, param in module.named_parameters():
+            param_opt = chosen.for_parameter(param) if isinstance(chosen, ParamGroups) else chosen
             sparse = name in self.tables
             split = partitioner if param.dim() >= 1 else None
             if not param.is_meta:
                 definitions.append((name, dict(initial_value=_numpy(name, param), partitioner=split,
-                                               optimizer=optimizer, sparse=sparse)))
+                                               optimizer=param_opt, sparse=sparse)))
             elif sparse:
                 dtype = _numpy(name, torch.empty(0, dtype=param.dtype)).dtype
                 definitions.append((name, dict(shape=tuple(param.shape), dtype=dtype, initializer="normal",
                                                init_scale=table_init, seed=seed, partitioner=split,
-                                               optimizer=optimizer, sparse=True)))
+                                               optimizer=param_opt, sparse=True)))
             else:
                 raise InvalidArgumentError(f"{name}: only a sparse table may live on the meta device; build the "
                                            "other parameters on the CPU")

@@ -30,3 +30,12 @@ def test_report_keeps_the_mean_per_closure_and_refuses_non_numbers():
             context.report(loss="high")
     assert scope.scalars == {"loss": (6.0, 2), "lr": (0.1, 1)}
     context.report(loss=1.0)  # outside a closure: ignored
+
+
+def test_driver_set_hyperparameters_are_written_from_their_change_on(tmp_path):
+    curves = TrainingCurves(tmp_path, interval_s=3600)
+    for _ in range(10):
+        curves.add({})
+    curves.hyperparameters({"learning_rate": 0.05})
+    curves.stop()
+    assert scalars(tmp_path / "train")["hparams/learning_rate"] == [(10, pytest.approx(0.05))]

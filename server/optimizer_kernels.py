@@ -1,0 +1,177 @@
+"""The update formulas, one function per optimizer kind, applied in place to a block of rows.
+
+Each kernel gets the variable rows `w` (a view, or a gathered copy for sparse rows), their gradient
+`g` (read only: never written), the slot rows, the update's 1-based count `t` and its learning rate
+`lr` (already taken from the schedule). Weight decay and clipping are applied before a kernel runs
+(server/optimizers.py). Formulas follow torch.optim where torch has the optimizer, with the options
+that give optax's and Keras's forms (`eps_in_sqrt`, `epsilon_hat`); FTRL follows TF's ApplyFtrlV2
+with Keras's `beta`; Lion follows its paper (and optax). Scalars are cast to the variable's dtype so
+float32 variables stay in float32 arithmetic; numpy ufuncs only, no Python loop per element.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable
+
+import numpy as np
+
+from pscluster.optimizer_config import OptimizerConfig
+
+Slots = dict[str, np.ndarray]
+Kernel = Callable[[OptimizerConfig, np.ndarray, np.ndarray, Slots, int, float], None]
+SCRATCH_MAX_BYTES = 8 << 20  # a dense block's size (server/optimizers.BLOCK_BYTES): larger ones are not kept
+_local = threading.local()
+
+
+def scratch(like: np.ndarray, n: int = 0) -> np.ndarray:
+    """This thread's n-th temporary shaped like `like`, reused across blocks and updates: an update
+    allocates (and page-faults) nothing per block. Blocks above SCRATCH_MAX_BYTES get a fresh array."""
+    if like.nbytes > SCRATCH_MAX_BYTES:
+        return np.empty_like(like)
+    bufs: dict[tuple[str, int], np.ndarray] = _local.__dict__.setdefault("bufs", {})
+    buf = bufs.get((like.dtype.str, n))
+    if buf is None or buf.size < like.size:
+        buf = bufs[(like.dtype.str, n)] = np.empty(max(like.size, SCRATCH_MAX_BYTES // like.itemsize), like.dtype)
+    return buf[:like.size].reshape(like.shape)
+
+
+def sgd(cfg: OptimizerConfig, w: np.ndarray, g: np.ndarray, s: Slots, t: int, lr: float) -> None:
+    """w -= lr * g."""
+    step = np.multiply(g, w.dtype.type(lr), out=scratch(w))
+    w -= step
+
+
+def momentum(cfg: OptimizerConfig, w: np.ndarray, g: np.ndarray, s: Slots, t: int, lr: float) -> None:
+    """torch.optim.SGD with momentum: buf = g at the first update, else mu * buf + (1 - dampening) * g."""
+    dt = w.dtype.type
+    buf = s["momentum"]
+    if t == 1:
+        np.copyto(buf, g)  # torch starts the buffer at the gradient itself, dampening or not
+    else:
+        buf *= dt(cfg.momentum)
+        buf += g if cfg.dampening == 0 else np.multiply(g, dt(1 - cfg.dampening), out=scratch(w))
+    step = scratch(w)
+    if cfg.nesterov:
+        np.multiply(buf, dt(cfg.momentum), out=step)
+        step += g
+        step *= dt(lr)
+    else:
+        np.multiply(buf, dt(lr), out=step)
+    w -= step
+
+
+def adagrad(cfg: OptimizerConfig, w: np.ndarray, g: np.ndarray, s: Slots, t: int, lr: float) -> None:
+    """acc += g^2; w -= lr / (1 + (t - 1) * lr_decay) * g / (sqrt(acc) + eps)  (or sqrt(acc + eps))."""
+    dt = w.dtype.type
+    acc = s["accumulator"]
+    step = np.multiply(g, g, out=scratch(w))
+    acc += step
+    if cfg.eps_in_sqrt:
+        np.add(acc, dt(cfg.epsilon), out=step)
+        np.sqrt(step, out=step)
+    else:
+        np.sqrt(acc, out=step)
+        step += dt(cfg.epsilon)
+    np.divide(g, step, out=step)
+    step *= dt(lr / (1 + (t - 1) * cfg.lr_decay))
+    w -= step
+
+
+def adam(cfg: OptimizerConfig, w: np.ndarray, g: np.ndarray, s: Slots, t: int, lr: float) -> None:
+    """torch.optim.Adam (and AMSGrad): w -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps); Keras's epsilon_hat
+    form: w -= lr * sqrt(bc2) / bc1 * m / (sqrt(v) + eps)."""
+    dt = w.dtype.type
+    m, v = s["m"], s["v"]
+    b1, b2 = cfg.beta1, cfg.beta2
+    tmp = np.subtract(g, m, out=scratch(w))
+    tmp *= dt(1 - b1)
+    m += tmp  # torch's lerp, Keras's form
+    np.multiply(g, g, out=tmp)
+    tmp *= dt(1 - b2)
+    v *= dt(b2)
+    v += tmp
+    if cfg.amsgrad:
+        np.maximum(s["v_max"], v, out=s["v_max"])
+        v = s["v_max"]
+    bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+    denom = np.sqrt(v, out=tmp)
+    if cfg.epsilon_hat:
+        denom += dt(cfg.epsilon)
+        step_size = lr * math.sqrt(bc2) / bc1
+    else:
+        denom /= dt(math.sqrt(bc2))
+        denom += dt(cfg.epsilon)
+        step_size = lr / bc1
+    step = np.divide(m, denom, out=tmp)
+    step *= dt(step_size)
+    w -= step
+
+
+def rmsprop(cfg: OptimizerConfig, w: np.ndarray, g: np.ndarray, s: Slots, t: int, lr: float) -> None:
+    """torch.optim.RMSprop: sq = rho * sq + (1 - rho) g^2 (centered: minus the mean gradient squared),
+    step g / (sqrt(.) + eps), through a momentum buffer when momentum > 0."""
+    dt = w.dtype.type
+    sq = s["square_avg"]
+    sq *= dt(cfg.rho)
+    sq += dt(1 - cfg.rho) * (g * g)
+    avg = sq
+    if cfg.centered:
+        ga = s["grad_avg"]
+        ga += dt(1 - cfg.rho) * (g - ga)
+        avg = sq - ga * ga
+    if cfg.eps_in_sqrt:
+        denom = np.sqrt(avg + dt(cfg.epsilon))
+    else:
+        denom = np.sqrt(avg)
+        denom += dt(cfg.epsilon)
+    step = g / denom
+    if cfg.momentum > 0:
+        buf = s["momentum"]
+        buf *= dt(cfg.momentum)
+        buf += step
+        step = buf
+    w -= dt(lr) * step
+
+
+def ftrl(cfg: OptimizerConfig, w: np.ndarray, g: np.ndarray, s: Slots, t: int, lr: float) -> None:
+    """FTRL-proximal as TF's ApplyFtrlV2 (l1, l2, l2_shrinkage, learning_rate_power) with Keras's beta."""
+    if lr <= 0:
+        return  # FTRL divides by the rate: a zero rate (e.g. a schedule's end) leaves everything as it is
+    dt = w.dtype.type
+    acc, lin = s["accumulator"], s["linear"]
+    shrunk = g + dt(2 * cfg.l2_shrinkage) * w if cfg.l2_shrinkage else g
+    new_acc = acc + g * g
+    p = -cfg.learning_rate_power
+    if p == 0.5:  # TF's kernel takes sqrt for the default power (not pow: the rounding differs)
+        new_pow, old_pow = np.sqrt(new_acc), np.sqrt(acc)
+    else:
+        new_pow, old_pow = new_acc ** dt(p), acc ** dt(p)
+    sigma = new_pow - old_pow
+    sigma /= dt(lr)
+    sigma *= w
+    lin += shrunk
+    lin -= sigma
+    quadratic = new_pow / dt(lr)
+    quadratic += dt(2 * (cfg.l2 + cfg.beta / (2 * lr)))
+    w[...] = np.where(np.abs(lin) > dt(cfg.l1), (np.sign(lin) * dt(cfg.l1) - lin) / quadratic, dt(0))
+    acc[...] = new_acc
+
+
+def lion(cfg: OptimizerConfig, w: np.ndarray, g: np.ndarray, s: Slots, t: int, lr: float) -> None:
+    """Lion: w -= lr * sign(b1 * m + (1 - b1) g); m = b2 * m + (1 - b2) g."""
+    dt = w.dtype.type
+    m = s["m"]
+    c, d = scratch(w), scratch(w, 1)
+    np.multiply(m, dt(cfg.beta1), out=c)
+    c += np.multiply(g, dt(1 - cfg.beta1), out=d)
+    np.sign(c, out=c)
+    c *= dt(lr)
+    w -= c
+    m *= dt(cfg.beta2)
+    m += np.multiply(g, dt(1 - cfg.beta2), out=d)
+
+
+KERNELS: dict[str, Kernel] = {"sgd": sgd, "momentum": momentum, "adagrad": adagrad, "adam": adam,
+                              "rmsprop": rmsprop, "ftrl": ftrl, "lion": lion}
