@@ -7,8 +7,8 @@ import math
 import os
 import pathlib
 import threading
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 from pscluster.proto import pscluster_pb2 as pb
@@ -18,6 +18,28 @@ from pscluster.server.store import PushItem, PushResult, Shard, ShardSpec, Varia
 from pscluster.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 
 log = logging.getLogger(__name__)
+
+
+class SyncHook(Protocol):
+    """What the core and its servicers use of the sync-replica state (sync_replicas.SyncReplicas, which
+    imports this module: a Protocol keeps the arrow one way)."""
+
+    dropped: int
+
+    @property
+    def mode(self) -> str: ...
+    @property
+    def accumulates(self) -> bool: ...
+    @property
+    def max_spread(self) -> int: ...
+    @property
+    def clocks(self) -> dict[str, int]: ...
+    def configure(self, mode: str, replicas_to_aggregate: int, total_num_replicas: int, staleness: int) -> int: ...
+    def take_token(self, closure_id: int, worker: str, timeout: float) -> tuple[int, int]: ...
+    def step_done(self, closure_id: int, step: int, worker: str) -> None: ...
+    def push(self, push_id: str, step: int, items: Sequence[PushItem]) -> list[PushResult]: ...
+    def snapshot(self) -> Mapping[str, object]: ...
+    def restore(self, saved: object, step: int) -> None: ...
 
 
 class ParameterServerCore:
@@ -40,10 +62,16 @@ class ParameterServerCore:
             if removed:
                 log.info("ps %d: removed %d temporaries left by interrupted saves in %s", ps_index, removed,
                          checkpoint_dir)
-        self.sync: Any = None  # a SyncReplicas, installed by sync_replicas.attach()
+        self.sync: SyncHook | None = None  # a SyncReplicas, installed by sync_replicas.attach()
         self.bulk_port = 0
         self.metrics: Any = None  # a PsMetrics, installed by main.start()
         self.replication: Any = None  # a server.replication.Replication with replicas: 2 (None: one copy)
+
+    def replicas(self) -> SyncHook:
+        """The sync-replica state, for the servicers."""
+        if self.sync is None:
+            raise FailedPreconditionError(f"ps {self.ps_index} has no sync-replica state (sync_replicas.attach)")
+        return self.sync
 
     def restore(self) -> int:
         """Load the newest complete checkpoint into the store; returns its step or -1."""
@@ -144,7 +172,7 @@ class ParameterServerCore:
         if step < 0:
             raise InvalidArgumentError(f"checkpoint step must be >= 0, got {step}")
         with self._save_lock:
-            extra = {"sync": self.sync.snapshot() if self.sync is not None else None}
+            extra: dict[str, object] = {"sync": self.sync.snapshot() if self.sync is not None else None}
             path = checkpoint.save(self.store, self.checkpoint_dir, step, self.ps_index, self.num_ps,
                                    self.keep_checkpoints, extra)
             self.global_step = max(self.global_step, step)
