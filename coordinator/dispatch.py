@@ -19,7 +19,7 @@ import ssl
 import threading
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 import grpc
 from pscluster.coordinator import scheduler as sch
@@ -43,6 +43,7 @@ class _Conn:
 
 OnReply = Callable[[int, str, pb.RunClosureReply], None]  # (closure id, worker id, the worker's answer)
 OnFailure = Callable[[int, str, str], None]  # (closure id, worker id, why the attempt failed)
+Post = Callable[[sch.Event, pb.RunClosureReply | None], None]  # Inbox.post: (event, the answer to publish)
 
 
 class ClosureTransport(Protocol):
@@ -231,11 +232,10 @@ class ClosureSender:
 
     A worker with a framed closure port gets its closures over FramedDispatcher, others over
     GrpcDispatcher; both answer through the same two callbacks, which become scheduler events:
-    `Finished`/`TransportFailed`, or `(Finished, RunClosureReply)` for an answer whose reply the loop
-    must publish. Only the loop calls send/abandon/forget.
+    `Finished`/`TransportFailed`, posted with the RunClosureReply when the loop must publish it. Only the loop calls send/abandon/forget.
     """
 
-    def __init__(self, settings: Settings, post: Callable[[Any], None]) -> None:
+    def __init__(self, settings: Settings, post: Post) -> None:
         self._post = post
         files = tls.files(settings)
         self._framed = FramedDispatcher(settings.token_value(), self._reply, self._failure,
@@ -267,12 +267,12 @@ class ClosureSender:
             transport.close()
 
     def _failure(self, cid: int, wid: str, reason: str) -> None:
-        self._post((sch.TransportFailed(cid, wid, reason), None))
+        self._post(sch.TransportFailed(cid, wid, reason), None)
 
     def _reply(self, cid: int, wid: str, reply: pb.RunClosureReply) -> None:
         if reply.retryable:
             log.warning("closure %d hit an unavailable PS: %s", cid, reply.error.message)
-            self._post((sch.Finished(cid, wid, "retry"), None))
+            self._post(sch.Finished(cid, wid, "retry"), None)
         else:
             outcome: Literal["user_error", "ok"] = "user_error" if reply.HasField("error") else "ok"
-            self._post(((sch.Finished(cid, wid, outcome), reply), None))
+            self._post(sch.Finished(cid, wid, outcome), reply)
