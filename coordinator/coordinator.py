@@ -377,42 +377,39 @@ class ClusterCoordinator(CoordinatorAPI):
         self._batch = {}
 
     def _perform(self, action: sch.Action, reply: pb.RunClosureReply | None) -> None:
-        if isinstance(action, sch.Dispatch):
-            self._dispatch(action)
-        elif isinstance(action, sch.Resolve):
-            assert reply is not None, f"closure {action.cid} resolved without a reply"
-            value = self._values.get(action.cid)
-            if value is not None:
-                value._set_reply(reply)
-            error = None
-            if reply.HasField("error"):
-                log.warning("closure %d raised %s: %s", action.cid, reply.error.type_name, reply.error.message)
-                error = value.outcome()[1] if value is not None else reply_error(action.cid, reply.error)
-            elif self._curves is not None:
-                self._curves.add(reply.scalars)
-            self._finish(action.cid, error)
-        elif isinstance(action, sch.Cancel):
-            self._resolve_with(action.cid, AbortedError(f"closure {action.cid} {action.reason}"))
-            self._finish(action.cid, None)
-        elif isinstance(action, sch.FailUnscheduled):
-            err = UnavailableError(action.reason)
-            self._resolve_with(action.cid, err)
-            log.error("closure %d failed: %s", action.cid, action.reason)
-            self._finish(action.cid, err)
-        elif isinstance(action, sch.Abandon):
-            self._sender.abandon(action.cid, action.wid)
-        elif isinstance(action, sch.WorkerGone):
-            moved = list(action.rescheduled)
-            log.warning("%s; %s", action.reason, f"closures {moved} rescheduled" if moved else "no closure to reschedule")
-            self._sender.forget(action.wid)
-        elif isinstance(action, sch.Registered):
-            if action.new:
-                log.info("worker %d (%s) joined", action.index, action.wid)
-        elif isinstance(action, sch.WatchPs):
-            self._monitor.wake()
-        elif isinstance(action, sch.JobEnded):
-            log.info("job %s ended: %s", action.job, action.reason)
-            self._joins.end(action.job, AbortedError(f"job {action.job} ended: {action.reason}"))
+        _PERFORMERS[type(action)](self, action, reply)
+
+    def _resolved(self, action: sch.Resolve, reply: pb.RunClosureReply | None) -> None:
+        assert reply is not None, f"closure {action.cid} resolved without a reply"
+        value = self._values.get(action.cid)
+        if value is not None:
+            value._set_reply(reply)
+        error = None
+        if reply.HasField("error"):
+            log.warning("closure %d raised %s: %s", action.cid, reply.error.type_name, reply.error.message)
+            error = value.outcome()[1] if value is not None else reply_error(action.cid, reply.error)
+        elif self._curves is not None:
+            self._curves.add(reply.scalars)
+        self._finish(action.cid, error)
+
+    def _cancelled(self, action: sch.Cancel, reply: object) -> None:
+        self._resolve_with(action.cid, AbortedError(f"closure {action.cid} {action.reason}"))
+        self._finish(action.cid, None)
+
+    def _failed(self, action: sch.FailUnscheduled, reply: object) -> None:
+        err = UnavailableError(action.reason)
+        self._resolve_with(action.cid, err)
+        log.error("closure %d failed: %s", action.cid, action.reason)
+        self._finish(action.cid, err)
+
+    def _worker_gone(self, action: sch.WorkerGone, reply: object) -> None:
+        moved = list(action.rescheduled)
+        log.warning("%s; %s", action.reason, f"closures {moved} rescheduled" if moved else "no closure to reschedule")
+        self._sender.forget(action.wid)
+
+    def _job_ended(self, action: sch.JobEnded, reply: object) -> None:
+        log.info("job %s ended: %s", action.job, action.reason)
+        self._joins.end(action.job, AbortedError(f"job {action.job} ended: {action.reason}"))
 
     def _resolve_with(self, cid: int, error: BaseException) -> None:
         value = self._values.get(cid)
@@ -427,10 +424,25 @@ class ClusterCoordinator(CoordinatorAPI):
         finished, first = self._batch.get(job, (0, None))
         self._batch[job] = (finished + 1, first if first is not None or error is None else (cid, error))
 
-    def _dispatch(self, action: sch.Dispatch) -> None:
+    def _dispatch(self, action: sch.Dispatch, reply: object = None) -> None:
         request = pb.RunClosureRequest(closure_id=action.cid, attempt=action.attempt,
                                        payload=self._payloads[action.cid][1], sync_mode=self.sync_mode,
                                        worker_index=self._state.workers[action.wid].index,
                                        final_below=self._state.final_below(),
                                        push_pull=self.settings.push_pull and self.sync_mode == "async")
         self._sender.send(action, request)
+
+
+def _registered(coord: ClusterCoordinator, action: sch.Registered, reply: object) -> None:
+    if action.new:
+        log.info("worker %d (%s) joined", action.index, action.wid)
+
+
+# The loop's handler for each scheduler action (the action's own type picks it; every Action has one).
+_PERFORMERS: dict[type, Callable[[ClusterCoordinator, Any, pb.RunClosureReply | None], None]] = {
+    sch.Dispatch: ClusterCoordinator._dispatch, sch.Resolve: ClusterCoordinator._resolved,
+    sch.Cancel: ClusterCoordinator._cancelled, sch.FailUnscheduled: ClusterCoordinator._failed,
+    sch.Abandon: lambda coord, action, reply: coord._sender.abandon(action.cid, action.wid),
+    sch.WorkerGone: ClusterCoordinator._worker_gone, sch.Registered: _registered,
+    sch.WatchPs: lambda coord, action, reply: coord._monitor.wake(), sch.JobEnded: ClusterCoordinator._job_ended,
+}
