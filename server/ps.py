@@ -7,39 +7,18 @@ import math
 import os
 import pathlib
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.server import checkpoint
 from pscluster.server.store import PushItem, PushResult, Shard, ShardSpec, VariableStore, ensure_created
+from pscluster.server.sync_hook import SyncHook
 
 from pscluster.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 
 log = logging.getLogger(__name__)
-
-
-class SyncHook(Protocol):
-    """What the core and its servicers use of the sync-replica state (sync_replicas.SyncReplicas, which
-    imports this module: a Protocol keeps the arrow one way)."""
-
-    dropped: int
-
-    @property
-    def mode(self) -> str: ...
-    @property
-    def accumulates(self) -> bool: ...
-    @property
-    def max_spread(self) -> int: ...
-    @property
-    def clocks(self) -> dict[str, int]: ...
-    def configure(self, mode: str, replicas_to_aggregate: int, total_num_replicas: int, staleness: int) -> int: ...
-    def take_token(self, closure_id: int, worker: str, timeout: float) -> tuple[int, int]: ...
-    def step_done(self, closure_id: int, step: int, worker: str) -> None: ...
-    def push(self, push_id: str, step: int, items: Sequence[PushItem]) -> list[PushResult]: ...
-    def snapshot(self) -> Mapping[str, object]: ...
-    def restore(self, saved: object, step: int) -> None: ...
 
 
 class ParameterServerCore:
