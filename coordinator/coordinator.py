@@ -8,7 +8,7 @@
     losses = coord.fetch(results)
 
 One thread (`coordinator-loop`) owns the scheduler state and applies `scheduler.decide`'s actions; RPC
-completions, registrations, heartbeats and ticks reach it as events on a queue. After each batch of
+completions, registrations, heartbeats and ticks reach it as events on its `Inbox`. After each batch of
 events it publishes an immutable `Snapshot` that every other thread reads. Nothing here grows with
 the closures a job has run: a finished closure's record is dropped, and its RemoteValue is held only
 weakly (the caller owns it) unless a remote client still has to fetch it (`RetainedValues`).
@@ -22,12 +22,10 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import queue
 import threading
 import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any
 
 import grpc
@@ -37,6 +35,7 @@ from pscluster.coordinator.checkpoints import AutoCheckpointer
 from pscluster.coordinator.clients import LongPolls, RetainedValues
 from pscluster.coordinator.curves import TrainingCurves
 from pscluster.coordinator.dispatch import ClosureSender
+from pscluster.coordinator.inbox import Inbox, Posted
 from pscluster.coordinator.job_queues import MAIN
 from pscluster.coordinator.joins import JobJoins, JobSessions
 from pscluster.coordinator.ps_monitor import PsMonitor
@@ -63,7 +62,6 @@ from pscluster.net import rpc
 from pscluster.ops import metrics
 
 log = logging.getLogger(__name__)
-_STOP = object()
 _BATCH = 256  # events applied between two snapshots
 LONG_POLL_SLICE_S = 2.0  # a remote Join/Fetch waits at most this long in a server thread, then re-polls
 
@@ -82,21 +80,21 @@ class ClusterCoordinator(CoordinatorAPI):
             heartbeat_timeout=self.settings.heartbeat_timeout_s,
             no_worker_timeout=self.settings.no_worker_timeout_s,
             job_idle_timeout=self.settings.job_idle_timeout_s)
-        self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._inbox = Inbox()
         # Held weakly: the caller's reference keeps a RemoteValue alive; remote clients' are retained.
         self._values: weakref.WeakValueDictionary[int, RemoteValue] = weakref.WeakValueDictionary()
         self._retained = RetainedValues(self.settings.result_retention_s, clock)
         self.long_polls = LongPolls(max(1, self.settings.server_threads // 2), LONG_POLL_SLICE_S)
         self._payloads: dict[int, tuple[str, bytes]] = {}  # queued/running closure -> (job, payload)
         self._encoder = ClosureEncoder()
-        self._sender = ClosureSender(self.settings, self._events.put)
+        self._sender = ClosureSender(self.settings, self._inbox.post)
         # Closure ids are unique across coordinator restarts: push ids derive from them.
         self._ids = itertools.count((int.from_bytes(os.urandom(3), "little") << 32) + 1)
         self._submit_lock = threading.Lock()
-        self._joins = JobJoins(on_error_reported=lambda job: self._events.put((sch.ErrorReported(job), None)))
+        self._joins = JobJoins(on_error_reported=lambda job: self._inbox.post(sch.ErrorReported(job)))
         self._joins.open(MAIN)
         self.job = MAIN
-        self.sessions = JobSessions(self._joins, lambda event: self._events.put((event, None)),
+        self.sessions = JobSessions(self._joins, self._inbox.post,
                                     self.settings.job_idle_timeout_s)
         # per job: (closures finished, first error) in the loop's current batch (loop only)
         self._batch: dict[str, tuple[int, tuple[int, BaseException] | None]] = {}
@@ -107,8 +105,8 @@ class ClusterCoordinator(CoordinatorAPI):
         self.initial_step = max(s.global_step for s in self.client.status())
         # replicas: 2: the keeper owns shard -> (primary, backup, epoch) and promotes backups (docs/ps_failures.md)
         self._keeper = ReplicaKeeper(list(self.client.stubs)).start() if self.settings.replicas > 1 else None
-        self._monitor = PsMonitor(self.client, on_down=lambda: self._events.put((sch.PsDown(), None)),
-                                  on_up=lambda: self._events.put((sch.PsUp(), None)),
+        self._monitor = PsMonitor(self.client, on_down=lambda: self._inbox.post(sch.PsDown()),
+                                  on_up=lambda: self._inbox.post(sch.PsUp()),
                                   on_fatal=lambda exc: self._fail("ps-monitor", exc),
                                   lost_shards=self._keeper.lost_shards if self._keeper is not None else None).start()
         self._checkpointer = AutoCheckpointer.from_settings(
@@ -159,7 +157,7 @@ class ClusterCoordinator(CoordinatorAPI):
             self._payloads[cid] = (job, payload)
             if retain:
                 self._retained.add(value)
-            self._events.put((sch.Submit(cid, job), None))
+            self._inbox.post(sch.Submit(cid, job))
         return value
 
     def remote_value(self, closure_id: int) -> RemoteValue:
@@ -210,7 +208,7 @@ class ClusterCoordinator(CoordinatorAPI):
         n = total_num_replicas or r
         step = self.client.configure_sync(mode, r, n, staleness)
         self.sync_mode = mode
-        self._events.put((sch.SetConcurrency(n if mode == "sync" else None), None))
+        self._inbox.post(sch.SetConcurrency(n if mode == "sync" else None))
         return step
 
     def checkpoint(self, step: int | None = None, *, job: str = MAIN) -> list[str]:
@@ -294,7 +292,7 @@ class ClusterCoordinator(CoordinatorAPI):
         self._monitor.stop()
         if self._keeper is not None:
             self._keeper.stop()
-        self._events.put((_STOP, None))
+        self._inbox.close()
         self._loop.join(timeout=5)
         self._ticker.join(timeout=5)
         if self._server is not None:
@@ -309,9 +307,7 @@ class ClusterCoordinator(CoordinatorAPI):
         framed = ""
         if closure_port and self.settings.bulk_transport:
             framed = f"{address.rpartition(':')[0]}:{closure_port}"
-        reply: Future[list[sch.Action]] = Future()
-        self._events.put((sch.Register(worker_id, address, framed), reply))
-        for action in reply.result(timeout):
+        for action in self._inbox.ask(sch.Register(worker_id, address, framed)).result(timeout):
             if isinstance(action, sch.Registered) and action.wid == worker_id:
                 return action.index
         raise UnavailableError(f"worker {worker_id} could not register")
@@ -320,7 +316,7 @@ class ClusterCoordinator(CoordinatorAPI):
         """Record a heartbeat (or a leaving notice); False if the worker must re-register."""
         known = self._snapshot.knows(worker_id)
         if known:
-            self._events.put((sch.Leave(worker_id) if leaving else sch.Heartbeat(worker_id), None))
+            self._inbox.post(sch.Leave(worker_id) if leaving else sch.Heartbeat(worker_id))
         return known
 
     # -- background threads ----------------------------------------------------------------------
@@ -346,35 +342,27 @@ class ClusterCoordinator(CoordinatorAPI):
     def _tick(self) -> None:
         period = min(0.25, self.settings.heartbeat_interval_s / 2)
         while not self._stop.wait(period):
-            self._events.put((sch.Tick(), None))
+            self._inbox.post(sch.Tick())
 
     # -- the loop that owns the state ------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            batch = [self._events.get()]
-            while len(batch) < _BATCH:
-                try:
-                    batch.append(self._events.get_nowait())
-                except queue.Empty:
-                    break
-            replies = []
-            for event, reply in batch:
-                if event is _STOP:
+            answers = []
+            for posted in self._inbox.take(_BATCH):
+                if posted is None:
                     return
-                replies.append((reply, self._apply(event)))
+                answers.append((posted.answer, self._apply(posted)))
             self._publish()
-            for reply, outcome in replies:  # after the snapshot, so a registered worker is known
-                if reply is None:
+            for answer, outcome in answers:  # after the snapshot, so a registered worker is known
+                if answer is None:
                     continue
                 if isinstance(outcome, BaseException):
-                    reply.set_exception(outcome)
+                    answer.set_exception(outcome)
                 else:
-                    reply.set_result(outcome)
+                    answer.set_result(outcome)
 
-    def _apply(self, event: Any) -> list[sch.Action] | BaseException:
-        closure_reply = None
-        if isinstance(event, tuple):  # (Finished, RunClosureReply) from an RPC callback
-            event, closure_reply = event
+    def _apply(self, posted: Posted) -> list[sch.Action] | BaseException:
+        event, closure_reply = posted.event, posted.reply
         try:
             if closure_reply is not None and closure_reply.versions:
                 self._monitor.record(list(closure_reply.versions))
@@ -397,42 +385,39 @@ class ClusterCoordinator(CoordinatorAPI):
         self._batch = {}
 
     def _perform(self, action: sch.Action, reply: pb.RunClosureReply | None) -> None:
-        if isinstance(action, sch.Dispatch):
-            self._dispatch(action)
-        elif isinstance(action, sch.Resolve):
-            assert reply is not None, f"closure {action.cid} resolved without a reply"
-            value = self._values.get(action.cid)
-            if value is not None:
-                value._set_reply(reply)
-            error = None
-            if reply.HasField("error"):
-                log.warning("closure %d raised %s: %s", action.cid, reply.error.type_name, reply.error.message)
-                error = value.outcome()[1] if value is not None else reply_error(action.cid, reply.error)
-            elif self._curves is not None:
-                self._curves.add(reply.scalars)
-            self._finish(action.cid, error)
-        elif isinstance(action, sch.Cancel):
-            self._resolve_with(action.cid, AbortedError(f"closure {action.cid} {action.reason}"))
-            self._finish(action.cid, None)
-        elif isinstance(action, sch.FailUnscheduled):
-            err = UnavailableError(action.reason)
-            self._resolve_with(action.cid, err)
-            log.error("closure %d failed: %s", action.cid, action.reason)
-            self._finish(action.cid, err)
-        elif isinstance(action, sch.Abandon):
-            self._sender.abandon(action.cid, action.wid)
-        elif isinstance(action, sch.WorkerGone):
-            moved = list(action.rescheduled)
-            log.warning("%s; %s", action.reason, f"closures {moved} rescheduled" if moved else "no closure to reschedule")
-            self._sender.forget(action.wid)
-        elif isinstance(action, sch.Registered):
-            if action.new:
-                log.info("worker %d (%s) joined", action.index, action.wid)
-        elif isinstance(action, sch.WatchPs):
-            self._monitor.wake()
-        elif isinstance(action, sch.JobEnded):
-            log.info("job %s ended: %s", action.job, action.reason)
-            self._joins.end(action.job, AbortedError(f"job {action.job} ended: {action.reason}"))
+        _PERFORMERS[type(action)](self, action, reply)
+
+    def _resolved(self, action: sch.Resolve, reply: pb.RunClosureReply | None) -> None:
+        assert reply is not None, f"closure {action.cid} resolved without a reply"
+        value = self._values.get(action.cid)
+        if value is not None:
+            value._set_reply(reply)
+        error = None
+        if reply.HasField("error"):
+            log.warning("closure %d raised %s: %s", action.cid, reply.error.type_name, reply.error.message)
+            error = value.outcome()[1] if value is not None else reply_error(action.cid, reply.error)
+        elif self._curves is not None:
+            self._curves.add(reply.scalars)
+        self._finish(action.cid, error)
+
+    def _cancelled(self, action: sch.Cancel, reply: object) -> None:
+        self._resolve_with(action.cid, AbortedError(f"closure {action.cid} {action.reason}"))
+        self._finish(action.cid, None)
+
+    def _failed(self, action: sch.FailUnscheduled, reply: object) -> None:
+        err = UnavailableError(action.reason)
+        self._resolve_with(action.cid, err)
+        log.error("closure %d failed: %s", action.cid, action.reason)
+        self._finish(action.cid, err)
+
+    def _worker_gone(self, action: sch.WorkerGone, reply: object) -> None:
+        moved = list(action.rescheduled)
+        log.warning("%s; %s", action.reason, f"closures {moved} rescheduled" if moved else "no closure to reschedule")
+        self._sender.forget(action.wid)
+
+    def _job_ended(self, action: sch.JobEnded, reply: object) -> None:
+        log.info("job %s ended: %s", action.job, action.reason)
+        self._joins.end(action.job, AbortedError(f"job {action.job} ended: {action.reason}"))
 
     def _resolve_with(self, cid: int, error: BaseException) -> None:
         value = self._values.get(cid)
@@ -447,10 +432,25 @@ class ClusterCoordinator(CoordinatorAPI):
         finished, first = self._batch.get(job, (0, None))
         self._batch[job] = (finished + 1, first if first is not None or error is None else (cid, error))
 
-    def _dispatch(self, action: sch.Dispatch) -> None:
+    def _dispatch(self, action: sch.Dispatch, reply: object = None) -> None:
         request = pb.RunClosureRequest(closure_id=action.cid, attempt=action.attempt,
                                        payload=self._payloads[action.cid][1], sync_mode=self.sync_mode,
                                        worker_index=self._state.workers[action.wid].index,
                                        final_below=self._state.final_below(),
                                        push_pull=self.settings.push_pull and self.sync_mode == "async")
         self._sender.send(action, request)
+
+
+def _registered(coord: ClusterCoordinator, action: sch.Registered, reply: object) -> None:
+    if action.new:
+        log.info("worker %d (%s) joined", action.index, action.wid)
+
+
+# The loop's handler for each scheduler action (the action's own type picks it; every Action has one).
+_PERFORMERS: dict[type, Callable[[ClusterCoordinator, Any, pb.RunClosureReply | None], None]] = {
+    sch.Dispatch: ClusterCoordinator._dispatch, sch.Resolve: ClusterCoordinator._resolved,
+    sch.Cancel: ClusterCoordinator._cancelled, sch.FailUnscheduled: ClusterCoordinator._failed,
+    sch.Abandon: lambda coord, action, reply: coord._sender.abandon(action.cid, action.wid),
+    sch.WorkerGone: ClusterCoordinator._worker_gone, sch.Registered: _registered,
+    sch.WatchPs: lambda coord, action, reply: coord._monitor.wake(), sch.JobEnded: ClusterCoordinator._job_ended,
+}

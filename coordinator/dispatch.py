@@ -4,6 +4,7 @@
 framed closure port when it has one, else over gRPC (both are a `ClosureTransport`), and turns
 every answer or failure into a scheduler event. `FramedDispatcher` keeps one connection per closure in flight, open and reused;
 each has a reader thread blocked on its socket that hands the reply (or the failure) to callbacks.
+Which connection carries which attempt is attempts.py's plain bookkeeping; this module does the I/O.
 Abandoning an attempt shuts its connection down, so a hung worker costs nothing but the socket. A
 reader that meets anything unexpected reports the attempt failed (the closure is rescheduled) rather
 than dying with the attempt unanswered. Sends and reply reads are bounded by the socket timeout; the
@@ -17,12 +18,12 @@ import logging
 import socket
 import ssl
 import threading
-from collections import defaultdict
 from collections.abc import Callable
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 import grpc
 from pscluster.coordinator import scheduler as sch
+from pscluster.coordinator.attempts import Attempts, Key
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 
@@ -37,12 +38,13 @@ class _Conn:
     def __init__(self, sock: socket.socket, wid: str) -> None:
         self.sock = sock
         self.wid = wid
-        self.pending: tuple[int, str] | None = None
+        self.pending: Key | None = None
         self.abandoned = False
 
 
 OnReply = Callable[[int, str, pb.RunClosureReply], None]  # (closure id, worker id, the worker's answer)
 OnFailure = Callable[[int, str, str], None]  # (closure id, worker id, why the attempt failed)
+Post = Callable[[sch.Event, pb.RunClosureReply | None], None]  # Inbox.post: (event, the answer to publish)
 
 
 class ClosureTransport(Protocol):
@@ -73,14 +75,13 @@ class FramedDispatcher:
         self._io_timeout = io_timeout
         self._tls = tls_context
         self._lock = threading.Lock()
-        self._idle: dict[str, list[_Conn]] = defaultdict(list)
-        self._busy: dict[tuple[int, str], _Conn] = {}
+        self._attempts: Attempts[_Conn] = Attempts()  # which connection carries what (attempts.py)
 
     def dispatch(self, wid: str, address: str, request: pb.RunClosureRequest) -> None:
         """Send request to worker wid at address; the outcome arrives through the callbacks."""
         key = (request.closure_id, wid)
         with self._lock:
-            conn = self._idle[wid].pop() if self._idle[wid] else None
+            conn = self._attempts.reuse(wid)
         fresh = conn is None
         if conn is None:
             host, _, port = address.rpartition(":")
@@ -91,9 +92,8 @@ class FramedDispatcher:
                 return
             sock.settimeout(self._io_timeout)
             conn = _Conn(sock, wid)
-        conn.pending = key
         with self._lock:
-            self._busy[key] = conn
+            self._attempts.carry(key, conn)
         if fresh:
             threading.Thread(target=self._read, args=(conn,), name=f"dispatch-{wid}", daemon=True).start()
         frame = pb.BulkRequest(closure=request)
@@ -111,23 +111,14 @@ class FramedDispatcher:
                 reply, _ = read_reply(conn.sock)
             except Exception as exc:  # noqa: BLE001 - any failure (socket, garbage frame) fails the attempt
                 with self._lock:
-                    pending, conn.pending = conn.pending, None
-                    if pending is not None:
-                        self._busy.pop(pending, None)
-                    idle = self._idle.get(conn.wid, [])  # .get: a worker forgotten stays forgotten
-                    if conn in idle:
-                        idle.remove(conn)
+                    pending = self._attempts.broke(conn)
                 conn.sock.close()
-                if pending is not None and not conn.abandoned:
+                if pending is not None:
                     self._on_failure(pending[0], pending[1], f"closure connection failed ({exc or 'closed'})")
                 return
             with self._lock:
-                pending, conn.pending = conn.pending, None
-                if pending is not None:
-                    self._busy.pop(pending, None)
-                if not conn.abandoned and conn.wid in self._idle:
-                    self._idle[conn.wid].append(conn)
-            if pending is not None and not conn.abandoned:
+                pending = self._attempts.answered(conn)
+            if pending is not None:
                 try:
                     if reply.code:
                         self._on_failure(pending[0], pending[1], f"refused a closure "
@@ -141,27 +132,22 @@ class FramedDispatcher:
     def abandon(self, cid: int, wid: str) -> None:
         """Stop waiting for an attempt: close its connection."""
         with self._lock:
-            conn = self._busy.pop((cid, wid), None)
+            conn = self._attempts.abandon((cid, wid))
         if conn is not None:
-            conn.abandoned = True
             _shutdown(conn.sock)
 
     def forget(self, wid: str) -> None:
         """Close the idle connections to a worker that is gone."""
         with self._lock:
-            conns = self._idle.pop(wid, [])
+            conns = self._attempts.forget(wid)
         for conn in conns:
-            conn.abandoned = True
             _shutdown(conn.sock)
 
     def close(self) -> None:
         """Close every connection."""
         with self._lock:
-            conns = [c for cs in self._idle.values() for c in cs] + list(self._busy.values())
-            self._idle.clear()
-            self._busy.clear()
+            conns = self._attempts.clear()
         for conn in conns:
-            conn.abandoned = True
             _shutdown(conn.sock)
 
 
@@ -231,11 +217,10 @@ class ClosureSender:
 
     A worker with a framed closure port gets its closures over FramedDispatcher, others over
     GrpcDispatcher; both answer through the same two callbacks, which become scheduler events:
-    `Finished`/`TransportFailed`, or `(Finished, RunClosureReply)` for an answer whose reply the loop
-    must publish. Only the loop calls send/abandon/forget.
+    `Finished`/`TransportFailed`, posted with the RunClosureReply when the loop must publish it. Only the loop calls send/abandon/forget.
     """
 
-    def __init__(self, settings: Settings, post: Callable[[Any], None]) -> None:
+    def __init__(self, settings: Settings, post: Post) -> None:
         self._post = post
         files = tls.files(settings)
         self._framed = FramedDispatcher(settings.token_value(), self._reply, self._failure,
@@ -267,12 +252,12 @@ class ClosureSender:
             transport.close()
 
     def _failure(self, cid: int, wid: str, reason: str) -> None:
-        self._post((sch.TransportFailed(cid, wid, reason), None))
+        self._post(sch.TransportFailed(cid, wid, reason), None)
 
     def _reply(self, cid: int, wid: str, reply: pb.RunClosureReply) -> None:
         if reply.retryable:
             log.warning("closure %d hit an unavailable PS: %s", cid, reply.error.message)
-            self._post((sch.Finished(cid, wid, "retry"), None))
+            self._post(sch.Finished(cid, wid, "retry"), None)
         else:
             outcome: Literal["user_error", "ok"] = "user_error" if reply.HasField("error") else "ok"
-            self._post(((sch.Finished(cid, wid, outcome), reply), None))
+            self._post(sch.Finished(cid, wid, outcome), reply)

@@ -112,7 +112,7 @@ class BulkHandlers:
         # a connection that takes sync tokens keeps a thread of its own (see `inline`)
         state["takes_tokens"] = True
         req = request.take_token
-        step, replica = self.core.sync.take_token(req.closure_id, req.worker, req.timeout_s or 30.0)
+        step, replica = self.core.replicas().take_token(req.closure_id, req.worker, req.timeout_s or 30.0)
         send_frame(conn, pb.BulkReply(token=pb.TokenReply(step=step, replica=replica)).SerializeToString())
 
     def step_done(self, conn: socket.socket, request: pb.BulkRequest, payload_len: int,
@@ -120,7 +120,7 @@ class BulkHandlers:
         """A closure's step report, as the StepDone RPC."""
         refuse_payload(conn, payload_len, "step_done")
         req = request.step_done
-        self.core.sync.step_done(req.closure_id, req.step, req.worker)
+        self.core.replicas().step_done(req.closure_id, req.step, req.worker)
         send_frame(conn, pb.BulkReply(step=pb.StepReply(global_step=self.core.global_step)).SerializeToString())
 
     def _observe(self, op: str, nbytes: int, started: float) -> None:

@@ -14,6 +14,7 @@ import numpy as np
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.server import checkpoint, hyperparams
 from pscluster.server.store import PushItem, PushResult, Shard, ShardSpec, VariableStore, ensure_created
+from pscluster.server.sync_hook import SyncHook
 
 from pscluster.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from pscluster.optimizer_config import changes_from_json
@@ -41,10 +42,16 @@ class ParameterServerCore:
             if removed:
                 log.info("ps %d: removed %d temporaries left by interrupted saves in %s", ps_index, removed,
                          checkpoint_dir)
-        self.sync: Any = None  # a SyncReplicas, installed by sync_replicas.attach()
+        self.sync: SyncHook | None = None  # a SyncReplicas, installed by sync_replicas.attach()
         self.bulk_port = 0
         self.metrics: Any = None  # a PsMetrics, installed by main.start()
         self.replication: Any = None  # a server.replication.Replication with replicas: 2 (None: one copy)
+
+    def replicas(self) -> SyncHook:
+        """The sync-replica state, for the servicers."""
+        if self.sync is None:
+            raise FailedPreconditionError(f"ps {self.ps_index} has no sync-replica state (sync_replicas.attach)")
+        return self.sync
 
     def restore(self) -> int:
         """Load the newest complete checkpoint into the store; returns its step or -1."""
@@ -161,7 +168,7 @@ class ParameterServerCore:
         if step < 0:
             raise InvalidArgumentError(f"checkpoint step must be >= 0, got {step}")
         with self._save_lock:
-            extra = {"sync": self.sync.snapshot() if self.sync is not None else None}
+            extra: dict[str, object] = {"sync": self.sync.snapshot() if self.sync is not None else None}
             path = checkpoint.save(self.store, self.checkpoint_dir, step, self.ps_index, self.num_ps,
                                    self.keep_checkpoints, extra)
             self.global_step = max(self.global_step, step)

@@ -92,20 +92,20 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return pb.SaveReply(path=str(self.core.save(request.step)))
 
     def ConfigureSync(self, request: pb.SyncConfigRequest, context: grpc.ServicerContext) -> pb.SyncConfigReply:
-        step = self.core.sync.configure(request.mode or "async", request.replicas_to_aggregate,
-                                        request.total_num_replicas, request.staleness)
+        step = self.core.replicas().configure(request.mode or "async", request.replicas_to_aggregate,
+                                              request.total_num_replicas, request.staleness)
         return pb.SyncConfigReply(global_step=step)
 
     def TakeToken(self, request: pb.TokenRequest, context: grpc.ServicerContext) -> pb.TokenReply:
-        step, replica = self.core.sync.take_token(request.closure_id, request.worker, request.timeout_s or 30.0)
+        step, replica = self.core.replicas().take_token(request.closure_id, request.worker, request.timeout_s or 30.0)
         return pb.TokenReply(step=step, replica=replica)
 
     def StepDone(self, request: pb.StepDoneRequest, context: grpc.ServicerContext) -> pb.StepReply:
-        self.core.sync.step_done(request.closure_id, request.step, request.worker)
+        self.core.replicas().step_done(request.closure_id, request.step, request.worker)
         return self.GetStep(pb.StepRequest(), context)
 
     def GetStep(self, request: pb.StepRequest, context: grpc.ServicerContext) -> pb.StepReply:
-        sync = self.core.sync
+        sync = self.core.replicas()
         return pb.StepReply(global_step=self.core.global_step, dropped_stale=sync.dropped, mode=sync.mode,
                             max_spread=sync.max_spread, clocks=dict(sync.clocks))
 
@@ -140,7 +140,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return pb.PsStatus(ps_index=core.ps_index, num_ps=core.num_ps, global_step=core.global_step,
                            restored_step=core.restored_step, num_shards=len(core.store.shards()),
                            total_bytes=core.total_bytes(),
-                           dropped_stale=core.sync.dropped,
+                           dropped_stale=core.replicas().dropped,
                            incarnation=core.incarnation, bulk_port=core.bulk_port,
                            **_replica_status(core.replication))
 

@@ -7,33 +7,46 @@ arrived it applies their average once and moves to the next step; a gradient tag
 step is stale: dropped and counted (a repeat of a push its step counted is dropped, not counted). A
 closure that finished its pushes reports StepDone(G); after R reports G advances and the tokens of
 the next step are released. Every reporting closure has pushed to every shard, so R reports mean
-every shard has seen R gradients of the step: no shard can be left behind, and no step waits for backups (N > R) or for a dead token holder, whose
-closure is rescheduled with the same id and gets its token back.
+every shard has seen R gradients of the step: no shard can be left behind, and no step waits for
+backups (N > R) or for a dead token holder, whose closure is rescheduled with the same id and gets
+its token back.
 
 bounded: pushes apply on arrival (async), but a worker may start a step only while its clock is at
 most `staleness` steps ahead of the slowest live worker; the widest spread ever admitted is kept
 for inspection.
+
+The token queue and the clocks are the pure state machine of sync_tokens.py; `SyncReplicas` is its
+executor (the condition variable, the waiting, G on the core) and keeps the shards' accumulators.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypedDict
 
 import numpy as np
+from pscluster.server import sync_tokens as tok
 from pscluster.server.ps import ParameterServerCore
 from pscluster.server.push_record import push_key
-from pscluster.server.store import PushItem, PushResult
+from pscluster.server.store import PushItem, PushResult, Shard
 
 from pscluster.errors import DeadlineExceededError, InvalidArgumentError
 
-MODES = ("async", "sync", "bounded")
-# A bounded-mode worker that took no token for this long (it has no closure to run: the queue drained
-# towards the others) no longer holds the others back.
-WORKER_LEASE_S = 2.0
+MODES = tok.MODES
+WORKER_LEASE_S = tok.WORKER_LEASE_S
+
+
+class SyncSnapshot(TypedDict):
+    """What a checkpoint keeps of the sync state (the header's JSON spells R and N so)."""
+
+    mode: tok.Mode
+    R: int
+    N: int
+    staleness: int
+    dropped: int
 
 
 @dataclass
@@ -50,25 +63,51 @@ class Accumulator:
 
 
 class SyncReplicas:
-    """Sync/bounded state of one PS task (token queue and clocks are used on PS 0)."""
+    """Sync/bounded state of one PS task (token queue and clocks are used on PS 0): the executor of
+    sync_tokens.decide plus the shards' accumulators."""
 
-    def __init__(self, core: ParameterServerCore, clock: Any = time.monotonic) -> None:
+    def __init__(self, core: ParameterServerCore, clock: Callable[[], float] = time.monotonic) -> None:
         self.core = core
-        self.mode = "async"
-        self.replicas_to_aggregate = 1
-        self.total_num_replicas = 1
-        self.staleness = 0
         self.dropped = 0
-        self.max_spread = 0
-        self._clock = clock
+        self._clock = clock  # ages bounded-mode leases; waiting deadlines are real time
         self._cond = threading.Condition()
+        self._state = tok.TokenState()
         self._acc: dict[tuple[str, int], Accumulator] = {}
-        self._issued: dict[int, int] = {}
-        self._tokens: dict[int, tuple[int, int]] = {}
-        self._done: dict[int, set[int]] = {}
-        self.clocks: dict[str, int] = {}  # bounded: steps completed per worker
-        self.started: dict[str, int] = {}  # bounded: steps begun per worker
-        self._last_seen: dict[str, float] = {}
+
+    @property
+    def mode(self) -> tok.Mode:
+        """async, sync or bounded."""
+        return self._state.mode
+
+    @property
+    def replicas_to_aggregate(self) -> int:
+        """R: gradients averaged into one step (sync)."""
+        return self._state.replicas_to_aggregate
+
+    @property
+    def total_num_replicas(self) -> int:
+        """N: tokens per step (sync)."""
+        return self._state.total_num_replicas
+
+    @property
+    def staleness(self) -> int:
+        """How many steps a worker may run ahead of the slowest (bounded)."""
+        return self._state.staleness
+
+    @property
+    def max_spread(self) -> int:
+        """The widest spread ever admitted (bounded)."""
+        return self._state.max_spread
+
+    @property
+    def clocks(self) -> dict[str, int]:
+        """Steps completed per worker (bounded)."""
+        return self._state.clocks
+
+    @property
+    def started(self) -> dict[str, int]:
+        """Steps begun per worker (bounded)."""
+        return self._state.started
 
     @property
     def accumulates(self) -> bool:
@@ -90,17 +129,20 @@ class SyncReplicas:
                 f"({total_num_replicas})")
         if mode == "bounded" and staleness < 0:
             raise InvalidArgumentError(f"staleness must be >= 0, got {staleness}")
+        checked: tok.Mode = "sync" if mode == "sync" else "bounded" if mode == "bounded" else "async"
         with self._cond:
-            self.mode = mode
-            self.replicas_to_aggregate = max(1, replicas_to_aggregate)
-            self.total_num_replicas = max(self.replicas_to_aggregate, total_num_replicas)
-            self.staleness = staleness
             self._acc.clear()
-            self._issued.clear()
-            self._tokens.clear()
-            self._done.clear()
-            self._cond.notify_all()
+            self._perform(tok.decide(self._state, tok.Configure(checked, replicas_to_aggregate, total_num_replicas,
+                                                                staleness), self._clock()))
             return self.core.global_step
+
+    def _perform(self, actions: list[tok.Action]) -> None:
+        # under self._cond
+        for action in actions:
+            if isinstance(action, tok.Advance):
+                self.core.global_step = action.global_step
+            if isinstance(action, (tok.Advance, tok.WakeWaiters)):
+                self._cond.notify_all()
 
     # -- shards (every PS) -----------------------------------------------------------------------
     def push(self, push_id: str, step: int, items: Sequence[PushItem]) -> list[PushResult]:
@@ -108,7 +150,7 @@ class SyncReplicas:
         checked = self.core.store.validate_push(items)
         return [self._accumulate(shard, item, local, push_id, step) for shard, item, local in checked]
 
-    def _accumulate(self, shard: Any, item: PushItem, local: np.ndarray | None, push_id: str,
+    def _accumulate(self, shard: Shard, item: PushItem, local: np.ndarray | None, push_id: str,
                     step: int) -> PushResult:
         key = shard.spec.key
         with self._cond:
@@ -157,97 +199,37 @@ class SyncReplicas:
             DeadlineExceededError: no token within timeout (the closure is handed back and rescheduled).
         """
         with self._cond:
-            if self.mode == "sync":
-                return self._sync_token(closure_id, timeout)
-            if self.mode == "bounded":
-                return self._bounded_token(closure_id, worker, timeout)
-            return self.core.global_step, 0
-
-    def _sync_token(self, closure_id: int, timeout: float) -> tuple[int, int]:
-        held = self._tokens.get(closure_id)
-        if held is not None and held[0] == self.core.global_step:
-            return held
-        if not self._cond.wait_for(lambda: self._issued.get(self.core.global_step, 0) < self.total_num_replicas,
-                                   timeout):
-            g = self.core.global_step
-            raise DeadlineExceededError(
-                f"no sync token for step {g} within {timeout:.1f} s: all {self.total_num_replicas} are out and "
-                f"{len(self._done.get(g, ()))} of {self.replicas_to_aggregate} replicas reported")
-        g = self.core.global_step
-        replica = self._issued.get(g, 0)
-        self._issued[g] = replica + 1
-        self._tokens[closure_id] = (g, replica)
-        return g, replica
-
-    def _min_clock(self, now: float) -> int:
-        live = [c for w, c in self.clocks.items() if now - self._last_seen.get(w, now) <= WORKER_LEASE_S]
-        return min(live) if live else 0
-
-    def _bounded_token(self, closure_id: int, worker: str, timeout: float) -> tuple[int, int]:
-        # ps-lite's bounded delay: a worker may start its step t only once every live worker has
-        # completed step t - staleness; `started` counts steps begun (closures in flight included),
-        # `clocks` steps completed.
-        held = self._tokens.get(closure_id)
-        if held is not None:
-            return held
-        now = self._clock()
-        if worker not in self.clocks:
-            self.clocks[worker] = self.started[worker] = self._min_clock(now)  # a newcomer starts level
-        self._last_seen[worker] = now
-
-        def admitted() -> bool:
-            return self.started[worker] - self._min_clock(self._clock()) <= self.staleness
-
-        deadline = time.monotonic() + timeout  # real time: the injected clock only ages leases
-        while not admitted():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            self._cond.wait(min(remaining, 0.05))  # leases expire without a notify: look again soon
-        if not admitted():
-            raise DeadlineExceededError(
-                f"worker {worker} is {self.started[worker] - self._min_clock(self._clock())} steps ahead of the "
-                f"slowest (staleness {self.staleness}) after waiting {timeout:.1f} s")
-        step = self.started[worker]
-        self.started[worker] = step + 1
-        self._tokens[closure_id] = (step, 0)
-        self._last_seen[worker] = self._clock()
-        self.max_spread = max(self.max_spread, step - self._min_clock(self._clock()))
-        return step, 0
+            mode = self._state.mode  # a wait keeps the rules it began with
+            event: tok.TakeToken | tok.RetryToken = tok.TakeToken(closure_id, worker, self.core.global_step)
+            deadline = time.monotonic() + timeout
+            while True:
+                [answer] = tok.decide(self._state, event, self._clock())
+                if isinstance(answer, tok.Grant):
+                    return answer.step, answer.replica
+                if not isinstance(answer, (tok.AwaitTokens, tok.AwaitSlowest)):
+                    raise AssertionError(f"a take was answered with {answer}")  # decide's contract
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise DeadlineExceededError(answer.refusal(timeout))
+                self._cond.wait(remaining if answer.poll is None else min(remaining, answer.poll))
+                event = tok.RetryToken(closure_id, worker, self.core.global_step, mode)
 
     def step_done(self, closure_id: int, step: int, worker: str) -> None:
         """A closure finished the pushes of its step; maybe advance G and release tokens."""
         with self._cond:
-            if self.mode == "sync":
-                if step != self.core.global_step:
-                    return  # a backup's report for a step that already advanced
-                done = self._done.setdefault(step, set())
-                done.add(closure_id)
-                if len(done) >= self.replicas_to_aggregate:
-                    self.core.global_step = step + 1
-                    for old in [s for s in self._done if s <= step]:
-                        del self._done[old]
-                    for old in [s for s in self._issued if s < step]:
-                        del self._issued[old]
-                    self._tokens = {c: t for c, t in self._tokens.items() if t[0] >= step}
-                    self._cond.notify_all()
-            else:
-                if self.mode == "bounded" and worker:
-                    self.clocks[worker] = self.clocks.get(worker, 0) + 1
-                    self._last_seen[worker] = self._clock()
-                    self._tokens.pop(closure_id, None)
-                self.core.global_step += 1
-                self._cond.notify_all()
+            self._perform(tok.decide(self._state, tok.StepDone(closure_id, step, worker, self.core.global_step),
+                                     self._clock()))
 
     # -- checkpoints -----------------------------------------------------------------------------
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> SyncSnapshot:
         """What a checkpoint keeps of the sync state."""
         with self._cond:
-            return {"mode": self.mode, "R": self.replicas_to_aggregate, "N": self.total_num_replicas,
-                    "staleness": self.staleness, "dropped": self.dropped}
+            return SyncSnapshot(mode=self.mode, R=self.replicas_to_aggregate, N=self.total_num_replicas,
+                                staleness=self.staleness, dropped=self.dropped)
 
-    def restore(self, saved: Any, step: int) -> None:
-        """Reinstate a snapshot; partial accumulations were not saved and start over at `step`."""
+    def restore(self, saved: object, step: int) -> None:
+        """Reinstate a snapshot read back from a checkpoint header (JSON, so checked here); partial
+        accumulations were not saved and start over at `step`."""
         if isinstance(saved, dict) and saved.get("mode") in MODES:
             self.configure(saved["mode"], int(saved["R"]), int(saved["N"]), int(saved["staleness"]))
             self.dropped = int(saved.get("dropped", 0))

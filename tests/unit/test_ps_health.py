@@ -1,0 +1,111 @@
+"""PS down/up detection and lost-update accounting, fed events; no sockets, no sleeps, no threads."""
+
+from pscluster.coordinator import ps_health as h
+from pscluster.proto import pscluster_pb2 as pb
+
+
+def healthy(*incarnations, restored_step=0):
+    return tuple(h.Seen(i, restored_step) for i in incarnations)
+
+
+def versions(incarnation, *vs, variable="w"):
+    return h.Reported([pb.ShardVersion(variable=variable, shard_index=0, version=v, incarnation=incarnation)
+                       for v in vs])
+
+
+def test_every_ps_answering_as_before_changes_nothing():
+    state = h.HealthState([1, 2])
+    assert h.decide(state, h.Polled(healthy(1, 2)), 0.0) == []
+    assert state.phase == "watching"
+
+
+def test_a_wake_with_every_ps_healthy_resumes_dispatch_at_once():
+    state = h.HealthState([1, 2])
+    assert h.decide(state, h.Polled(healthy(1, 2), woken=True), 0.0) == [h.Resume(None)]
+
+
+def test_a_ps_that_does_not_answer_pauses_dispatch_and_is_asked_again_until_it_does():
+    state = h.HealthState([1, 2])
+    assert h.decide(state, h.Polled(None), 10.0) == [h.Pause(), h.PollSoon(h.DOWN_POLL_S)]
+    assert h.decide(state, h.Polled(None), 10.1) == [h.PollSoon(h.DOWN_POLL_S)]  # paused once, not again
+    assert h.decide(state, h.Polled(healthy(1, 2)), 12.5) == [h.Resume(2.5)]
+    assert state.phase == "watching"
+
+
+def test_a_restart_pauses_accounts_the_restarted_ps_then_resumes():
+    state = h.HealthState([1, 2])
+    actions = h.decide(state, h.Polled((h.Seen(1, 0), h.Seen(7, 40))), 3.0)
+    assert actions == [h.Pause(), h.Account(1, 7, 40), h.Resume(0.0)]
+    assert state.incarnations == [1, 2]  # accounted only once its restored versions are known
+
+
+def test_a_ps_down_then_back_restarted_is_accounted_before_dispatch_resumes():
+    state = h.HealthState([1])
+    h.decide(state, h.Polled(None), 0.0)
+    assert h.decide(state, h.Polled(healthy(9, restored_step=5)), 1.0) == [h.Account(0, 9, 5), h.Resume(1.0)]
+
+
+def test_lost_updates_are_reported_versions_of_the_old_incarnation_beyond_the_restored_one():
+    state = h.HealthState([1])
+    h.decide(state, versions(1, *range(1, 9)), 0.0)
+    assert h.decide(state, h.Restored(0, 5, {("w", 0): 3}), 0.0) == []
+    assert state.incarnations == [5]
+    assert h.lost_by_variable(state) == {"w": 5}  # versions 4..8
+    h.decide(state, versions(1, 10), 0.0)  # a late report of the old incarnation still counts
+    assert h.lost_by_variable(state) == {"w": 6}
+
+
+def test_versions_applied_by_failed_attempts_are_not_lost():
+    state = h.HealthState([1])
+    h.decide(state, versions(1, 2), 0.0)  # B completed with v2; A pushed v1 and died unreported
+    h.decide(state, h.Restored(0, 2, {("w", 0): 0}), 0.0)
+    h.decide(state, versions(2, 1), 0.0)  # A re-ran on the new incarnation
+    assert h.lost_by_variable(state) == {"w": 1}
+
+
+def test_a_restart_keeps_only_the_old_incarnations_versions_above_the_restored_one():
+    state = h.HealthState([1])
+    h.decide(state, versions(1, *range(1, 1001)), 0.0)
+    h.decide(state, h.Restored(0, 2, {("w", 0): 1000}), 0.0)
+    assert len(state.seen[("w", 0, 1)]) == 0 and h.lost_by_variable(state) == {"w": 0}
+
+
+def test_failed_checks_back_off_doubling_then_give_up():
+    state = h.HealthState([1], max_failures=3)
+    error = RuntimeError("ListShards: cannot parse the reply")
+    assert h.decide(state, h.CheckFailed(error), 0.0) == [h.Backoff(0.2, 1)]
+    assert h.decide(state, h.CheckFailed(error), 0.0) == [h.Backoff(0.4, 2)]
+    assert h.decide(state, h.CheckFailed(error), 0.0) == [h.GiveUp(error, 3)]
+
+
+def test_a_passed_check_resets_the_failure_count_and_backoff_is_capped():
+    state = h.HealthState([1], max_failures=100)
+    for _ in range(10):
+        h.decide(state, h.CheckFailed(RuntimeError()), 0.0)
+    assert h.decide(state, h.CheckFailed(RuntimeError()), 0.0)[0].seconds == h.MAX_BACKOFF_S
+    h.decide(state, h.CheckPassed(), 0.0)
+    assert state.failures == 0
+
+
+def test_a_failed_check_mid_pause_finds_the_unaccounted_restart_again():
+    state = h.HealthState([1])
+    h.decide(state, h.Polled(healthy(2)), 0.0)  # Pause, Account(0) ... and the account fails
+    h.decide(state, h.CheckFailed(RuntimeError()), 0.0)
+    assert h.decide(state, h.Polled(healthy(2)), 1.0) == [h.Pause(), h.Account(0, 2, 0), h.Resume(0.0)]
+
+
+def test_replicated_a_ps_that_does_not_answer_pauses_nothing_and_a_restart_is_accounted_when_it_answers():
+    state = h.HealthState([1, 2], replicated=True)
+    assert h.decide(state, h.Polled((None, h.Seen(2, 0))), 0.0) == []
+    assert h.decide(state, h.Polled((None, h.Seen(2, 0)), woken=True), 0.0) == [h.Resume(None)]
+    assert h.decide(state, h.Polled((h.Seen(5, 3), h.Seen(2, 0))), 1.0) == [h.Account(0, 5, 3)]
+    assert state.phase == "watching"
+
+
+def test_replicated_only_the_shards_whose_copies_both_died_count_as_lost():
+    state = h.HealthState([1], replicated=True)
+    h.decide(state, versions(1, *range(1, 9)), 0.0)
+    h.decide(state, versions(1, *range(1, 5), variable="v"), 0.0)
+    h.decide(state, h.Restored(0, 5, {("w", 0): 3, ("v", 0): 0}), 0.0)
+    assert h.lost_by_variable(state, lambda ps: {("v", 0)}) == {"v": 4}  # w's backup took over
+    assert h.lost_by_variable(state) == {"w": 5, "v": 4}
