@@ -29,7 +29,7 @@ def metric(text, name, labels=""):
 
 def ready_field(daemon, key):
     for line in daemon.log_path.read_text().splitlines():
-        if line.startswith("READY"):
+        if line.startswith(("READY", "SERVING")):  # a worker's metrics port is on both
             return re.search(rf"{key}=(\d+)", line).group(1)
     raise AssertionError("no READY line")
 
