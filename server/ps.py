@@ -36,7 +36,7 @@ class ParameterServerCore:
         self.incarnation = int.from_bytes(os.urandom(6), "little")
         self._save_lock = threading.Lock()
         if checkpoint_dir is not None:
-            removed = checkpoint.remove_stale_temporaries(checkpoint_dir, at_start=True)
+            removed = checkpoint.remove_stale_temporaries(checkpoint_dir, ps_index, num_ps)  # no save yet
             if removed:
                 log.info("ps %d: removed %d temporaries left by interrupted saves in %s", ps_index, removed,
                          checkpoint_dir)
