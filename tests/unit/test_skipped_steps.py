@@ -110,3 +110,40 @@ def test_metrics_count_refused_and_skipped_pushes_on_the_ps_and_the_worker():
     worker = WorkerMetrics(lambda: {"rejected": 3, "skipped": 5})
     assert worker.registry.get_sample_value("pscluster_worker_nonfinite_pushes_total", {"action": "rejected"}) == 3
     assert worker.registry.get_sample_value("pscluster_worker_nonfinite_pushes_total", {"action": "skipped"}) == 5
+
+
+def test_with_a_backup_a_skipped_step_releases_the_replies_that_waited_for_it_at_once():
+    import threading
+    import time
+
+    from tests.unit.test_replication import KEY, Link, create, grad, make_core, roles, same
+
+    peers: dict = {}
+    links: dict[int, Link] = {}
+    a, b = make_core(0, peers, links, timeout=20.0), make_core(1, peers, links, timeout=20.0)
+    peers.update({0: a, 1: b})
+    try:
+        create(a, "adam")
+        a.sync.configure("sync", 2, 2, 0)
+        roles(a, b)
+        before = a.store.get(KEY).version
+        first: list = []
+        waiting = threading.Thread(target=lambda: first.extend(a.push("c1.0", 0, [PushItem(KEY, grad(1.0))])))
+        waiting.start()
+        waiting.join(timeout=0.3)
+        assert waiting.is_alive()  # its step has not settled yet
+        started = time.monotonic()
+        a.push("c2.0", 0, [PushItem(KEY, np.empty(0, np.float32))], skip_step=True)
+        waiting.join(timeout=10)
+        assert first and time.monotonic() - started < 5  # not held until the 20 s replication timeout
+        assert a.store.get(KEY).version == before and a.sync.skipped == 1
+        same(a, b, KEY)
+        third = threading.Thread(target=lambda: a.push("c3.0", 1, [PushItem(KEY, grad(1.0))]))
+        third.start()  # the next step runs and reaches the backup
+        a.push("c4.0", 1, [PushItem(KEY, grad(3.0))])
+        third.join(timeout=10)
+        assert not third.is_alive() and a.store.get(KEY).version == before + 1
+        same(a, b, KEY)
+    finally:
+        a.replication.stop()
+        b.replication.stop()
