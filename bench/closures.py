@@ -72,7 +72,7 @@ def _worker_fault(sig: int, runs: int, closure_s: float = 0.05) -> dict[str, flo
                     time.sleep(0.002)
                 victim = cluster.workers[0]
                 address = next(line.split()[-1] for line in victim.log_path.read_text().splitlines()
-                               if line.startswith("READY worker"))
+                               if line.startswith(("READY worker", "SERVING worker")))
                 inflight = _victim_closures(coord, address)
                 t0 = time.perf_counter()
                 cluster.kill(victim, sig)

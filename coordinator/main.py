@@ -11,7 +11,7 @@ from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 
 from pscluster.config import Settings
-from pscluster.net import rpc
+from pscluster.net import ports, rpc
 from pscluster.ops import daemon
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,7 @@ def serve(settings: Settings) -> None:
         StartupError: a PS did not answer within startup_timeout_s, or refused our token.
     """
     stop = daemon.stop_on_signals(settings.parent_pid)
+    ports.check_free(settings.listen_address(), "the coordinator's gRPC port")  # now, not after the PS wait
     if not wait_for_ps(settings, "coordinator", stop):
         return
     coord = ClusterCoordinator(settings, serve=True)

@@ -492,6 +492,7 @@ class PushRequest(_message.Message):
     STEP_FIELD_NUMBER: _builtins.int
     FINAL_BELOW_FIELD_NUMBER: _builtins.int
     RETURN_VALUES_FIELD_NUMBER: _builtins.int
+    SKIP_STEP_FIELD_NUMBER: _builtins.int
     push_id: _builtins.str
     """a shard applies at most one push per id (exactly-once)"""
     step: _builtins.int
@@ -503,6 +504,11 @@ class PushRequest(_message.Message):
     it is after this push, in item order (gRPC: PushReply.values; bulk: described by BulkReply.pull,
     bytes in the payload). A PS that accumulates (sync, bounded) replies without values.
     """
+    skip_step: _builtins.bool
+    """The pushing replica's gradient of this sync step was not finite (nonfinite="skip"): each named shard
+    counts it as a contribution that skips the step's update (applied nowhere); items carry no data.
+    A PS that applies on arrival (async, bounded) changes nothing.
+    """
     @_builtins.property
     def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___PushItem]: ...
     def __init__(
@@ -513,10 +519,11 @@ class PushRequest(_message.Message):
         step: _builtins.int = ...,
         final_below: _builtins.int = ...,
         return_values: _builtins.bool = ...,
+        skip_step: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["final_below", b"final_below", "items", b"items", "push_id", b"push_id", "return_values", b"return_values", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["final_below", b"final_below", "items", b"items", "push_id", b"push_id", "return_values", b"return_values", "skip_step", b"skip_step", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

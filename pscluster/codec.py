@@ -57,6 +57,9 @@ def decode(msg: pb.Tensor, what: str = "tensor") -> np.ndarray:
     dt = wire_dtype(msg.dtype) if msg.dtype else None
     if dt is None:
         raise InvalidArgumentError(f"{what}: missing dtype")
+    if math.prod(s for s in shape if s) * dt.itemsize > np.iinfo(np.intp).max:
+        # numpy refuses such a shape even with a zero dimension in it
+        raise InvalidArgumentError(f"{what}: shape {shape} of {dt} is larger than any array can be")
     expected = math.prod(shape) * dt.itemsize
     if len(msg.data) != expected:
         raise InvalidArgumentError(

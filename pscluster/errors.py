@@ -2,6 +2,7 @@
 
     PsclusterError
     ├── InvalidArgumentError      INVALID_ARGUMENT     bad shape, dtype, ids, NaN, malformed request
+    │   └── NonFiniteGradientError                     a worker's push holding NaN/Inf, refused before sending
     ├── NotFoundError             NOT_FOUND            unknown variable or closure
     ├── AlreadyExistsError        ALREADY_EXISTS       conflicting variable definition
     ├── FailedPreconditionError   FAILED_PRECONDITION  call not valid in the current state
@@ -37,6 +38,17 @@ class InvalidArgumentError(PsclusterError):
     """The request is malformed or does not fit the variable (shape, dtype, ids, NaN)."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NonFiniteGradientError(InvalidArgumentError):
+    """A gradient held NaN or Inf: the worker refused the whole push, so no PS applied any of it."""
+
+    def __init__(self, message: str, variables: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.variables = variables
+
+    def __reduce__(self) -> tuple[type[NonFiniteGradientError], tuple[str, tuple[str, ...]]]:
+        return type(self), (str(self), self.variables)  # travels back from a closure with its names
 
 
 class NotFoundError(PsclusterError):

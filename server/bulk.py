@@ -151,7 +151,7 @@ class BulkHandlers:
             payload_len <= reply_segment.capacity else None
         try:
             items = push_items(req.items, buf, payload_len)
-            results = self.core.push(req.push_id, req.step, items, req.final_below, into)
+            results = self.core.push(req.push_id, req.step, items, req.final_below, into, req.skip_step)
         finally:
             items = []
             del buf  # a large one-off buffer goes back to the OS before the reply, not after

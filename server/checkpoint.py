@@ -8,10 +8,10 @@ a checkpoint restores into a different number of PS tasks (re-sharding by placem
 Disk stays bounded by `keep` x model size (plus one in-flight temporary per PS task): pruning works
 on whole steps across tasks (any task removes every step directory older than the newest `keep`
 complete steps, since a step is useless once newer complete ones exist), and a temporary
-`.ps-i-of-P.safetensors.tmp-PID` left by a save killed mid-write is removed at start and on every
-prune unless PID is a live pscluster process (its save may still be running). A PID reused by an
-unrelated process does not protect the file; a live pscluster process with a reused PID keeps it
-only until that process ends.
+`.ps-i-of-P.safetensors.tmp-PID` left by a save killed mid-write is removed by task i itself, at
+start and after each of its saves, when none of its own saves is in flight. Its PID is not asked:
+an earlier version kept the temporaries whose PID was a live pscluster process, and on a PID reuse,
+another host, or another container's PID namespace (a shared checkpoint volume) that kept them forever.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from pscluster.optimizer_config import config_from_dict
 from pscluster.placement import PLACEMENT_VERSION, ps_for_ordinal
 from pscluster.tables import TableConfig
 
-_TMP = re.compile(r"\.ps-\d+-of-\d+\.safetensors\.tmp-(\d+)$")
+_TMP = re.compile(r"\.ps-(\d+)-of-(\d+)\.safetensors\.tmp-\d+$")  # task, tasks; the writer's PID
 
 
 @dataclass(frozen=True)
@@ -88,46 +88,34 @@ def save(store: VariableStore, root: pathlib.Path, step: int, ps_index: int, num
         os.fsync(fh.fileno())
     os.replace(tmp, final)
     _fsync_dir(step_dir)
-    prune(root, keep)
+    prune(root, keep, ps_index, num_ps)
     return final
 
 
-def _writer_alive(pid: int) -> bool:
-    """Whether `pid` is a live pscluster process (whose save may still be writing)."""
-    try:
-        cmdline = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc here: fall back to "the PID exists"
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    return b"pscluster" in cmdline
+def remove_stale_temporaries(root: pathlib.Path, ps_index: int, num_ps: int) -> int:
+    """Delete the temporaries no save is writing any more; returns how many.
 
-
-def remove_stale_temporaries(root: pathlib.Path, *, at_start: bool = False) -> int:
-    """Delete temporaries whose writer is gone (at start, this process's own too); returns how many."""
+    Call it only while this task has no save in flight (at start, and from `save` after its rename):
+    then every temporary of this task (`.ps-<ps_index>-of-<num_ps>...tmp-*`) was left by an earlier
+    incarnation killed mid-write, whatever its PID (a PID says nothing about another host or PID
+    namespace, and PIDs are reused). Temporaries of another cluster shape (`-of-<Q>`, Q != num_ps) are
+    stale too. Another task's temporaries of this shape may be in flight: that task removes its own.
+    """
     removed = 0
     if not root.is_dir():
         return removed
     for step_dir in root.iterdir():
         if not _STEP.match(step_dir.name) or not step_dir.is_dir():
             continue
+        here = 0
         for f in step_dir.iterdir():
             m = _TMP.match(f.name)
-            if not m:
-                continue
-            pid = int(m.group(1))
-            if pid == os.getpid() and not at_start:
-                continue
-            if pid != os.getpid() and _writer_alive(pid):
+            if not m or (int(m.group(2)) == num_ps and int(m.group(1)) != ps_index):
                 continue
             f.unlink(missing_ok=True)
-            removed += 1
+            here += 1
+        if here:
+            removed += here
             try:
                 step_dir.rmdir()  # only if that temporary was all it held
             except OSError:
@@ -135,8 +123,9 @@ def remove_stale_temporaries(root: pathlib.Path, *, at_start: bool = False) -> i
     return removed
 
 
-def prune(root: pathlib.Path, keep: int) -> None:
-    """Keep the newest `keep` complete steps; remove every older step directory (any task's files)."""
+def prune(root: pathlib.Path, keep: int, ps_index: int, num_ps: int) -> None:
+    """Keep the newest `keep` complete steps; remove every older step directory (any task's files) and
+    this task's stale temporaries (see remove_stale_temporaries)."""
     steps = complete_steps(root)
     if len(steps) > keep:
         oldest_kept = steps[-keep][0]
@@ -144,7 +133,7 @@ def prune(root: pathlib.Path, keep: int) -> None:
             m = _STEP.match(step_dir.name)
             if m and step_dir.is_dir() and int(m.group(1)) < oldest_kept:
                 shutil.rmtree(step_dir, ignore_errors=True)
-    remove_stale_temporaries(root)
+    remove_stale_temporaries(root, ps_index, num_ps)
 
 
 def restore(store: VariableStore, root: pathlib.Path, ps_index: int, num_ps: int) -> Restored | None:

@@ -31,7 +31,8 @@ def start(settings: Settings) -> tuple[Listeners, int, ParameterServerCore]:
         dedup_window=settings.dedup_window, max_tensor_bytes=settings.max_tensor_bytes)
     sync = sync_replicas.attach(core)
     core.metrics = PsMetrics(lambda: len(core.store.shards()), core.total_bytes, lambda: core.global_step,
-                             lambda: sync.dropped, core.learning_rates)
+                             lambda: sync.dropped, core.learning_rates, lambda: sync.skipped,
+                             lambda: core.store.rejected_nonfinite)
     if settings.replicas > 1:
         from pscluster.server.replication import Replication
         from pscluster.server.replicator import GrpcLink

@@ -38,7 +38,7 @@ class ParameterServerCore:
         self.incarnation = int.from_bytes(os.urandom(6), "little")
         self._save_lock = threading.Lock()
         if checkpoint_dir is not None:
-            removed = checkpoint.remove_stale_temporaries(checkpoint_dir, at_start=True)
+            removed = checkpoint.remove_stale_temporaries(checkpoint_dir, ps_index, num_ps)  # no save yet
             if removed:
                 log.info("ps %d: removed %d temporaries left by interrupted saves in %s", ps_index, removed,
                          checkpoint_dir)
@@ -86,19 +86,32 @@ class ParameterServerCore:
         return [self.store.pull(key, ids) for key, ids in items]
 
     def push(self, push_id: str, step: int, items: Sequence[PushItem], final_below: int = 0,
-             values_into: np.ndarray | None = None) -> list[PushResult]:
+             values_into: np.ndarray | None = None, skip_step: bool = False) -> list[PushResult]:
         """Apply (async) or accumulate (sync) a push; final_below, values_into: see VariableStore.push
         (an accumulating PS copies no values). With replicas: 2 the reply waits until the shards' backups hold
-        the versions this push made (for a push held already: the version it was applied at)."""
+        the versions this push made (for a push held already: the version it was applied at). skip_step: the
+        replica's gradient of this sync step was not finite; the named shards skip the step (see
+        SyncReplicas.skip), an async PS changes nothing."""
         replication = self.replication
         if replication is not None:
             replication.check_primary(item.key for item in items)
+        if skip_step:
+            shards = [self.store.get(item.key) for item in items]  # the items carry no gradient
+            if self.sync is None or not self.sync.accumulates:
+                return [PushResult(shard.version, False, shard.version) for shard in shards]
+            skipped: list[PushResult] = self.sync.skip(push_id, step, shards)
+            if replication is not None:
+                replication.wait([(s.spec.key, self.sync.settled(s.spec.key, step, replication.step_timeout))
+                                  for s, r in zip(shards, skipped) if r.applied], replication.step_timeout)
+            return skipped
         if self.sync is not None and self.sync.accumulates:
             results: list[PushResult] = self.sync.push(push_id, step, items)
             if replication is not None:
                 # a sync step's replies wait for its one aggregated update to reach the backup: a gradient
-                # accumulated but not yet applied (current < 0) waits for the step's version, version + 1
-                replication.wait([(item.key, r.version + 1 if r.applied and r.current < 0 else r.version)
+                # accumulated but not yet applied (current < 0) waits for the version its step settles at
+                # (version + 1, or the same version when a replica's skip made the step apply nowhere)
+                replication.wait([(item.key, self.sync.settled(item.key, step, replication.step_timeout)
+                                   if r.applied and r.current < 0 else r.version)
                                   for item, r in zip(items, results)], replication.step_timeout)
             return results
         results = self.store.push(push_id, items, final_below, values_into)

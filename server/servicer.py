@@ -61,7 +61,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         started = time.perf_counter()
         items = [PushItem(_key(i.ref), codec.decode(i.grad, i.ref.variable), _ids(i.ids, i.HasField("ids")))
                  for i in request.items]
-        results = self.core.push(request.push_id, request.step, items, request.final_below)
+        results = self.core.push(request.push_id, request.step, items, request.final_below,
+                                 skip_step=request.skip_step)
         self._observe("push", sum(i.grad.nbytes for i in items), started)
         values = []
         if request.return_values and self.core.returns_values(request.items):  # fused push-pull

@@ -112,6 +112,8 @@ class VariableStore:
         self._shards: dict[Key, Shard] = {}
         self._create_lock = threading.Lock()
         self._nan_policy = nan_policy
+        self.rejected_nonfinite = 0  # pushes refused for a NaN or Inf (the worker's own check missed them)
+        self._count_lock = threading.Lock()
         self.dedup_window = dedup_window
         self.max_tensor_bytes = max_tensor_bytes
         self.on_applied: OnApplied | None = None  # server/replication.py's forwarder, with replicas: 2
@@ -279,6 +281,8 @@ class VariableStore:
                         f"expected {want}")
             # logical_and.reduce, not .all(): the same test without a Python frame per shard
             if reject_nan and dtype.kind == "f" and not np.logical_and.reduce(np.isfinite(grad), axis=None):
+                with self._count_lock:
+                    self.rejected_nonfinite += 1
                 raise InvalidArgumentError(
                     f"{shard.name}: gradient holds NaN or Inf; rejected (nan_policy=reject)")
             checked.append((shard, item, local))

@@ -59,6 +59,7 @@ class Accumulator:
     rows: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
     contributors: set[str] = field(default_factory=set)
     earlier: frozenset[str] = frozenset()  # who made the previous step (a repeat of theirs is not stale)
+    poisoned: bool = False  # a contributor's gradient was not finite: the step is skipped here
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -69,10 +70,13 @@ class SyncReplicas:
     def __init__(self, core: ParameterServerCore, clock: Callable[[], float] = time.monotonic) -> None:
         self.core = core
         self.dropped = 0
+        self.skipped = 0  # shard updates skipped: a replica of their step had a non-finite gradient
         self._clock = clock  # ages bounded-mode leases; waiting deadlines are real time
         self._cond = threading.Condition()
         self._state = tok.TokenState()
         self._acc: dict[tuple[str, int], Accumulator] = {}
+        # shard -> (its last step settled, the version that step left): one entry per shard
+        self._settled: dict[tuple[str, int], tuple[int, int]] = {}
 
     @property
     def mode(self) -> tok.Mode:
@@ -132,6 +136,7 @@ class SyncReplicas:
         checked: tok.Mode = "sync" if mode == "sync" else "bounded" if mode == "bounded" else "async"
         with self._cond:
             self._acc.clear()
+            self._settled.clear()
             self._perform(tok.decide(self._state, tok.Configure(checked, replicas_to_aggregate, total_num_replicas,
                                                                 staleness), self._clock()))
             return self.core.global_step
@@ -150,7 +155,19 @@ class SyncReplicas:
         checked = self.core.store.validate_push(items)
         return [self._accumulate(shard, item, local, push_id, step) for shard, item, local in checked]
 
-    def _accumulate(self, shard: Shard, item: PushItem, local: np.ndarray | None, push_id: str,
+    def skip(self, push_id: str, step: int, shards: Sequence[Shard]) -> list[PushResult]:
+        """A replica whose gradient of `step` was not finite: it counts towards each shard's R
+        contributions (so the step completes and the token queue moves on, exactly as if it had
+        pushed) and that step's update is skipped on the shard: value, slots and version unchanged.
+
+        Every replica that reports StepDone has pushed or skipped on every shard of the step, so
+        with total_num_replicas == replicas_to_aggregate a skipped step is skipped on every shard.
+        With backups, each shard averages the first R contributions it gets (as for gradients), so
+        a backup's gradient may complete a shard's step before the skip arrives there.
+        """
+        return [self._accumulate(shard, None, None, push_id, step) for shard in shards]
+
+    def _accumulate(self, shard: Shard, item: PushItem | None, local: np.ndarray | None, push_id: str,
                     step: int) -> PushResult:
         key = shard.spec.key
         with self._cond:
@@ -171,7 +188,9 @@ class SyncReplicas:
             if push_id in acc.contributors:
                 return PushResult(shard.version, False)
             acc.contributors.add(push_id)
-            if local is None:
+            if item is None:
+                acc.poisoned = True
+            elif local is None:
                 acc.dense = item.grad.copy() if acc.dense is None else acc.dense + item.grad
             else:
                 acc.rows.append((local, item.grad.copy()))
@@ -180,7 +199,11 @@ class SyncReplicas:
                 return PushResult(shard.version, True)
             r = shard.value.dtype.type(self.replicas_to_aggregate)
             step_key = push_key(f"sync:{acc.step}")
-            if acc.dense is not None:
+            if acc.poisoned:
+                result = PushResult(shard.version, False, shard.version)
+                with self._cond:
+                    self.skipped += 1
+            elif acc.dense is not None:
                 result = self.core.store.apply(shard, acc.dense / r, None, step_key)
             else:
                 ids = np.concatenate([i for i, _ in acc.rows])
@@ -188,7 +211,21 @@ class SyncReplicas:
                 result = self.core.store.apply(shard, grads, ids, step_key)
             with self._cond:
                 self._acc[key] = Accumulator(acc.step + 1, earlier=frozenset(acc.contributors))
+                self._settled[key] = (acc.step, shard.version)
+                self._cond.notify_all()
             return result
+
+    def settled(self, key: tuple[str, int], step: int, timeout: float) -> int:
+        """The version shard `key` holds once `step` settled there (applied: its new version; skipped: the
+        version it had), waiting up to timeout for the step's last contribution; on timeout, the version
+        an applied step would make (the caller's wait for the backup then times out and says so)."""
+        with self._cond:
+            shard = self.core.store.get(key)
+            done = self._cond.wait_for(lambda: self._settled.get(key, (-1, 0))[0] >= step, timeout)
+            last, version = self._settled.get(key, (-1, 0))
+            if not done:
+                return shard.version + 1
+            return version if last == step else shard.version
 
     # -- token queue and clocks (PS 0) -----------------------------------------------------------
     def take_token(self, closure_id: int, worker: str, timeout: float) -> tuple[int, int]:

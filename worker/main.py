@@ -43,6 +43,7 @@ class Heartbeater:
         self._closure_port = closure_port
         self._stop = threading.Event()
         self._registered = False
+        self.registered = threading.Event()  # set by the first successful registration (READY waits on it)
         self._on_give_up = on_give_up
         self.failure: StartupError | None = None  # set when start-up gave up on the coordinator
         self._subject = f"the coordinator at {settings.cluster.coordinator}"
@@ -50,7 +51,8 @@ class Heartbeater:
         self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
 
     def start(self) -> None:
-        """Try to register once here (a refused token fails before READY), then heartbeat in a thread.
+        """Try to register once here (a refused token fails before SERVING), then heartbeat in a thread
+        (`registered` is set once a registration succeeded).
 
         Raises:
             StartupError: the coordinator refused this worker (e.g. a wrong token).
@@ -73,6 +75,7 @@ class Heartbeater:
         self._datasets.info = WorkerInfo(self._worker_id, reply.worker_index)
         self._registered = True
         log.info("worker %s: registered as worker %d at %s", self._worker_id, reply.worker_index, self._address)
+        self.registered.set()
 
     def _loop(self) -> None:
         interval = self._settings.heartbeat_interval_s
@@ -158,7 +161,13 @@ def serve(settings: Settings) -> None:
             heart.start()
         metrics = "" if settings.metrics_port is None else \
             f" metrics={metrics_serve(servicer.runner.metrics.registry, settings.metrics_host, settings.metrics_port)}"
-        print(f"READY worker {servicer.worker_id} {advertised}{metrics}", flush=True)
+        # SERVING: its ports are open (a launcher that starts the coordinator afterwards waits for this);
+        # READY: it has also registered with the coordinator, so closures can reach it
+        print(f"SERVING worker {servicer.worker_id} {advertised}{metrics}", flush=True)
+        while heart is not None and not heart.registered.is_set() and not stop.is_set():
+            heart.registered.wait(0.05)  # a give-up (startup_timeout_s) or a signal sets stop
+        if not stop.is_set():
+            print(f"READY worker {servicer.worker_id} {advertised}{metrics}", flush=True)
         stop.wait()
         if heart is not None and heart.failure is not None:
             heart.leave(notify=False)

@@ -43,7 +43,7 @@ class ClosureRunner:
         self.datasets = datasets
         self.functions = FunctionCache()
         self.closures_run = 0
-        self.metrics = WorkerMetrics()
+        self.metrics = WorkerMetrics(client.nonfinite_counts)
 
     def run(self, closure_id: int, payload: bytes, sync_mode: str = "async", worker_index: int | None = None,
             final_below: int = 0, push_pull: bool = False) -> Outcome:

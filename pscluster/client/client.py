@@ -21,13 +21,20 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from pscluster import codec
+from pscluster import codec, gradients
 from pscluster.client import context, plans
 from pscluster.client.fresh import FreshValues
 from pscluster.client.routes import Routes
 from pscluster.client.variables import ShardPlacement, Variable
 from pscluster.config import Settings
-from pscluster.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, PsclusterError, UnavailableError
+from pscluster.errors import (
+    AlreadyExistsError,
+    InvalidArgumentError,
+    NonFiniteGradientError,
+    NotFoundError,
+    PsclusterError,
+    UnavailableError,
+)
 from pscluster.net import rpc, tls
 from pscluster.net.bulk import BulkClient, BulkTensors
 from pscluster.net.channels import Channels
@@ -82,6 +89,7 @@ class PSClient:
         self.fresh = FreshValues(settings.push_pull_max_age_s)  # fused push-pull values (pscluster/client/fresh.py)
         # replicas: 2: each shard's primary after failovers (pscluster/client/routes.py); None: the handles' placement
         self.routes = Routes(lambda: self.stubs) if settings.replicas > 1 else None
+        self._nonfinite = {"rejected": 0, "skipped": 0}  # pushes stopped by gradients.screen (worker metrics)
         self._tensors: TensorTransport = GrpcTensors(self._net)
         if settings.bulk_transport:
             files = tls.files(settings)
@@ -364,7 +372,8 @@ class PSClient:
 
     # -- push ------------------------------------------------------------------------------------
     def push(self, grads: Grads, push_id: str | None = None, step: int = 0,
-             rows: Sequence[tuple[Variable, np.ndarray, np.ndarray]] = ()) -> list[int]:
+             rows: Sequence[tuple[Variable, np.ndarray, np.ndarray]] = (), *, nonfinite: str | None = None,
+             max_norm: float | None = None, norm_type: float = 2.0, unclipped: int = 0) -> list[int]:
         """Send dense gradients and table row gradients `(table, ids, grads)` under one push id, one
         request per PS task; returns the new version of every shard touched, in request order.
 
@@ -372,11 +381,37 @@ class PSClient:
         update of the table, so Adam's bias correction does not depend on how the table is sharded.
         In a closure of an async job with `push_pull`, a dense push also brings back the values
         (pscluster/client/fresh.py).
+
+        Before anything is sent, every gradient is checked for NaN and Inf (pscluster/gradients.py), so
+        a bad gradient reaches no PS: nonfinite="reject" (the default; "allow" when the settings'
+        nan_policy is allow) raises naming the variables, "skip" pushes nothing and returns [] (in a
+        sync step, every shard is told to skip the step, so the step's other replicas are not kept
+        waiting), "allow" sends them on. max_norm clips all gradients of the push together to that
+        global norm of order norm_type (torch's clip_grad_norm_), except the last `unclipped` of grads.
+
+        Raises:
+            NonFiniteGradientError: a gradient holding NaN or Inf under "reject" (nothing was sent).
+            InvalidArgumentError: a gradient of the wrong shape, bad ids, a bad policy or max_norm.
         """
         scope = context.current_scope()  # once per push: the id, the step tag, the mark and the record use it
+        policy = nonfinite or ("allow" if self.settings.nan_policy == "allow" else "reject")
+        try:
+            screened = gradients.screen(plans.check_pairs(grads, rows), list(rows), nonfinite=policy,
+                                        max_norm=max_norm, norm_type=norm_type, unclipped=unclipped)
+        except NonFiniteGradientError:
+            self._count_nonfinite("rejected")
+            raise
+        pid = push_id or (scope.next_push_id() if scope is not None else context.push_id())
+        if screened is None:
+            self._count_nonfinite("skipped")
+            tag = _token_step(scope, step)
+            if scope is not None and scope.sync_mode == "sync":
+                plan = plans.skip_plan([var for var, _ in grads] + [var for var, _, _ in rows])
+                self._push_plan(plan, pid, tag, scope, skip_step=True)
+            return []
+        grads, rows = screened
         fused = scope is not None and scope.push_pull and not rows
         plan, targets, values = plans.push_plan(grads, rows, fused)
-        pid = push_id or (scope.next_push_id() if scope is not None else context.push_id())
         versions, replies = self._push_plan(plan, pid, _token_step(scope, step), scope, targets if fused else None)
         if fused and sum(len(r.values) for r in replies) == sum(len(items) for items in plan.values()):
             self.fresh.put(values)  # every PS answered with values (none accumulates, nothing streamed)
@@ -387,11 +422,21 @@ class PSClient:
         """Row gradients of a table; only those rows change. Returns the new version of every shard."""
         return self.push((), push_id, step, rows=[(var, np.asarray(ids), grads)])
 
+    def _count_nonfinite(self, action: str) -> None:
+        with self._lock:
+            self._nonfinite[action] += 1
+
+    def nonfinite_counts(self) -> dict[str, int]:
+        """Pushes whose gradient held NaN or Inf, by what was done: {"rejected": n, "skipped": n}."""
+        with self._lock:
+            return dict(self._nonfinite)
+
     def _push_plan(self, plan: PushPlan, pid: str, step: int, scope: context.ClosureScope | None,
-                   targets: ValueTargets | None = None) -> tuple[list[int], list[pb.PushReply]]:
+                   targets: ValueTargets | None = None, skip_step: bool = False
+                   ) -> tuple[list[int], list[pb.PushReply]]:
         refs = [item.ref for items in plan.values() for item, _ in items]
         head = pb.PushRequest(push_id=pid, step=step, final_below=scope.final_below if scope is not None else 0,
-                              return_values=targets is not None)
+                              return_values=targets is not None, skip_step=skip_step)
         routes = self.routes
         if routes is None:
             replies = self._retrying(lambda: self._tensors.push(plan, head, targets))

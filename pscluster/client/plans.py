@@ -120,6 +120,27 @@ def _dense_items(var: Variable, dtype: np.dtype) -> list[tuple[ShardPlacement, p
     return items
 
 
+def check_pairs(grads: Grads, rows: Rows = ()) -> list[tuple[Variable, np.ndarray]]:
+    """grads as a list of (Variable, gradient) pairs, and rows' tables Variables, or InvalidArgumentError."""
+    pairs = list(grads)
+    if not all(isinstance(pair, tuple) and len(pair) == 2 for pair in pairs):
+        raise InvalidArgumentError("push: takes (Variable, gradient) pairs")
+    if not all(isinstance(row, tuple) and len(row) == 3 for row in rows):
+        raise InvalidArgumentError("push: takes (table, ids, row gradients) triples as rows")
+    check_variables([var for var, _ in pairs] + [var for var, _, _ in rows], "push")
+    return pairs
+
+
+def skip_plan(variables: Sequence[Variable]) -> PushPlan:
+    """Items naming every shard of variables with an empty gradient: a sync step's skip (skip_step)."""
+    plan: PushPlan = defaultdict(list)
+    for var in dict.fromkeys(variables):
+        for pl in var.shards:
+            plan[pl.ps].append((pb.PushItem(ref=pb.ShardRef(variable=var.name, shard_index=pl.shard_index),
+                                            grad=codec.header(var.dtype, (0,))), np.empty(0, var.dtype)))
+    return plan
+
+
 def push_plan(grads: Grads, rows: Rows = (), with_values: bool = False
               ) -> tuple[PushPlan, ValueTargets, dict[str, np.ndarray]]:
     """One PushRequest's items per PS task with their gradient parts (each item's `grad` holds the part's
@@ -129,10 +150,7 @@ def push_plan(grads: Grads, rows: Rows = (), with_values: bool = False
     Raises:
         InvalidArgumentError: not (Variable, gradient) pairs, a gradient of the wrong shape, bad ids.
     """
-    pairs = list(grads)
-    if not all(isinstance(pair, tuple) and len(pair) == 2 for pair in pairs):
-        raise InvalidArgumentError("push: takes (Variable, gradient) pairs")
-    check_variables([var for var, _ in pairs], "push")
+    pairs = check_pairs(grads, rows)
     values: dict[str, np.ndarray] = {}
     targets: ValueTargets = defaultdict(list)
     plan: PushPlan = defaultdict(list)

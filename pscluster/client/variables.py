@@ -118,9 +118,12 @@ def pull(variables: Sequence[Variable]) -> list[np.ndarray]:
     return current_client().pull(variables)
 
 
-def push(grads: Sequence[tuple[Variable, np.ndarray]]) -> list[int]:
-    """Push gradients of several variables at once (one push id, one request per PS task)."""
-    return current_client().push(grads)
+def push(grads: Sequence[tuple[Variable, np.ndarray]], *, nonfinite: str | None = None,
+         max_norm: float | None = None, norm_type: float = 2.0) -> list[int]:
+    """Push gradients of several variables at once (one push id, one request per PS task); a NaN or Inf
+    refuses the whole push ("reject", the default) or skips it ("skip"), max_norm clips them together
+    by their global norm first (see PSClient.push)."""
+    return current_client().push(grads, nonfinite=nonfinite, max_norm=max_norm, norm_type=norm_type)
 
 
 def unique_rows(name: str, ids: np.ndarray, rows: int) -> np.ndarray:
@@ -165,8 +168,10 @@ class Backend(Protocol):
         """Rows ids of a table."""
 
     def push(self, grads: Sequence[tuple[Variable, np.ndarray]], push_id: str | None = None, step: int = 0,
-             rows: Sequence[tuple[Variable, np.ndarray, np.ndarray]] = ()) -> list[int]:
-        """Dense and row gradients under one push id; the new shard versions."""
+             rows: Sequence[tuple[Variable, np.ndarray, np.ndarray]] = (), *, nonfinite: str | None = None,
+             max_norm: float | None = None, norm_type: float = 2.0, unclipped: int = 0) -> list[int]:
+        """Dense and row gradients under one push id, checked for NaN/Inf and clipped first; the new
+        shard versions ([] for a skipped step)."""
 
     def push_rows(self, var: Variable, ids: Sequence[int] | np.ndarray, grads: np.ndarray,
                   push_id: str | None = None, step: int = 0) -> list[int]:

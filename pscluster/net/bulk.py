@@ -328,7 +328,8 @@ class BulkTensors:
         calls = []
         for ps, items in plan.items():
             request = pb.PushRequest(items=[item for item, _ in items], push_id=head.push_id, step=head.step,
-                                     final_below=head.final_below, return_values=head.return_values)
+                                     final_below=head.final_below, return_values=head.return_values,
+                                     skip_step=head.skip_step)
             calls.append(BulkCall(ps, pb.BulkRequest(push=request), payloads=[_wire(p) for _, p in items],
                                   targets=targets[ps] if targets and head.return_values else ()))
         self._client.run(calls)

@@ -10,6 +10,7 @@ thread (pscluster/net/frame_loop.py). The wire format and its I/O helpers are in
 
 from __future__ import annotations
 
+import errno
 import hmac
 import logging
 import socket
@@ -31,7 +32,7 @@ from pscluster.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
-from pscluster.net import tls
+from pscluster.net import ports, tls
 from pscluster.net.admission import HELLO_MAX_BYTES, ConnectionBudget
 from pscluster.net.frame_loop import Served, ServingLoop
 from pscluster.net.framing import PREFIX, recv_exact, refuse_payload, reply_error, unsent_bytes, wait_readable
@@ -71,6 +72,8 @@ class FrameServer:
         try:
             self._listener = socket.create_server((host, port))
         except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise ports.in_use(host, port, f"the {name} framed port") from None
             raise ConfigError(f"cannot listen for {name} on {host}:{port}: {exc.strerror}") from exc
         self.port = int(self._listener.getsockname()[1])
         self._name = name

@@ -78,7 +78,7 @@ class GrpcTensors:
                     full.grad.CopyFrom(codec.encode(part))
                     unary[ps].append(full)
         calls = [(ps, "Push", pb.PushRequest(items=items, push_id=head.push_id, step=head.step,
-                                             final_below=head.final_below,
+                                             final_below=head.final_below, skip_step=head.skip_step,
                                              return_values=head.return_values and len(items) == len(plan[ps])))
                  for ps, items in unary.items()]
         replies: list[pb.PushReply] = list(c.gather(calls))

@@ -20,7 +20,7 @@ import grpc
 
 from pscluster.config import Settings
 from pscluster.errors import ConfigError, PermissionDeniedError, PsclusterError, from_status
-from pscluster.net import tls
+from pscluster.net import ports, tls
 from pscluster.net.refusals import RefusalLog
 
 log = logging.getLogger(__name__)
@@ -152,7 +152,7 @@ def create_server(settings: Settings, add_servicers: Callable[[grpc.Server], Non
     """Start a gRPC server with the shared interceptor; returns (server, bound port).
 
     Raises:
-        ConfigError: the address cannot be bound.
+        ConfigError: the address cannot be bound ("port N on HOST is in use" when another process has it).
     """
     address = address or settings.listen_address()
     pool = futures.ThreadPoolExecutor(max_workers=settings.server_threads, thread_name_prefix=name)
@@ -161,6 +161,7 @@ def create_server(settings: Settings, add_servicers: Callable[[grpc.Server], Non
                                                               check_roles=bool(files and files.require_client_cert))],
                          options=channel_options(settings))
     add_servicers(server)
+    ports.check_free(address, f"the {name} gRPC port")  # before gRPC, which logs a raw line of its own
     try:
         port = server.add_secure_port(address, tls.server_credentials(files)) if files else \
             server.add_insecure_port(address)

@@ -1,8 +1,8 @@
 """TLS and mutual TLS for every channel: gRPC credentials and `ssl` contexts from one set of files.
 
 Settings name a directory written by `pscluster certs` (`tls_dir`: ca.pem and <task>.pem/.key, where a
-task is ps-<i>, worker-<i>, coordinator, or client for any other program) or the three files
-explicitly. With `require_client_cert`, every daemon also asks its peers for a certificate of the
+task is ps-<i>, worker-<i> (else the shared `worker`), coordinator, or client for any other program) or
+the three files explicitly. With `require_client_cert`, every daemon also asks its peers for a certificate of the
 same CA and checks the peer's role (the `pscluster://role/<role>` SAN, or the common name's prefix)
 against what the call may do: a worker's certificate cannot submit closures (only the coordinator's
 or a client's can), workers run closures only for a coordinator or client, a PS serves workers, the
@@ -65,6 +65,9 @@ def files(settings: Settings) -> TlsFiles | None:
     if settings.tls_dir is None and settings.tls_ca_file is None:
         return None
     base, name = settings.tls_dir, task_name(settings)
+    if base is not None and settings.task_type == "worker" and not (base / f"{name}.pem").is_file() \
+            and (base / "worker.pem").is_file():
+        name = "worker"  # the certificate every worker may use (workers a cluster file does not list)
     ca = settings.tls_ca_file or (base / "ca.pem" if base else None)
     cert = settings.tls_cert_file or (base / f"{name}.pem" if base else None)
     key = settings.tls_key_file or (base / f"{name}.key" if base else None)
@@ -73,7 +76,8 @@ def files(settings: Settings) -> TlsFiles | None:
     for what, path in (("CA", ca), ("certificate", cert), ("key", key)):
         if not path.is_file():
             raise ConfigError(f"TLS {what} file {path} does not exist (pscluster certs --cluster FILE --out DIR "
-                              f"writes ca.pem and {name}.pem/.key)")
+                              f"writes ca.pem and {name}.pem/.key"
+                              + (", and worker.pem/.key for any worker)" if name.startswith("worker") else ")"))
     return TlsFiles(ca, cert, key, settings.require_client_cert)
 
 

@@ -2,8 +2,11 @@
 
     pscluster certs --cluster cluster.yaml --out tls/        # ca.pem, ps-0.pem/.key, ..., client.pem/.key
 
+A cluster file need not list its workers (they register with the coordinator when they start), so a
+`worker` certificate is always written: a worker without a `worker-<i>` of its own uses it.
+
 Every certificate is signed by the new CA and carries its task's role in the subject's common name
-(`ps-0`, `worker-1`, `coordinator`, `client`) and as a URI SAN `pscluster://role/<role>`, which is what
+(`ps-0`, `worker-1`, `worker`, `coordinator`, `client`) and as a URI SAN `pscluster://role/<role>`, which is what
 mutual TLS checks (pscluster/net/tls.py). Its IP and DNS SANs are every host of the cluster file plus
 127.0.0.1 and localhost (and `--host` additions), so a client verifies a daemon by the address it
 dials; and the DNS name `pscluster-<role>`, by which the coordinator verifies workers, whose
@@ -27,12 +30,14 @@ ROLES = ("ps", "worker", "coordinator", "client")
 
 
 def task_names(cluster: Mapping[str, Any], workers: int = 0) -> list[str]:
-    """Certificate names of a cluster spec: ps-i, worker-i (at least `workers` of them), coordinator, client."""
+    """Certificate names of a cluster spec: ps-i, worker-i (at least `workers` of them), `worker` (shared by
+    every worker without a certificate of its own: workers a cluster file does not list join at any
+    time), coordinator, client."""
     ps = list(cluster.get("ps", []) or [])
     listed = list(cluster.get("worker", []) or [])
     names = [f"ps-{i}" for i in range(len(ps))]
     names += [f"worker-{i}" for i in range(max(len(listed), workers))]
-    return names + ["coordinator", "client"]
+    return names + ["worker", "coordinator", "client"]
 
 
 def hosts_of(cluster: Mapping[str, Any], extra: Iterable[str] = ()) -> list[str]:

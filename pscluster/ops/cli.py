@@ -137,8 +137,9 @@ def _certs(args: argparse.Namespace) -> int:
     names = task_names(cluster, args.workers)
     hosts = hosts_of(cluster, args.host)
     write_certs(pathlib.Path(args.out), names, hosts, days=args.days)
-    print(f"wrote {args.out}/ca.pem and certificates for {', '.join(names)} (hosts: {', '.join(hosts)}); "
-          f"keys are 0600, keep ca.key off the task machines")
+    print(f"wrote {args.out}/ca.pem and certificates for {', '.join(names)} (hosts: {', '.join(hosts)}; "
+          f"'worker' serves every worker without a worker-<i> of its own); keys are 0600, keep ca.key off the "
+          f"task machines")
     return 0
 
 

@@ -181,7 +181,8 @@ class LocalCluster:
         return argv
 
     def start(self, wait: float = 60.0) -> LocalCluster:
-        """Start every PS and worker; wait until each printed READY."""
+        """Start every PS and worker; wait until each serves (PS: READY; worker: SERVING, since it
+        registers with a coordinator that may start later: ClusterCoordinator.wait_for_workers)."""
         for i in range(len(self.spec["ps"])):
             self.ps.append(self._spawn(Daemon("ps", i, self._argv("ps", i), self.workdir / f"ps{i}.log")))
         for _ in range(self._num_workers):
@@ -206,15 +207,15 @@ class LocalCluster:
 
     def _spawn(self, d: Daemon) -> Daemon:
         with open(d.log_path, "ab") as logf:
-            d.lines_seen = _count_ready(d.log_path)
+            d.lines_seen = _count_ready(d.log_path, d.role)
             d.proc = subprocess.Popen(d.argv, stdout=logf, stderr=subprocess.STDOUT, env=self._env,
                                       start_new_session=True)
         return d
 
     def wait_ready(self, d: Daemon, timeout: float = 60.0) -> None:
-        """Wait until d's current process printed READY."""
+        """Wait until d's current process printed READY (a worker: SERVING, its ports open)."""
         deadline = time.monotonic() + timeout
-        while _count_ready(d.log_path) <= d.lines_seen:
+        while _count_ready(d.log_path, d.role) <= d.lines_seen:
             assert d.proc is not None
             if d.proc.poll() is not None:
                 raise FailedPreconditionError(
@@ -286,9 +287,13 @@ class LocalCluster:
         self.stop()
 
 
-def _count_ready(path: pathlib.Path) -> int:
+def _count_ready(path: pathlib.Path, role: str) -> int:
+    # A worker prints READY once it has registered with the coordinator, which a LocalCluster's user
+    # starts after start() returns: the launcher waits for its SERVING line (ports open) instead.
+    marker = b"SERVING " if role == "worker" else b"READY "
     try:
-        return path.read_bytes().count(b"\nREADY ") + path.read_bytes().startswith(b"READY ")
+        data = path.read_bytes()
+        return data.count(b"\n" + marker) + data.startswith(marker)
     except FileNotFoundError:
         return 0
 

@@ -30,7 +30,8 @@ class PsMetrics:
     """Metrics of one PS task."""
 
     def __init__(self, shards: Callable[[], float], held: Callable[[], float], step: Callable[[], float],
-                 dropped: Callable[[], float], rates: Callable[[], Mapping[str, float]] | None = None) -> None:
+                 dropped: Callable[[], float], rates: Callable[[], Mapping[str, float]] | None = None,
+                 skipped: Callable[[], float] = lambda: 0.0, rejected: Callable[[], float] = lambda: 0.0) -> None:
         self.registry = CollectorRegistry()
         if rates is not None:
             self.registry.register(_RatesCollector(rates))
@@ -42,7 +43,11 @@ class PsMetrics:
         for name, doc, fn in [("pscluster_ps_shards", "Shards held", shards),
                               ("pscluster_ps_bytes_held", "Bytes of shard values held", held),
                               ("pscluster_ps_global_step", "Global step known to this PS", step),
-                              ("pscluster_ps_dropped_stale_gradients", "Stale sync gradients dropped", dropped)]:
+                              ("pscluster_ps_dropped_stale_gradients", "Stale sync gradients dropped", dropped),
+                              ("pscluster_ps_skipped_updates", "Shard updates of sync steps skipped: a replica's "
+                               "gradient was not finite", skipped),
+                              ("pscluster_ps_rejected_nonfinite_pushes", "Pushes refused for a NaN or Inf "
+                               "gradient (nan_policy=reject)", rejected)]:
             Gauge(name, doc, registry=self.registry).set_function(fn)
         self._children: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
 
@@ -77,11 +82,28 @@ class _RatesCollector(Collector):
 class WorkerMetrics:
     """Metrics of one worker."""
 
-    def __init__(self) -> None:
+    def __init__(self, nonfinite: Callable[[], dict[str, int]] = dict) -> None:
         self.registry = CollectorRegistry()
+        self.registry.register(_NonFiniteCollector(nonfinite))
         self.closures = Counter("pscluster_worker_closures", "Closures run", ["outcome"], registry=self.registry)
         self.latency = Histogram("pscluster_worker_closure_seconds", "Time to run a closure",
                                  buckets=LATENCY_BUCKETS, registry=self.registry)
+
+
+class _NonFiniteCollector(Collector):
+    """The worker client's count of pushes whose gradient held NaN or Inf, by what was done with them."""
+
+    def __init__(self, counts: Callable[[], dict[str, int]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Any]:
+        family = CounterMetricFamily("pscluster_worker_nonfinite_pushes",
+                                     "Pushes whose gradient held NaN or Inf: rejected (an error, nothing "
+                                     "pushed) or skipped (the step skipped)", labels=["action"])
+        counts = self._counts()
+        for action in ("rejected", "skipped"):
+            family.add_metric([action], counts.get(action, 0))
+        yield family
 
 
 class CoordinatorCollector(Collector):

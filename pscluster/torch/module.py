@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pscluster import optimizers
+from pscluster import gradients, optimizers
 from pscluster.client import context
 from pscluster.client.variables import Variable, check_table_ids
 from pscluster.errors import InvalidArgumentError
@@ -92,7 +92,8 @@ class PSModule:
 
     def __init__(self, coord: Any, module: nn.Module, optimizer: OptimizerConfig | ParamGroups | None = None, *,
                  partitioner: Partitioner | None = None, prefix: str = "", seed: int = 0,
-                 table_init: float = 1.0, worker_threads: int | None = 1) -> None:
+                 table_init: float = 1.0, worker_threads: int | None = 1, nonfinite: str | None = None,
+                 max_norm: float | None = None, norm_type: float = 2.0) -> None:
         """Create the module's variables on the cluster (idempotent: the same call again reuses them).
 
         Args:
@@ -106,12 +107,19 @@ class PSModule:
                 split only the large ones).
             prefix: prepended to every variable name (two models on one cluster).
             worker_threads: torch.set_num_threads on the workers (None leaves torch's default).
+            nonfinite: what push() does with a gradient holding NaN or Inf, checked on the worker before
+                anything is sent: "reject" raises NonFiniteGradientError naming the parameters, "skip"
+                skips the step (and counts it), "allow" sends it; default: the client's ("reject").
+            max_norm, norm_type: clip the gradients of all parameters (tables' rows included, buffers
+                not) to this global norm before the push, as torch.nn.utils.clip_grad_norm_.
 
         Raises:
             InvalidArgumentError: a dtype without a PS equivalent, or a table with max_norm.
             AlreadyExistsError: a variable of the same name exists with another shape or dtype.
         """
         chosen = optimizer or optimizers.SGD(1e-3)
+        gradients.check_policy(nonfinite or "reject", max_norm, norm_type)
+        self.nonfinite, self.max_norm, self.norm_type = nonfinite, max_norm, norm_type
         self.prefix = prefix
         self.worker_threads = worker_threads
         self.tables = sparse_tables(module)
@@ -203,7 +211,11 @@ class PSModule:
 
     def push(self) -> list[int]:
         """Push every parameter's gradient, the tables' touched rows and the buffers' changes since
-        pull(), under one push id (one request per PS task). Returns the new shard versions.
+        pull(), under one push id (one request per PS task). Returns the new shard versions ([] when
+        the step was skipped for a NaN or Inf under nonfinite="skip").
+
+        Gradients are clipped (max_norm) and checked for NaN and Inf before anything is sent: under
+        "reject" a bad one raises NonFiniteGradientError and no PS applies any part of the step.
 
         A parameter without a gradient is skipped (as torch.optim does), except in sync mode, where
         every replica must reach every shard of the step: it sends zeros there.
@@ -224,8 +236,10 @@ class PSModule:
             if before is None:
                 raise InvalidArgumentError("push() before pull(): pull the module in the same closure first")
             grads.append((self.variables[name], before - buf.numpy()))
+        buffers = len(replica.buffers)
         rows = [(self.variables[param], *table.row_grads()) for param, table in replica.tables.items()]
-        return context.current_client().push(grads, rows=rows)
+        return context.current_client().push(grads, rows=rows, nonfinite=self.nonfinite, max_norm=self.max_norm,
+                                             norm_type=self.norm_type, unclipped=buffers)
 
     # -- driver side ------------------------------------------------------------------------------
     def state_dict(self) -> OrderedDict[str, torch.Tensor]:

@@ -101,7 +101,7 @@ def wait_for(condition, what, timeout=60.0):
 
 def _port(daemon):
     for line in daemon.log_path.read_text().splitlines():
-        if line.startswith("READY worker"):
+        if line.startswith(("READY worker", "SERVING worker")):
             return line.split()[-1].rpartition(":")[2]
     raise AssertionError("worker never printed READY")
 

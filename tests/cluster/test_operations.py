@@ -29,7 +29,7 @@ def metric(text, name, labels=""):
 
 def ready_field(daemon, key):
     for line in daemon.log_path.read_text().splitlines():
-        if line.startswith("READY"):
+        if line.startswith(("READY", "SERVING")):  # a worker's metrics port is on both
             return re.search(rf"{key}=(\d+)", line).group(1)
     raise AssertionError("no READY line")
 
@@ -45,24 +45,33 @@ def test_metrics_of_live_ps_worker_and_coordinator(fresh_cluster):
             w.pull()
             w.push(np.ones(1000))
 
+        def bad_step():  # a gradient holding NaN: skipped on the worker, never sent
+            ps.push([(w, np.full(1000, np.nan, np.float32))], nonfinite="skip")
+
         for _ in range(20):
             coord.schedule(step)
+        for _ in range(3):
+            coord.schedule(bad_step)
         coord.join(timeout=60)
         ps_text = scrape(ready_field(cluster.ps[0], "metrics"))
+        assert metric(ps_text, "pscluster_ps_rejected_nonfinite_pushes") == 0
+        skipped = sum(metric(scrape(ready_field(d, "metrics")), "pscluster_worker_nonfinite_pushes_total",
+                             '{action="skipped"}') for d in cluster.workers)
+        assert skipped == 3
         assert metric(ps_text, "pscluster_ps_requests_total", '{op="push",transport="bulk"}') == 20
         assert metric(ps_text, "pscluster_ps_tensor_bytes_total", '{op="pull"}') >= 20 * 4000
         assert metric(ps_text, "pscluster_ps_shards") == 1
         assert metric(ps_text, "pscluster_ps_request_seconds_count", '{op="push"}') == 20
         runs = sum(metric(scrape(ready_field(d, "metrics")), "pscluster_worker_closures_total", '{outcome="ok"}')
                    for d in cluster.workers)
-        assert runs == 20
+        assert runs == 23
         co_text = scrape(coord.metrics_port)
-        assert metric(co_text, "pscluster_coordinator_closures_done_total") == 20
+        assert metric(co_text, "pscluster_coordinator_closures_done_total") == 23
         assert metric(co_text, "pscluster_coordinator_workers_alive") == 2
         assert metric(co_text, "pscluster_coordinator_closures_queued") == 0
         rates = re.findall(r'^pscluster_coordinator_worker_steps_per_second\{worker="[^"]+"\} ([0-9.e+-]+)$',
                            co_text, re.M)
-        assert len(rates) == 2 and sum(float(r) for r in rates) == pytest.approx(20 / 10.0)
+        assert len(rates) == 2 and sum(float(r) for r in rates) == pytest.approx(23 / 10.0)
     finally:
         coord.shutdown()
 

@@ -1,5 +1,7 @@
 """Daemons start in any order: each waits for what it needs, or gives up with one line and exit code 3."""
 
+import socket
+
 import numpy as np
 import pytest
 import yaml
@@ -31,11 +33,13 @@ def test_coordinator_and_worker_started_before_the_ps_wait_for_it_then_train(tmp
     coord = procs.start("coordinator", "--cluster", str(spec), env=env)
     worker = procs.start("worker", "--cluster", str(spec), env=env)
     waiting = read_until(coord, "waiting for ps 0")  # says what it waits for, and keeps waiting
-    read_until(worker, "waiting for the coordinator")
+    early = read_until(worker, "waiting for the coordinator")
     for i in range(2):
         read_until(procs.start("ps", "--cluster", str(spec), "--index", str(i), env=env), "READY ps")
     read_until(coord, "READY coordinator")
-    read_until(worker, "registered as worker 0")
+    late = read_until(worker, "READY worker")  # READY only once registered: a launcher may rely on it
+    assert not any("READY" in line for line in early)
+    assert any("registered as worker 0" in line for line in late[:-1]), late
     client = ps.RemoteCoordinator(ps.load_settings(spec, env=env))
     try:
         counter = client.create_variable("counter", shape=(), dtype="int64", optimizer=ps.SGD(1.0))
@@ -86,3 +90,26 @@ def test_worker_refused_by_the_coordinator_exits_before_ready(tmp_path, procs):
     assert worker.returncode == 3 and "Traceback" not in out, out
     assert "READY" not in out  # nothing told a launcher this worker was usable
     assert "the coordinator at 127.0.0.1:" in out and "refused us (UnauthenticatedError" in out
+
+
+@pytest.mark.parametrize("role, flags, which", [("ps", ["--index", "0"], "grpc"), ("ps", ["--index", "0"], "framed"),
+                                                ("worker", ["--port", "{busy}"], "grpc"),
+                                                ("coordinator", [], "grpc")])  # at once, not after the PS wait
+def test_a_daemon_given_a_busy_port_names_it_and_exits_2(tmp_path, procs, role, flags, which):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        spec = {"ps": [f"127.0.0.1:{busy if which == 'grpc' and role == 'ps' else free_port()}"],
+                "coordinator": f"127.0.0.1:{busy if role == 'coordinator' else free_port()}"}
+        path = tmp_path / "cluster.yaml"
+        path.write_text(yaml.safe_dump(spec))
+        extra = ["--framed-port", str(busy)] if which == "framed" else []
+        flags = [f.format(busy=busy) for f in flags]
+        proc = procs.start(role, "--cluster", str(path), *flags, *extra,
+                           env={"PSCLUSTER_STARTUP_TIMEOUT_S": "30"})
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2, out
+    lines = out.strip().splitlines()  # one line: no raw gRPC log line, no traceback
+    assert len(lines) == 1 and lines[0].startswith(f"pscluster {role}: port {busy} on 127.0.0.1 is in use ("), out
+    assert lines[0].endswith("another process listens there; stop it, or give this task another port"), out

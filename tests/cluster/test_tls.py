@@ -33,7 +33,8 @@ def tls_cluster(tmp_path, request):
     cluster = LocalCluster(2, 2, workdir=tmp_path / "c", supervise=False,
                            extra={"tls_dir": str(tmp_path / "tls"), "require_client_cert": True,
                                   "bulk_transport": bulk})
-    write_certs(tmp_path / "tls", task_names(cluster.spec, 2), hosts_of(cluster.spec))
+    # the spec lists no workers: they join with the shared `worker` certificate
+    write_certs(tmp_path / "tls", task_names(cluster.spec), hosts_of(cluster.spec))
     with cluster:
         yield cluster
 
@@ -81,7 +82,7 @@ def test_plaintext_and_foreign_certificates_are_refused_with_a_clear_error(tls_c
 def test_a_worker_certificate_cannot_submit_closures_nor_run_them_on_workers(tls_cluster, tmp_path):
     certs = tmp_path / "tls"
     as_worker = validate({"cluster": tls_cluster.spec, "tls_ca_file": str(certs / "ca.pem"),
-                          "tls_cert_file": str(certs / "worker-0.pem"), "tls_key_file": str(certs / "worker-0.key"),
+                          "tls_cert_file": str(certs / "worker.pem"), "tls_key_file": str(certs / "worker.key"),
                           "require_client_cert": True})
     channel = open_channel(tls_cluster.spec["coordinator"], as_worker)
     coord = ps.ClusterCoordinator(tls_cluster.settings())  # the cluster's coordinator, embedded
@@ -117,8 +118,8 @@ def test_certs_command_writes_a_ca_and_role_certificates_with_the_cluster_addres
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     names = {p.name for p in (tmp_path / "tls").iterdir()}
-    assert names == {f"{n}.{e}" for n in ("ca", "ps-0", "ps-1", "worker-0", "worker-1", "coordinator", "client")
-                     for e in ("pem", "key")}
+    assert names == {f"{n}.{e}" for n in ("ca", "ps-0", "ps-1", "worker-0", "worker-1", "worker", "coordinator",
+                                          "client") for e in ("pem", "key")}
     assert all(stat.S_IMODE(os.stat(tmp_path / "tls" / n).st_mode) == 0o600 for n in names if n.endswith(".key"))
     cert = x509.load_pem_x509_certificate((tmp_path / "tls" / "worker-1.pem").read_bytes())
     san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value

@@ -36,3 +36,23 @@ def test_an_idle_tls_client_connection_is_not_woken_by_post_handshake_messages(t
         done.set()
         thread.join(timeout=10)
         listener.close()
+
+
+def test_a_worker_the_cluster_file_does_not_list_uses_the_shared_worker_certificate(tmp_path):
+    import pytest
+
+    from pscluster.config import validate
+    from pscluster.errors import ConfigError
+    from pscluster.ops.certs import task_names
+
+    spec = {"ps": ["127.0.0.1:7001"], "coordinator": "127.0.0.1:7000"}  # no workers listed
+    names = task_names(spec)
+    assert names == ["ps-0", "worker", "coordinator", "client"]
+    write_certs(tmp_path / "tls", names, ["127.0.0.1"])
+    settings = validate({"cluster": spec, "task_type": "worker", "task_index": 3, "tls_dir": str(tmp_path / "tls")})
+    files = tls.files(settings)
+    assert files is not None and files.cert.name == "worker.pem" and files.key.name == "worker.key"
+    tls.client_context(files)  # a usable certificate and key
+    write_certs(tmp_path / "old", ["ps-0", "coordinator", "client"], ["127.0.0.1"])  # made before the shared one
+    with pytest.raises(ConfigError, match=r"worker-3.pem does not exist .*worker.pem/.key for any worker"):
+        tls.files(validate({"cluster": spec, "task_type": "worker", "task_index": 3, "tls_dir": str(tmp_path / "old")}))

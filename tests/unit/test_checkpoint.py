@@ -1,6 +1,5 @@
 """Checkpoint write/read, atomicity, keep-K, and re-sharding into a different number of PS tasks."""
 
-import os
 import shutil
 import subprocess
 import sys
@@ -131,23 +130,33 @@ def test_stale_temporaries_are_removed_on_prune_and_size_stays_bounded(tmp_path)
         for i, s in enumerate(stores):
             final = checkpoint.save(s, tmp_path, step, i, 2, keep=2)
             shutil.copy(final, final.parent / f".{final.name}.tmp-{dead}")
-        assert _dir_bytes(tmp_path) <= 2 * model_bytes + 2 * final.stat().st_size
-    checkpoint.save(stores[0], tmp_path, 22, 0, 2, keep=2)
-    assert not [p for p in tmp_path.rglob("*.tmp-*") if p.name.endswith(f"-{dead}")]
+        assert _dir_bytes(tmp_path) <= 3 * model_bytes  # keep=2 complete steps, one step being written
+    for i, s in enumerate(stores):  # each task removes its own
+        checkpoint.save(s, tmp_path, 22, i, 2, keep=2)
+    assert not list(tmp_path.rglob("*.tmp-*"))
 
 
-def test_temporaries_are_removed_at_start_unless_their_writer_is_alive(tmp_path):
-    stores = make_stores(1)
-    final = checkpoint.save(stores[0], tmp_path, 1, 0, 1, keep=3)
-    dead = final.parent / f".{final.name}.tmp-{_dead_pid()}"
-    ours = final.parent / f".{final.name}.tmp-{os.getpid()}"
-    orphan_dir = tmp_path / "step-000000000002"
-    orphan_dir.mkdir()
-    orphan = orphan_dir / f".{final.name}.tmp-{_dead_pid()}"
-    for p in (dead, ours, orphan):
-        shutil.copy(final, p)
-    checkpoint.prune(tmp_path, keep=3)  # a running save of this process keeps its temporary
-    assert ours.exists() and not dead.exists() and not orphan_dir.exists()
-    ParameterServerCore(0, 1, checkpoint_dir=tmp_path)  # at start no save of ours is in flight
-    assert not ours.exists() and final.exists()
-    assert checkpoint.restore(VariableStore(), tmp_path, 0, 1).step == 1
+def test_a_task_removes_its_own_temporaries_whatever_their_pid_and_leaves_other_tasks_in_flight_ones(tmp_path):
+    stores = make_stores(2)
+    finals = [checkpoint.save(s, tmp_path, 1, i, 2, keep=3) for i, s in enumerate(stores)]
+    # a live process whose command line names pscluster: what PID reuse, or the PID namespace of another
+    # container sharing the checkpoint volume, makes of a dead writer's PID
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "pscluster"])
+    try:
+        ours = finals[0].parent / f".{finals[0].name}.tmp-{alive.pid}"
+        orphan_dir = tmp_path / "step-000000000002"
+        orphan_dir.mkdir()
+        orphan = orphan_dir / f".{finals[0].name}.tmp-{alive.pid}"
+        theirs = finals[1].parent / f".{finals[1].name}.tmp-{alive.pid}"  # task 1's: maybe being written
+        other_shape = finals[0].parent / f".ps-2-of-3.safetensors.tmp-{alive.pid}"  # a cluster of 3 PS, gone
+        for p in (ours, orphan, theirs, other_shape):
+            shutil.copy(finals[0], p)
+        ParameterServerCore(0, 2, checkpoint_dir=tmp_path)  # task 0 starts: none of its saves is in flight
+        assert not ours.exists() and not orphan_dir.exists() and not other_shape.exists()
+        assert theirs.exists() and all(f.exists() for f in finals)
+        checkpoint.save(stores[1], tmp_path, 3, 1, 2, keep=3)  # task 1's next save removes its own
+        assert not theirs.exists()
+    finally:
+        alive.kill()
+        alive.wait(timeout=10)
+    assert checkpoint.restore(VariableStore(), tmp_path, 0, 2).step == 1

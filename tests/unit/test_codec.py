@@ -33,3 +33,9 @@ def test_ids_must_be_1d_int64():
         codec.decode_ids(codec.encode(np.zeros((2, 2), np.int64)))
     with pytest.raises(InvalidArgumentError, match="1-D int64"):
         codec.decode_ids(codec.encode(np.zeros(2, np.int32)))
+
+
+def test_a_shape_no_array_can_have_is_invalid_argument_even_with_a_zero_dimension():
+    msg = pb.Tensor(dtype="<f4", shape=[0, 2**61], data=b"")
+    with pytest.raises(InvalidArgumentError, match="larger than any array"):
+        codec.decode(msg)
