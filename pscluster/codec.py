@@ -57,13 +57,13 @@ def decode(msg: pb.Tensor, what: str = "tensor") -> np.ndarray:
     dt = wire_dtype(msg.dtype) if msg.dtype else None
     if dt is None:
         raise InvalidArgumentError(f"{what}: missing dtype")
-    if math.prod(s for s in shape if s) * dt.itemsize > np.iinfo(np.intp).max:
-        # numpy refuses such a shape even with a zero dimension in it
-        raise InvalidArgumentError(f"{what}: shape {shape} of {dt} is larger than any array can be")
     expected = math.prod(shape) * dt.itemsize
     if len(msg.data) != expected:
         raise InvalidArgumentError(
             f"{what}: {len(msg.data)} bytes do not hold shape {shape} of {dt} ({expected} bytes)")
+    if math.prod(s for s in shape if s) * dt.itemsize > np.iinfo(np.intp).max:
+        # an empty shape whose other dimensions no array can have: numpy refuses it even with no elements
+        raise InvalidArgumentError(f"{what}: shape {shape} of {dt} is larger than any array can be")
     return np.frombuffer(msg.data, dtype=dt).reshape(shape)
 
 
