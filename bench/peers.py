@@ -101,7 +101,7 @@ def tf_sparse(rows: int, dim: int) -> None:
     cluster = {"chief": [f"127.0.0.1:{ports[0]}"], "ps": [f"127.0.0.1:{p}" for p in ports[1:3]],
                "worker": [f"127.0.0.1:{p}" for p in ports[3:5]]}
     spec = json.dumps(cluster)
-    procs = [subprocess.Popen([sys.executable, __file__, "tf-server", spec, job, str(i)])
+    procs = [subprocess.Popen([sys.executable, __file__, "tf-server", spec, job, str(i)], stdout=subprocess.DEVNULL)
              for job in ("ps", "worker") for i in range(2)]
     try:
         import tensorflow as tf
@@ -112,8 +112,12 @@ def tf_sparse(rows: int, dim: int) -> None:
             resolver, variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(2))
         coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
         made = time.perf_counter()
+        def uniform(shape=None, dtype=None, partition_shape=None, partition_offset=None):  # type: ignore[no-untyped-def]
+            # called per shard on its PS (a whole 2.4 GiB value made here would not fit one protobuf)
+            return tf.random.uniform(partition_shape or shape, -0.05, 0.05)
+
         with strategy.scope():
-            table = tf.Variable(tf.random.uniform([rows, dim], -0.05, 0.05))
+            table = tf.Variable(uniform, shape=[rows, dim], dtype=tf.float32)
         create_s = time.perf_counter() - made
 
         def make_dataset(batch: int):  # type: ignore[no-untyped-def]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import resource
 import statistics
@@ -62,7 +63,8 @@ class PsclusterRun:
     def __init__(self, rows: int = ROWS, dim: int = DIM, workers: int = 2) -> None:
         self._cluster_cm = local_cluster(2, workers)
         self.cluster = self._cluster_cm.__enter__()
-        self.coord = ps.ClusterCoordinator(self.cluster.settings())
+        # no automatic checkpoints: TF's run takes none, and a 2.4 GiB save every 60 s would stall a repetition
+        self.coord = ps.ClusterCoordinator(self.cluster.settings(auto_checkpoint=False))
         self.coord.wait_for_workers(workers)
         made = time.perf_counter()
         self.table = self.coord.create_variable(
@@ -108,7 +110,8 @@ class TfRun:
 
     def __init__(self, python: str, rows: int = ROWS, dim: int = DIM) -> None:
         cmd = [python, str(ROOT / "bench" / "peers.py"), "tf-sparse", str(rows), str(dim)]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")  # TF's info lines would bury the figures
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env)
         self.create_s = float(self._read()["create_s"])
 
     def _read(self) -> dict[str, Any]:
