@@ -8,6 +8,7 @@ lives in transfer.py. `PYTHON bench/peers.py tf-sparse ROWS DIM`, under a Python
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 from concurrent import futures
@@ -76,6 +77,13 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of pid so far (/proc)."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def tf_server(cluster_json: str, job: str, index: int) -> None:
     """One TF task (ps or worker) of a local ParameterServerStrategy cluster; runs until killed."""
     import json
@@ -101,8 +109,9 @@ def tf_sparse(rows: int, dim: int) -> None:
     cluster = {"chief": [f"127.0.0.1:{ports[0]}"], "ps": [f"127.0.0.1:{p}" for p in ports[1:3]],
                "worker": [f"127.0.0.1:{p}" for p in ports[3:5]]}
     spec = json.dumps(cluster)
+    tasks = [(job, i) for job in ("ps", "worker") for i in range(2)]
     procs = [subprocess.Popen([sys.executable, __file__, "tf-server", spec, job, str(i)], stdout=subprocess.DEVNULL)
-             for job in ("ps", "worker") for i in range(2)]
+             for job, i in tasks]
     try:
         import tensorflow as tf
 
@@ -148,11 +157,15 @@ def tf_sparse(rows: int, dim: int) -> None:
             for _ in range(warmup):
                 coordinator.schedule(step, args=(it,))
             coordinator.join()
+            pids = {"chief": os.getpid(), **{f"{job}{i}": p.pid for (job, i), p in zip(tasks, procs)}}
+            before = {role: _cpu_s(pid) for role, pid in pids.items()}
             start = time.perf_counter()
             for _ in range(closures):
                 coordinator.schedule(step, args=(it,))
             coordinator.join()
-            print(json.dumps({"rows_per_s": 2 * batch * closures / (time.perf_counter() - start)}), flush=True)
+            rate = 2 * batch * closures / (time.perf_counter() - start)
+            cpu = {role: (_cpu_s(pid) - before[role]) / closures * 1e3 for role, pid in pids.items()}
+            print(json.dumps({"rows_per_s": rate, "cpu_ms": cpu}), flush=True)
     finally:
         for p in procs:
             p.kill()

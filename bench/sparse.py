@@ -57,14 +57,21 @@ def loop_steps(table: ps.Variable, seed: int, steps: int, batch: int = BATCH) ->
             "worker_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of pid so far (/proc)."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class PsclusterRun:
     """A 2 PS + 2 worker cluster holding the table; each `rep()` times one repetition."""
 
-    def __init__(self, rows: int = ROWS, dim: int = DIM, workers: int = 2) -> None:
+    def __init__(self, rows: int = ROWS, dim: int = DIM, workers: int = 2, inflight: int | None = None) -> None:
         self._cluster_cm = local_cluster(2, workers)
         self.cluster = self._cluster_cm.__enter__()
         # no automatic checkpoints: TF's run takes none, and a 2.4 GiB save every 60 s would stall a repetition
-        self.coord = ps.ClusterCoordinator(self.cluster.settings(auto_checkpoint=False))
+        extra = {} if inflight is None else {"max_inflight_per_worker": inflight}
+        self.coord = ps.ClusterCoordinator(self.cluster.settings(auto_checkpoint=False, **extra))
         self.coord.wait_for_workers(workers)
         made = time.perf_counter()
         self.table = self.coord.create_variable(
@@ -72,6 +79,7 @@ class PsclusterRun:
             optimizer=ps.SGD(LR), initializer="uniform", init_scale=SCALE)
         self.create_s = time.perf_counter() - made
         self._seed = 0
+        self.cpu_ms: dict[str, float] = {}
 
     def _schedule(self, n: int, batch: int) -> None:
         for _ in range(n):
@@ -80,11 +88,16 @@ class PsclusterRun:
         self.coord.join()
 
     def rep(self, closures: int, warmup: int = 20, batch: int = BATCH) -> float:
-        """Rows/s of `closures` closures after `warmup` joined ones."""
+        """Rows/s of `closures` closures after `warmup` joined ones (CPU per batch by role in self.cpu_ms)."""
         self._schedule(warmup, batch)
+        pids = {"driver": os.getpid(), **{f"ps{i}": d.pid for i, d in enumerate(self.cluster.ps)},
+                **{f"worker{i}": d.pid for i, d in enumerate(self.cluster.workers)}}
+        before = {k: _cpu_s(pid) for k, pid in pids.items()}
         start = time.perf_counter()
         self._schedule(closures, batch)
-        return 2 * batch * closures / (time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self.cpu_ms = {k: (_cpu_s(pid) - before[k]) / closures * 1e3 for k, pid in pids.items()}
+        return 2 * batch * closures / seconds
 
     def loop(self, steps: int, warmup: int = 20, batch: int = BATCH) -> dict[str, float]:
         """The single-closure loop on one worker."""
@@ -127,7 +140,9 @@ class TfRun:
         assert self.proc.stdin is not None
         self.proc.stdin.write(f"{closures} {warmup} {batch}\n")
         self.proc.stdin.flush()
-        return float(self._read()["rows_per_s"])
+        out = self._read()
+        self.cpu_ms: dict[str, float] = out["cpu_ms"]
+        return float(out["rows_per_s"])
 
     def close(self) -> None:
         """End the peer (it stops its own servers)."""
@@ -147,20 +162,27 @@ def b13(reps: int = 5, closures: int = 400, tf_python: str | None = None, rows: 
     run = PsclusterRun(rows, dim)
     per: dict[str, list[float]] = {"pscluster": [], "loop": [], "tf": []}
     rss = 0.0
+    cpu: dict[str, list[float]] = {}
+    tf_cpu: dict[str, list[float]] = {}
     try:
         for _ in range(reps):
             per["pscluster"].append(run.rep(closures))
+            for role, ms in run.cpu_ms.items():
+                cpu.setdefault(role, []).append(ms)
             if tf is not None:
                 per["tf"].append(tf.rep(closures))
+                for role, ms in tf.cpu_ms.items():
+                    tf_cpu.setdefault(role, []).append(ms)
             lp = run.loop(closures)
             per["loop"].append(lp["rows_per_s"])
             rss = max(rss, lp["worker_peak_rss_mib"])
             print(json.dumps({k: round(v[-1]) for k, v in per.items() if v}), file=sys.stderr, flush=True)
         out: dict[str, Any] = {k: statistics.median(v) for k, v in per.items() if v}
-        out.update(runs=per, create_s=run.create_s, ps_max_rss_mib=run.ps_rss_mib(), worker_peak_rss_mib=rss,
-                   table_mib=rows * dim * 4 / 2**20)
+        out.update(runs=per, cpu_ms_per_batch={k: statistics.median(v) for k, v in cpu.items()}, create_s=run.create_s,
+                   ps_max_rss_mib=run.ps_rss_mib(), worker_peak_rss_mib=rss, table_mib=rows * dim * 4 / 2**20)
         if tf is not None:
-            out.update(tf_create_s=tf.create_s, ratio=out["pscluster"] / out["tf"])
+            out.update(tf_create_s=tf.create_s, ratio=out["pscluster"] / out["tf"],
+                       tf_cpu_ms_per_batch={k: statistics.median(v) for k, v in tf_cpu.items()})
         return out
     finally:
         run.close()

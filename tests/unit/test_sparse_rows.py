@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from pscluster.server.rows import unique_sum
+from pscluster.server.rows import put_rows, take_rows, unique_sum
 
 
 def _reference(rows: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -58,3 +58,31 @@ def test_a_row_repeated_in_a_sorted_batch_is_summed_once() -> None:
     got_rows, got = unique_sum(rows, grads)
     np.testing.assert_array_equal(got_rows, [3, 8])
     np.testing.assert_array_equal(got[:, 0], [7.0, 8.0])
+
+
+@pytest.mark.parametrize("shape,dtype", [((50, 4), np.float32), ((50, 3, 2), np.float64), ((50,), np.int64),
+                                         ((50, 1), np.int8)])
+def test_put_and_take_rows_equal_fancy_indexing(shape: tuple[int, ...], dtype: type) -> None:
+    rng = np.random.default_rng(7)
+    table = (rng.standard_normal(shape) * 100).astype(dtype)
+    rows = np.array([0, 3, 17, 49])
+    np.testing.assert_array_equal(take_rows(table, rows), table[rows])
+    values = (rng.standard_normal((4,) + shape[1:]) * 100).astype(dtype)
+    want = table.copy()
+    want[rows] = values
+    put_rows(table, rows, values)
+    np.testing.assert_array_equal(table, want)
+
+
+def test_put_rows_takes_values_that_are_not_contiguous() -> None:
+    table = np.zeros((6, 2), np.float32)
+    values = np.arange(8, dtype=np.float32).reshape(2, 4)[:, ::2]  # a strided view
+    put_rows(table, np.array([1, 4]), values)
+    np.testing.assert_array_equal(table[[1, 4]], [[0, 2], [4, 6]])
+    assert not table[[0, 2, 3, 5]].any()
+
+
+def test_put_rows_of_no_rows_changes_nothing() -> None:
+    table = np.ones((3, 2), np.float32)
+    put_rows(table, np.array([], np.int64), np.zeros((0, 2), np.float32))
+    assert (table == 1).all()
