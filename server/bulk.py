@@ -76,6 +76,10 @@ class BulkHandlers:
             if request.shm_bytes > INLINE_BYTES or self.core.replication is not None:
                 # replicas: 2: a push's reply waits for the backup, which must not stall the loop's other peers
                 return False
+            if any(item.HasField("ids") for item in request.push.items):
+                # a table's pushes alternate with its row pulls, which stay on a thread (their ids are not
+                # known to fit): served here, the push would hand the connection to a new thread every batch
+                return False
             # a fused reply of dense shards is exactly as large as the push (`push` validates that) and
             # goes back through the same segment; any other reply is a small header
             return not request.push.return_values or request.shm_reply
