@@ -196,39 +196,56 @@ class BulkHandlers:
         (in the connection's segment if `shared` asks and they fit, else after the header)."""
         store = self.core.store
         segment: shm.Segment | None = state.get("shm") if shared else None
-        located = [(store.rows_of(key, ids) if ids is not None else (store.get(key), None)) for ids, key in wanted]
-        total = sum(shard.value.nbytes if local is None else local.size * _row_bytes(shard) for shard, local in located)
+        # (shard, its local rows for a fixed table's ids, or rows and version made already: a dynamic table's)
+        located: list[tuple[Shard, np.ndarray | None, tuple[np.ndarray, int] | None]] = []
+        for ids, key in wanted:
+            shard = store.get(key)
+            if ids is not None and shard.table is not None:
+                located.append((shard, None, store.pull(key, ids)))
+            else:
+                located.append((shard, None if ids is None else store.rows_of(key, ids)[1], None))
+        total = sum(made[0].nbytes if made is not None else shard.value.nbytes if local is None
+                    else local.size * _row_bytes(shard) for shard, local, made in located)
         if segment is not None and total <= segment.capacity:
-            # rows are gathered straight into the segment (no copy of them in between), each shard's under
-            # its lock with the version they are of
+            # a fixed table's rows are gathered straight into the segment (no copy of them in between),
+            # under the shard's lock with the version they are of
             fill = 0
-            for shard, local in located:
-                if local is None:
+            for shard, local, made in located:
+                if made is not None:
+                    rows, version = made
+                    reply.pull.tensors.append(codec.header(rows.dtype, rows.shape))
+                    reply.pull.versions.append(version)
+                    segment.region[fill:fill + rows.nbytes] = np.ascontiguousarray(rows).reshape(-1).view(np.uint8)
+                    fill += rows.nbytes
+                elif local is None:
                     reply.pull.tensors.append(self._header_of(shard))
                     reply.pull.versions.append(shard.version)
                     store.copy_into(shard, segment.region[fill:fill + shard.value.nbytes])
                     fill += shard.value.nbytes
-                    continue
-                shape = (local.size,) + shard.value.shape[1:]
-                nbytes = local.size * _row_bytes(shard)
-                out = segment.region[fill:fill + nbytes].view(shard.dtype).reshape(shape)
-                reply.pull.tensors.append(codec.header(shard.dtype, shape))
-                reply.pull.versions.append(store.take_rows_into(shard, local, out))
-                fill += nbytes
+                else:
+                    shape = (local.size,) + shard.value.shape[1:]
+                    nbytes = local.size * _row_bytes(shard)
+                    out = segment.region[fill:fill + nbytes].view(shard.dtype).reshape(shape)
+                    reply.pull.tensors.append(codec.header(shard.dtype, shape))
+                    reply.pull.versions.append(store.take_rows_into(shard, local, out))
+                    fill += nbytes
             reply.shm_bytes = total
             send_frame(conn, reply.SerializeToString())
             return total
         parts: list[tuple[np.ndarray | None, Any]] = []
-        for shard, local in located:
-            if local is not None:
-                rows = np.empty((local.size,) + shard.value.shape[1:], shard.dtype)
-                reply.pull.tensors.append(codec.header(rows.dtype, rows.shape))
-                reply.pull.versions.append(store.take_rows_into(shard, local, rows))
-                parts.append((rows, None))
-            else:
+        for shard, local, made in located:
+            if made is None and local is None:
                 reply.pull.tensors.append(self._header_of(shard))
                 reply.pull.versions.append(shard.version)
                 parts.append((None, shard))
+                continue
+            if made is None and local is not None:
+                rows = np.empty((local.size,) + shard.value.shape[1:], shard.dtype)
+                made = rows, store.take_rows_into(shard, local, rows)
+            if made is not None:
+                reply.pull.tensors.append(codec.header(made[0].dtype, made[0].shape))
+                reply.pull.versions.append(made[1])
+                parts.append((made[0], None))
         header = reply.SerializeToString()
         try:
             self._send_parts(conn, PREFIX.pack(len(header), total) + header, parts, state)
