@@ -1,72 +1,200 @@
-"""B13: sparse embedding throughput: batches of 4,096 ids into a 10 M-row, 64-dim float32 table on 2 PS.
+"""B13: the sparse embedding workload of issue 26, pscluster beside TF ParameterServerStrategy in one run.
 
-A worker closure pulls the rows a batch touches and pushes a gradient for each (the path
-pscluster.torch and pscluster.jax tables ride: PSClient.pull_rows / push_rows), `steps` times; the
-figure is rows moved (pulled + pushed) per second, and the worker's peak RSS against the table's size.
+A 10 M x 64 float32 table (uniform in [-0.05, 0.05), SGD(0.01)) in 2 shards on 2 PS, 2 workers, one
+closure per batch: draw 4,096 random ids, pull the unique ones' rows, push the gradient of
+sum(rows^2) over the batch (2 x row x its count). Rows/s counts each batch's ids once pulled and once
+pushed (2 x 4,096 per batch). The table is created before timing; each repetition runs 20 warm-up
+closures (joined) and then `closures` timed ones (joined). Beside it, the single-closure loop: one
+closure on one worker runs `closures` batches in a loop (no per-closure cost). TF's version runs in
+its own environment (bench/peers.py `tf-sparse`, a separate Python given by --tf-python), alternating
+with pscluster repetition by repetition so both see the same machine.
+
+    python bench/sparse.py --tf-python /work/tfenv/bin/python --reps 5
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import pathlib
 import resource
-import tempfile
+import statistics
+import subprocess
+import sys
 import time
+from typing import Any
 
-import pscluster as ps
-from pscluster.ops.launcher import LocalCluster
+import numpy as np
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-def _table_steps(table: ps.Variable, batch: int, steps: int, warmup: int) -> dict[str, float]:
-    import resource as _resource
-    import time as _time
+import pscluster as ps  # noqa: E402
+from bench.common import local_cluster, rss_kib  # noqa: E402
 
-    import numpy as _np
-
-    from pscluster import context as _context
-
-    client = _context.current_client()
-    rng = _np.random.default_rng(0)
-    start = 0.0
-    moved = 0
-    for i in range(warmup + steps):
-        if i == warmup:
-            start = _time.perf_counter()
-        ids = _np.unique(rng.integers(0, table.shape[0], batch))
-        rows = client.pull_rows(table, ids)
-        client.push_rows(table, ids, _np.full_like(rows, 0.01))
-        if i >= warmup:
-            moved += 2 * ids.size
-    seconds = _time.perf_counter() - start
-    return {"rows_per_s": moved / seconds, "batches_per_s": steps / seconds, "seconds": seconds,
-            "worker_peak_rss_mib": _resource.getrusage(_resource.RUSAGE_SELF).ru_maxrss / 1024}
+ROWS, DIM, BATCH, LR, SCALE = 10_000_000, 64, 4096, 0.01, 0.05
 
 
-def _rss_mib(pid: int) -> float:
-    for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+def batch_step(table: ps.Variable, seed: int, batch: int = BATCH) -> int:
+    """One closure of the workload: returns the number of unique ids it moved."""
+    rng = np.random.default_rng(seed)
+    ids, counts = np.unique(rng.integers(0, table.shape[0], batch), return_counts=True)
+    rows = table.pull_rows(ids)
+    rows *= (2 * counts).astype(rows.dtype)[:, None]  # d/drow of sum(rows^2) over the batch
+    table.push_rows(ids, rows)
+    return int(ids.size)
 
 
-def b13(rows: int = 10_000_000, dim: int = 64, batch: int = 4096, steps: int = 300, warmup: int = 20) -> dict[str, float]:
-    """One worker, 2 PS, an SGD table of rows x dim float32 (zeros); see the module docstring."""
-    with tempfile.TemporaryDirectory(prefix="pscluster-b13-") as tmp, \
-            LocalCluster(2, 1, workdir=f"{tmp}/cluster") as cluster:
-        coord = ps.ClusterCoordinator(cluster.settings())
+def loop_steps(table: ps.Variable, seed: int, steps: int, batch: int = BATCH) -> dict[str, float]:
+    """The single-closure loop: `steps` batches inside one closure; its own timing and peak RSS."""
+    start = time.perf_counter()
+    for i in range(steps):
+        batch_step(table, seed + i, batch)
+    seconds = time.perf_counter() - start
+    return {"rows_per_s": 2 * batch * steps / seconds,
+            "worker_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of pid so far (/proc)."""
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class PsclusterRun:
+    """A 2 PS + 2 worker cluster holding the table; each `rep()` times one repetition."""
+
+    def __init__(self, rows: int = ROWS, dim: int = DIM, workers: int = 2, inflight: int | None = None) -> None:
+        self._cluster_cm = local_cluster(2, workers)
+        self.cluster = self._cluster_cm.__enter__()
+        # no automatic checkpoints: TF's run takes none, and a 2.4 GiB save every 60 s would stall a repetition
+        extra = {} if inflight is None else {"max_inflight_per_worker": inflight}
+        self.coord = ps.ClusterCoordinator(self.cluster.settings(auto_checkpoint=False, **extra))
+        self.coord.wait_for_workers(workers)
+        made = time.perf_counter()
+        self.table = self.coord.create_variable(
+            "emb", shape=(rows, dim), dtype="float32", sparse=True, partitioner=ps.FixedShardsPartitioner(2),
+            optimizer=ps.SGD(LR), initializer="uniform", init_scale=SCALE)
+        self.create_s = time.perf_counter() - made
+        self._seed = 0
+        self.cpu_ms: dict[str, float] = {}
+
+    def _schedule(self, n: int, batch: int) -> None:
+        for _ in range(n):
+            self._seed += 1
+            self.coord.schedule(batch_step, args=(self.table, self._seed, batch))
+        self.coord.join()
+
+    def rep(self, closures: int, warmup: int = 20, batch: int = BATCH) -> float:
+        """Rows/s of `closures` closures after `warmup` joined ones (CPU per batch by role in self.cpu_ms)."""
+        self._schedule(warmup, batch)
+        pids = {"driver": os.getpid(), **{f"ps{i}": d.pid for i, d in enumerate(self.cluster.ps)},
+                **{f"worker{i}": d.pid for i, d in enumerate(self.cluster.workers)}}
+        before = {k: _cpu_s(pid) for k, pid in pids.items()}
+        start = time.perf_counter()
+        self._schedule(closures, batch)
+        seconds = time.perf_counter() - start
+        self.cpu_ms = {k: (_cpu_s(pid) - before[k]) / closures * 1e3 for k, pid in pids.items()}
+        return 2 * batch * closures / seconds
+
+    def loop(self, steps: int, warmup: int = 20, batch: int = BATCH) -> dict[str, float]:
+        """The single-closure loop on one worker."""
+        self._schedule(warmup, batch)
+        self._seed += steps
+        out: dict[str, float] = self.coord.schedule(loop_steps, args=(self.table, self._seed, steps, batch)).fetch()
+        return out
+
+    def ps_rss_mib(self) -> float:
+        """The largest PS resident set."""
+        return max(rss_kib(d.pid) for d in self.cluster.ps) / 1024
+
+    def close(self) -> None:
+        """Stop the coordinator and the cluster."""
         try:
-            coord.wait_for_workers(1)
-            made = time.perf_counter()
-            table = coord.create_variable("emb", shape=(rows, dim), dtype="float32", sparse=True,
-                                          partitioner=ps.FixedShardsPartitioner(2), optimizer=ps.SGD(0.1))
-            create_s = time.perf_counter() - made
-            r = coord.schedule(_table_steps, args=(table, batch, steps, warmup)).fetch()
-            r.update(table_mib=rows * dim * 4 / 2**20, create_s=create_s,
-                     ps_max_rss_mib=max(_rss_mib(d.pid) for d in cluster.ps),
-                     driver_peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-            return r
+            self.coord.shutdown()
         finally:
-            coord.shutdown()
+            self._cluster_cm.__exit__(None, None, None)
+
+
+class TfRun:
+    """TF's version in its own environment: bench/peers.py tf-sparse, driven one repetition at a time."""
+
+    def __init__(self, python: str, rows: int = ROWS, dim: int = DIM) -> None:
+        cmd = [python, str(ROOT / "bench" / "peers.py"), "tf-sparse", str(rows), str(dim)]
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")  # TF's info lines would bury the figures
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+        self.create_s = float(self._read()["create_s"])
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                out: dict[str, Any] = json.loads(line)
+                return out
+        raise RuntimeError(f"TF peer ended (exit {self.proc.wait()})")
+
+    def rep(self, closures: int, warmup: int = 20, batch: int = BATCH) -> float:
+        """Rows/s of one repetition."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{closures} {warmup} {batch}\n")
+        self.proc.stdin.flush()
+        out = self._read()
+        self.cpu_ms: dict[str, float] = out["cpu_ms"]
+        return float(out["rows_per_s"])
+
+    def close(self) -> None:
+        """End the peer (it stops its own servers)."""
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def b13(reps: int = 5, closures: int = 400, tf_python: str | None = None, rows: int = ROWS,
+        dim: int = DIM) -> dict[str, Any]:
+    """Median rows/s of pscluster (closure per batch and single-closure loop) and, with tf_python, TF."""
+    tf = TfRun(tf_python, rows, dim) if tf_python else None
+    run = PsclusterRun(rows, dim)
+    per: dict[str, list[float]] = {"pscluster": [], "loop": [], "tf": []}
+    rss = 0.0
+    cpu: dict[str, list[float]] = {}
+    tf_cpu: dict[str, list[float]] = {}
+    try:
+        for _ in range(reps):
+            per["pscluster"].append(run.rep(closures))
+            for role, ms in run.cpu_ms.items():
+                cpu.setdefault(role, []).append(ms)
+            if tf is not None:
+                per["tf"].append(tf.rep(closures))
+                for role, ms in tf.cpu_ms.items():
+                    tf_cpu.setdefault(role, []).append(ms)
+            lp = run.loop(closures)
+            per["loop"].append(lp["rows_per_s"])
+            rss = max(rss, lp["worker_peak_rss_mib"])
+            print(json.dumps({k: round(v[-1]) for k, v in per.items() if v}), file=sys.stderr, flush=True)
+        out: dict[str, Any] = {k: statistics.median(v) for k, v in per.items() if v}
+        out.update(runs=per, cpu_ms_per_batch={k: statistics.median(v) for k, v in cpu.items()}, create_s=run.create_s,
+                   ps_max_rss_mib=run.ps_rss_mib(), worker_peak_rss_mib=rss, table_mib=rows * dim * 4 / 2**20)
+        if tf is not None:
+            out.update(tf_create_s=tf.create_s, ratio=out["pscluster"] / out["tf"],
+                       tf_cpu_ms_per_batch={k: statistics.median(v) for k, v in tf_cpu.items()})
+        return out
+    finally:
+        run.close()
+        if tf is not None:
+            tf.close()
 
 
 if __name__ == "__main__":
-    print(b13(rows=1_000_000, steps=50))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tf-python", default=None, help="a Python with tensorflow-cpu 2.21 (optional peer)")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--closures", type=int, default=400)
+    parser.add_argument("--rows", type=int, default=ROWS)
+    a = parser.parse_args()
+    print(json.dumps(b13(a.reps, a.closures, a.tf_python, a.rows), indent=1))

@@ -76,6 +76,10 @@ class BulkHandlers:
             if request.shm_bytes > INLINE_BYTES or self.core.replication is not None:
                 # replicas: 2: a push's reply waits for the backup, which must not stall the loop's other peers
                 return False
+            if any(item.HasField("ids") for item in request.push.items):
+                # a table's pushes alternate with its row pulls, which stay on a thread (their ids are not
+                # known to fit): served here, the push would hand the connection to a new thread every batch
+                return False
             # a fused reply of dense shards is exactly as large as the push (`push` validates that) and
             # goes back through the same segment; any other reply is a small header
             return not request.push.return_values or request.shm_reply
@@ -190,30 +194,58 @@ class BulkHandlers:
                            shared: bool = False) -> int:
         """Send reply with `reply.pull` describing each wanted shard (or its rows `ids`), then their bytes
         (in the connection's segment if `shared` asks and they fit, else after the header)."""
-        parts: list[tuple[np.ndarray | None, Any]] = []
-        tensors, versions = [], []
-        total = 0
-        for ids, key in wanted:
-            if ids is not None:
-                rows, version = self.core.store.pull(key, ids)
-                parts.append((rows, None))
-                tensors.append(codec.header(rows.dtype, rows.shape))
-                total += rows.nbytes
-            else:
-                shard = self.core.store.get(key)
-                version = shard.version
-                parts.append((None, shard))
-                tensors.append(self._header_of(shard))
-                total += shard.value.nbytes
-            versions.append(version)
-        reply.pull.tensors.extend(tensors)
-        reply.pull.versions.extend(versions)
+        store = self.core.store
         segment: shm.Segment | None = state.get("shm") if shared else None
+        # (shard, its local rows for a fixed table's ids, or rows and version made already: a dynamic table's)
+        located: list[tuple[Shard, np.ndarray | None, tuple[np.ndarray, int] | None]] = []
+        for ids, key in wanted:
+            shard = store.get(key)
+            if ids is not None and shard.table is not None:
+                located.append((shard, None, store.pull(key, ids)))
+            else:
+                located.append((shard, None if ids is None else store.rows_of(key, ids)[1], None))
+        total = sum(made[0].nbytes if made is not None else shard.value.nbytes if local is None
+                    else local.size * _row_bytes(shard) for shard, local, made in located)
         if segment is not None and total <= segment.capacity:
-            self._copy_parts(segment.region, parts)
+            # a fixed table's rows are gathered straight into the segment (no copy of them in between),
+            # under the shard's lock with the version they are of
+            fill = 0
+            for shard, local, made in located:
+                if made is not None:
+                    rows, version = made
+                    reply.pull.tensors.append(codec.header(rows.dtype, rows.shape))
+                    reply.pull.versions.append(version)
+                    segment.region[fill:fill + rows.nbytes] = np.ascontiguousarray(rows).reshape(-1).view(np.uint8)
+                    fill += rows.nbytes
+                elif local is None:
+                    reply.pull.tensors.append(self._header_of(shard))
+                    reply.pull.versions.append(shard.version)
+                    store.copy_into(shard, segment.region[fill:fill + shard.value.nbytes])
+                    fill += shard.value.nbytes
+                else:
+                    shape = (local.size,) + shard.value.shape[1:]
+                    nbytes = local.size * _row_bytes(shard)
+                    out = segment.region[fill:fill + nbytes].view(shard.dtype).reshape(shape)
+                    reply.pull.tensors.append(codec.header(shard.dtype, shape))
+                    reply.pull.versions.append(store.take_rows_into(shard, local, out))
+                    fill += nbytes
             reply.shm_bytes = total
             send_frame(conn, reply.SerializeToString())
             return total
+        parts: list[tuple[np.ndarray | None, Any]] = []
+        for shard, local, made in located:
+            if made is None and local is None:
+                reply.pull.tensors.append(self._header_of(shard))
+                reply.pull.versions.append(shard.version)
+                parts.append((None, shard))
+                continue
+            if made is None and local is not None:
+                rows = np.empty((local.size,) + shard.value.shape[1:], shard.dtype)
+                made = rows, store.take_rows_into(shard, local, rows)
+            if made is not None:
+                reply.pull.tensors.append(codec.header(made[0].dtype, made[0].shape))
+                reply.pull.versions.append(made[1])
+                parts.append((made[0], None))
         header = reply.SerializeToString()
         try:
             self._send_parts(conn, PREFIX.pack(len(header), total) + header, parts, state)
@@ -222,17 +254,6 @@ class BulkHandlers:
         except Exception as exc:  # the header is out: an error frame now would be read as tensor bytes
             raise ConnectionError(f"pull failed mid-reply: {type(exc).__name__}: {exc}") from exc
         return total
-
-    def _copy_parts(self, region: np.ndarray, parts: list[tuple[np.ndarray | None, Any]]) -> None:
-        """Each part's bytes into region, one after another (a shard's under its lock)."""
-        fill = 0
-        for rows, shard in parts:
-            if rows is not None:
-                region[fill:fill + rows.nbytes] = np.ascontiguousarray(rows).reshape(-1).view(np.uint8)
-                fill += rows.nbytes
-            else:
-                self.core.store.copy_into(shard, region[fill:fill + shard.value.nbytes])
-                fill += shard.value.nbytes
 
     def _send_parts(self, conn: socket.socket, head: bytes, parts: list[tuple[np.ndarray | None, Any]],
                     state: dict[str, Any]) -> None:
@@ -267,6 +288,11 @@ class BulkHandlers:
                 conn.sendall(piece)  # outside the shard lock: a stalled reader stalls only this thread
         if fill:
             conn.sendall(out[:fill].data)
+
+
+def _row_bytes(shard: Shard) -> int:
+    """Bytes of one row of shard (axis 0)."""
+    return shard.value.nbytes // shard.value.shape[0] if shard.value.shape and shard.value.shape[0] else 0
 
 
 def _shared_payload(conn: socket.socket, request: pb.BulkRequest, payload_len: int,

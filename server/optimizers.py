@@ -26,6 +26,7 @@ from collections.abc import Iterator
 
 import numpy as np
 from pscluster.server.optimizer_kernels import KERNELS
+from pscluster.server.rows import put_rows, take_rows, unique_sum
 
 from pscluster.optimizer_config import OptimizerConfig as OptimizerConfig  # the PS applies what the spec says
 
@@ -101,18 +102,16 @@ def apply_dense(cfg: OptimizerConfig, value: np.ndarray, grad: np.ndarray,
 def apply_sparse(cfg: OptimizerConfig, value: np.ndarray, rows: np.ndarray, grad_rows: np.ndarray,
                  slots: dict[str, np.ndarray], t: int) -> None:
     """Apply gradients of the given local rows; duplicate ids are summed first, as TF does."""
-    unique, inverse = np.unique(rows, return_inverse=True)
-    summed = np.zeros((unique.size,) + grad_rows.shape[1:], dtype=value.dtype)
-    np.add.at(summed, inverse, grad_rows)
+    unique, summed = unique_sum(rows, grad_rows)
     apply_rows(cfg, value, unique, summed, slots, t)
 
 
 def apply_rows(cfg: OptimizerConfig, value: np.ndarray, unique: np.ndarray, summed: np.ndarray,
                slots: dict[str, np.ndarray], t: int) -> None:
     """Apply one gradient per row to rows `unique` (no repeats: a caller that sums duplicates itself)."""
-    w = value[unique]
-    sub = {k: s[unique] for k, s in slots.items()}
+    w = take_rows(value, unique)
+    sub = {k: take_rows(s, unique) for k, s in slots.items()}
     _update(cfg, w, summed, sub, t, cfg.lr_at(t), _clip_scale(cfg, summed))
-    value[unique] = w
+    put_rows(value, unique, w)
     for k, s in slots.items():
-        s[unique] = sub[k]
+        put_rows(s, unique, sub[k])

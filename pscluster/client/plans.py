@@ -88,12 +88,13 @@ def pull_plan(dense: Sequence[tuple[Variable, np.ndarray]], rows: Rows = ()) -> 
             if not sel.size:
                 continue
             if sel[-1] - sel[0] + 1 == sel.size:  # a run of out's rows (sorted ids): receive in place
-                part = out[sel[0]:sel[-1] + 1]
+                run = slice(int(sel[0]), int(sel[-1]) + 1)
+                part, part_ids = out[run], ids[run]
             else:
-                part = np.empty((sel.size,) + var.shape[1:], var.dtype)
+                part, part_ids = np.empty((sel.size,) + var.shape[1:], var.dtype), ids[sel]
                 scatter.append((out, sel, part))
             plan[pl.ps].append((pb.PullItem(ref=pb.ShardRef(variable=var.name, shard_index=pl.shard_index),
-                                            ids=codec.encode(ids[sel])), part))
+                                            ids=codec.encode(part_ids)), part))
     return plan, scatter
 
 

@@ -84,7 +84,14 @@ class Variable:
         holds none of the rows: each shard then counts every update of the variable, so Adam's step
         (bias correction) does not depend on the partitioning (see server/optimizers.py).
         """
-        return [(pl, ids[sel], grads[sel]) for pl, sel in self.rows_by_shard(ids)]
+        parts = []
+        for pl, sel in self.rows_by_shard(ids):
+            if sel.size and sel[-1] - sel[0] + 1 == sel.size:  # a run (sorted ids): views, not copies
+                run = slice(int(sel[0]), int(sel[-1]) + 1)
+                parts.append((pl, ids[run], grads[run]))
+            else:
+                parts.append((pl, ids[sel], grads[sel]))
+        return parts
 
     def pull(self) -> np.ndarray:
         """The current value, every shard pulled in parallel and reassembled."""

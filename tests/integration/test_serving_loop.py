@@ -149,3 +149,28 @@ def test_a_connection_that_takes_sync_tokens_keeps_its_own_thread(pool):
     finally:
         client.close()
         frames.stop()
+
+
+def test_a_table_connection_alternating_row_pulls_and_pushes_keeps_one_thread(pool):
+    core, frames = _server()
+    rows = (100_000, 16)
+    core.create(ShardSpec("emb", 0, 1, rows, rows, 0, "<f4", OptimizerConfig("sgd", 1.0), sparse=True),
+                np.zeros(rows, np.float32), "zeros", 0.0, 0)
+    handoffs = []
+    handoff = frames._handoff
+    frames._handoff = lambda served: (handoffs.append(served), handoff(served))  # a spy: counts new threads
+    client = BulkClient(["127.0.0.1"], lambda _: frames.port, None, timeout=5.0, pool=pool, io_timeout=10.0)
+    ids = np.arange(0, 100_000, 50, dtype=np.int64)  # 2,000 rows of 64 bytes: the segment path
+    try:
+        for step in range(1, 6):
+            got = np.empty((ids.size, 16), np.float32)
+            pull = pb.PullRequest(items=[pb.PullItem(ref=pb.ShardRef(variable="emb"), ids=codec.encode(ids))])
+            client.run([BulkCall(0, pb.BulkRequest(pull=pull), targets=[got])])
+            np.testing.assert_array_equal(got, np.full(got.shape, 1 - step, np.float32))
+            push = pb.PushRequest(push_id=f"t{step}", items=[pb.PushItem(
+                ref=pb.ShardRef(variable="emb"), ids=codec.encode(ids), grad=codec.header(np.float32, got.shape))])
+            client.run([BulkCall(0, pb.BulkRequest(push=push), payloads=[np.ones(got.shape, np.float32)])])
+        assert len(_conn_threads()) == 1 and len(handoffs) <= 1  # not a new thread for every pull
+    finally:
+        client.close()
+        frames.stop()

@@ -1,0 +1,50 @@
+"""Row gradients made unique before a sparse update: sorted row ids, duplicates' gradients summed.
+
+Why not `np.unique` + `np.add.at` (what the sparse apply did): `add.at` runs 1.6-1.9 M rows/s here,
+1.3 ms for 2,048 rows x 64, while the update itself takes a tenth of that. Rows almost always arrive
+unique and sorted (a client pulls and pushes `np.unique` of its batch), which a single comparison
+pass confirms; otherwise a stable sort and `np.add.reduceat` sum each row's gradients in arrival
+order, exactly the float sums `add.at` made (0 + g1 = g1, then + g2 ...).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def unique_sum(rows: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted unique rows, their summed gradients) for 1-D `rows` and `grads` of shape (len(rows), ...).
+
+    Rows that are already strictly increasing come back as they are (no copy).
+    """
+    if rows.size < 2 or np.logical_and.reduce(rows[:-1] < rows[1:]):
+        return rows, grads
+    order = np.argsort(rows, kind="stable")
+    ordered = rows[order]
+    firsts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
+    if firsts.size == ordered.size:
+        return ordered, grads[order]
+    return ordered[firsts], np.add.reduceat(grads[order], firsts, axis=0)
+
+
+def take_rows(table: np.ndarray, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """table[rows] along axis 0 (rows in range), into `out` if given. np.take copies whole rows; fancy
+    indexing walks elements and ran 2-3x slower for 2,048 rows of 64 floats from a 5 M-row table here."""
+    if out is None:
+        return np.take(table, rows, axis=0)
+    # mode="clip" writes straight into out ("raise", the default, buffers it): rows were range-checked
+    return np.take(table, rows, axis=0, out=out, mode="clip")
+
+
+def put_rows(table: np.ndarray, rows: np.ndarray, values: np.ndarray) -> None:
+    """table[rows] = values along axis 0 (rows unique and in range), each row stored as one opaque item:
+    about 2x fancy indexing's element-wise store here."""
+    if not rows.size:
+        return
+    row_bytes = table.itemsize * (table.size // table.shape[0]) if table.ndim > 1 and table.shape[0] else 0
+    if row_bytes and table.flags.c_contiguous and values.flags.c_contiguous and values.dtype == table.dtype \
+            and values.shape == (rows.size,) + table.shape[1:]:
+        item = np.dtype((np.void, row_bytes))
+        table.reshape(table.shape[0], -1).view(item)[:, 0][rows] = values.reshape(rows.size, -1).view(item)[:, 0]
+        return
+    table[rows] = values
