@@ -112,6 +112,7 @@ class PSModule:
             AlreadyExistsError: a variable of the same name exists with another shape or dtype.
         """
         chosen = optimizer or optimizers.SGD(1e-3)
+        self.optimizer = chosen
         self.prefix = prefix
         self.worker_threads = worker_threads
         self.tables = sparse_tables(module)
@@ -227,7 +228,25 @@ class PSModule:
         rows = [(self.variables[param], *table.row_grads()) for param, table in replica.tables.items()]
         return context.current_client().push(grads, rows=rows)
 
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward() (the place a loss scale enters for float16 modules)."""
+        loss.backward()  # type: ignore[no-untyped-call]
+
     # -- driver side ------------------------------------------------------------------------------
+    def parameter_variables(self) -> list[str]:
+        """Names of the parameters' variables (not the buffers'): those a learning-rate change applies to."""
+        return [self.prefix + name for name in self.variables if name not in self.buffers]
+
+    def template(self) -> nn.Module:
+        """A new copy of the module for the driver (tables at full size, values as built): load state_dict() into it."""
+        net = copy.deepcopy(self.skeleton)
+        for name in self.tables:
+            path, _, leaf = name.rpartition(".")
+            var = self.variables[name]
+            full = torch.empty(var.shape, dtype=getattr(torch, var.dtype.name))
+            setattr(net.get_submodule(path), leaf, nn.Parameter(full))
+        return net
+
     def state_dict(self) -> OrderedDict[str, torch.Tensor]:
         """The trained parameters and buffers, whole (tables included), keyed as module.state_dict()."""
         names = list(self.variables)
