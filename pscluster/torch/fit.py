@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pscluster import context
+from pscluster.client import context
 from pscluster.errors import InvalidArgumentError
 from pscluster.torch.module import PSModule
 from pscluster.training import Callback, History
