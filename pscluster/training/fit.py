@@ -162,10 +162,12 @@ def fit(coord: Any, train_step: StepFn, dataset: Any, *, epochs: int, steps_per_
         if backups:
             backups[0].save(epoch, model.learning_rate, stateful)
         cbs.on_epoch_begin(epoch)
-        logs = _run_epoch(coord, train_step, iterator, cbs, epoch, epochs, first_step, steps_per_epoch, verbose)
+        bar = EpochBar(epoch, epochs, steps_per_epoch, first_step, verbose)
+        logs = _run_epoch(coord, train_step, iterator, cbs, bar, first_step, steps_per_epoch)
         if validation is not None:
             logs.update({k if k.startswith("val_") else f"val_{k}": float(v) for k, v in validation().items()})
         logs["learning_rate"] = model.learning_rate
+        bar.report(logs)
         cbs.on_epoch_end(epoch, logs)
         epoch, first_step = epoch + 1, 0
     if backups and epoch == epochs:
@@ -174,13 +176,11 @@ def fit(coord: Any, train_step: StepFn, dataset: Any, *, epochs: int, steps_per_
     return history
 
 
-def _run_epoch(coord: Any, train_step: StepFn, iterator: Any, cbs: CallbackList, epoch: int, epochs: int,
-               first: int, steps: int, verbose: int) -> dict[str, float]:
+def _run_epoch(coord: Any, train_step: StepFn, iterator: Any, cbs: CallbackList, bar: EpochBar, first: int,
+               steps: int) -> dict[str, float]:
     """Schedule the epoch's closures from step `first`, feed their logs to the callbacks in order, join."""
     values = [coord.schedule(train_step, args=(iterator,)) for _ in range(first, steps)]
     means = _Means()
-    bar = EpochBar(epoch, epochs, steps, first, verbose)
-    logs: dict[str, float] = {}
     try:
         for i, value in enumerate(values):
             while not value.wait(EpochBar.REFRESH_S):
@@ -195,8 +195,7 @@ def _run_epoch(coord: Any, train_step: StepFn, iterator: Any, cbs: CallbackList,
             cbs.on_train_batch_end(first + i, batch_logs)
             bar.update(first + i + 1, means.means().get("loss", float("nan")))
         coord.join()
-        logs = means.means()
-        bar.update(steps, logs.get("loss", float("nan")), force=True)
+        bar.update(steps, means.means().get("loss", float("nan")), force=True)
     finally:
-        bar.close(logs)
-    return logs
+        bar.stop()
+    return means.means()

@@ -44,10 +44,14 @@ class EpochBar:
         rate = (done - self._done0) / max(now - self._start, 1e-9)
         self._bar.update(self._task, completed=done, loss=loss, rate=rate)
 
-    def close(self, logs: Mapping[str, float]) -> None:
-        """End the bar and print the epoch's logs."""
+    def stop(self) -> None:
+        """End the bar (the epoch's closures are done)."""
         if self._bar is not None:
             self._bar.stop()
+            self._bar = None
+
+    def report(self, logs: Mapping[str, float]) -> None:
+        """Print the epoch's logs, validation included."""
         if self.verbose:
             print(f"Epoch {self.epoch + 1}/{self.epochs}: {format_logs(logs)} "
                   f"({time.perf_counter() - self._start:.1f} s)", flush=True)
