@@ -31,7 +31,7 @@ from pscluster.ops.launcher import LocalCluster
 from pscluster.training import BackupAndRestore, Callback, LearningRateScheduler, ModelCheckpoint, TensorBoard
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from mnist import batches, load_mnist  # noqa: E402 - the demo's data, loaded the same way
+from mnist import batches, load_mnist
 
 
 class TutorialCNN(nn.Module):
