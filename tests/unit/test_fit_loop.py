@@ -286,3 +286,11 @@ def test_backup_and_restore_refuses_a_checkpoint_older_than_its_states_or_other_
     with pytest.raises(FailedPreconditionError, match="had callbacks"):
         fit(InPlaceCoordinator(global_step=7), crash_at(-1), itertools.count(), epochs=8, steps_per_epoch=1,
             learning_rate=1.0, callbacks=[EarlyStopping(), BackupAndRestore(tmp_path)], verbose=0)
+
+
+def test_verbose_fit_draws_a_bar_per_epoch_and_prints_each_epoch_line(capsys):
+    fit(InPlaceCoordinator(), counting_step, itertools.count(), epochs=2, steps_per_epoch=3, learning_rate=0.1,
+        validation=lambda: {"accuracy": 0.5}, verbose=1)
+    out = capsys.readouterr().out
+    assert "Epoch 1/2" in out and "3/3" in out
+    assert "Epoch 2/2: loss: " in out and "val_accuracy: 0.5 - learning_rate: 0.1" in out
