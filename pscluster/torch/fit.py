@@ -81,7 +81,7 @@ def make_train_step(model: PSModule, loss_fn: LossFn, metrics: Mapping[str, Metr
         loss = loss_fn(outputs, targets)
         model.backward(loss)
         model.push()
-        logs = {"loss": float(loss.detach())}
+        logs = {"loss": float(loss.detach()), **model.precision_logs()}
         with torch.no_grad():
             logs.update({name: float(fn(outputs.detach(), targets)) for name, fn in metrics.items()})
         context.report(**logs)

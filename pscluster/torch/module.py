@@ -38,18 +38,26 @@ from pscluster.errors import InvalidArgumentError
 from pscluster.optimizers import OptimizerConfig
 from pscluster.placement import Partitioner
 from pscluster.torch.optim import ParamGroups
+from pscluster.torch.precision import LossScaler, Staging, check_loss_scale, grad_numpy, master_dtype, staged
 from pscluster.torch.tables import LocalTable, TableModule, sparse_tables, unique_ids
 
 MAX_MODELS = 16  # models whose replicas a worker keeps (least recently unpickled dropped first)
 _serials = itertools.count()
-_DTYPES = (torch.float16, torch.float32, torch.float64, torch.int64, torch.int32, torch.uint8, torch.bool)
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64, torch.int32, torch.uint8,
+           torch.bool)
 
 
 def _numpy(name: str, tensor: torch.Tensor) -> np.ndarray:
+    """The initial value of a tensor's PS variable: float32 masters for 16-bit floats."""
     if tensor.dtype not in _DTYPES:
-        raise InvalidArgumentError(f"{name}: dtype {tensor.dtype} has no PS equivalent; use float16/32/64 or an "
-                                   "integer dtype (cast the module, e.g. net.float())")
-    return tensor.detach().cpu().numpy()
+        raise InvalidArgumentError(f"{name}: dtype {tensor.dtype} has no PS equivalent; use bfloat16/float16/32/64 "
+                                   "or an integer dtype (cast the module, e.g. net.float())")
+    return tensor.detach().to(master_dtype(tensor.dtype)).cpu().numpy()
+
+
+def _host(tensor: torch.Tensor) -> np.ndarray:
+    """A buffer's value as numpy in its master dtype (a copy unless float32/64 on the CPU)."""
+    return tensor.detach().to(master_dtype(tensor.dtype)).cpu().numpy()
 
 
 class _Replicas:
@@ -77,8 +85,11 @@ _REPLICAS = _Replicas()
 class _Replica:
     """One thread's copy of the module on a worker, with its tables and the buffers as pulled."""
 
-    def __init__(self, skeleton: nn.Module, tables: Mapping[str, str], buffers: list[str]) -> None:
+    def __init__(self, skeleton: nn.Module, tables: Mapping[str, str], buffers: list[str],
+                 loss_scale: str | None = None) -> None:
         self.serial = next(_serials)  # tells replicas apart in tests
+        self.staging = Staging()
+        self.scaler = LossScaler() if loss_scale == "dynamic" else None
         self.module = copy.deepcopy(skeleton)
         self.params = dict(self.module.named_parameters())
         self.buffers = {name: self.module.get_buffer(name) for name in buffers}
@@ -92,7 +103,7 @@ class PSModule:
 
     def __init__(self, coord: Any, module: nn.Module, optimizer: OptimizerConfig | ParamGroups | None = None, *,
                  partitioner: Partitioner | None = None, prefix: str = "", seed: int = 0,
-                 table_init: float = 1.0, worker_threads: int | None = 1) -> None:
+                 table_init: float = 1.0, worker_threads: int | None = 1, loss_scale: str | None = None) -> None:
         """Create the module's variables on the cluster (idempotent: the same call again reuses them).
 
         Args:
@@ -106,11 +117,15 @@ class PSModule:
                 split only the large ones).
             prefix: prepended to every variable name (two models on one cluster).
             worker_threads: torch.set_num_threads on the workers (None leaves torch's default).
+            loss_scale: "dynamic" for float16 modules: backward(loss) scales the loss, push() unscales and
+                skips (counts) a step whose gradients are not finite (see precision.py).
 
         Raises:
             InvalidArgumentError: a dtype without a PS equivalent, or a table with max_norm.
             AlreadyExistsError: a variable of the same name exists with another shape or dtype.
         """
+        check_loss_scale(loss_scale)
+        self.loss_scale = loss_scale
         chosen = optimizer or optimizers.SGD(1e-3)
         self.optimizer = chosen
         self.prefix = prefix
@@ -130,7 +145,7 @@ class PSModule:
                 definitions.append((name, dict(initial_value=_numpy(name, param), partitioner=split,
                                                optimizer=param_opt, sparse=sparse)))
             elif sparse:
-                dtype = _numpy(name, torch.empty(0, dtype=param.dtype)).dtype
+                dtype = _numpy(name, torch.empty(0, dtype=param.dtype)).dtype  # float32 for 16-bit tables
                 definitions.append((name, dict(shape=tuple(param.shape), dtype=dtype, initializer="normal",
                                                init_scale=table_init, seed=seed, partitioner=split,
                                                optimizer=param_opt, sparse=True)))
@@ -166,7 +181,7 @@ class PSModule:
         if replica is None:
             if self.worker_threads is not None:
                 torch.set_num_threads(self.worker_threads)
-            replica = self._local.replica = _Replica(self.skeleton, self.tables, self.buffers)
+            replica = self._local.replica = _Replica(self.skeleton, self.tables, self.buffers, self.loss_scale)
         return replica
 
     @property
@@ -186,20 +201,26 @@ class PSModule:
         ids = dict(ids or {})
         paths = {path: param for param, path in self.tables.items()}
         check_table_ids(list(paths), list(ids))
-        dense = []
+        inplace: list[tuple[Variable, torch.Tensor]] = []
+        later: list[tuple[Variable, torch.Tensor]] = []  # received through the staging buffer, then copied
         for name, param in replica.params.items():
             param.grad = None
             if name not in self.tables:
-                dense.append((self.variables[name], param.detach().numpy()))
+                target = param.detach()
+                (later if staged(target) else inplace).append((self.variables[name], target))
         for name, buf in replica.buffers.items():
-            dense.append((self.variables[name], buf.numpy()))
+            (later if staged(buf) else inplace).append((self.variables[name], buf))
+        dense = [(var, t.numpy()) for var, t in inplace]
+        views = replica.staging.views([(var.dtype, tuple(t.shape)) for var, t in later])
+        dense += [(var, view) for (var, _), view in zip(later, views)]
         rows = []
         for path, id_values in ids.items():
             table_var = self.variables[paths[path]]
             wanted = unique_ids(path, id_values, table_var.shape[0])
             rows.append((table_var, wanted, replica.tables[paths[path]].load(wanted)))
         context.current_client().pull_into(dense, rows)
-        replica.pulled = {name: buf.numpy().copy() for name, buf in replica.buffers.items()}
+        replica.staging.copy_back([t for _, t in later], views)
+        replica.pulled = {name: _host(buf).copy() for name, buf in replica.buffers.items()}
         return replica.module
 
     def push(self) -> list[int]:
@@ -212,25 +233,35 @@ class PSModule:
         replica = self._replica()
         scope = context.current_scope()
         zeros_for_none = scope is not None and scope.sync_mode == "sync"
+        if replica.scaler is not None:
+            present = [p.grad for p in replica.params.values() if p.grad is not None]
+            if not replica.scaler.unscale(present):
+                return []  # not finite: no PS sees this step (counted in replica.scaler.skipped)
         grads = []
         for name, param in replica.params.items():
             if name in self.tables:
                 continue
             if param.grad is not None:
-                grads.append((self.variables[name], param.grad.detach().contiguous().numpy()))
+                grads.append((self.variables[name], grad_numpy(param.grad)))  # in the parameter's dtype
             elif zeros_for_none:
                 grads.append((self.variables[name], np.zeros(tuple(param.shape), self.variables[name].dtype)))
         for name, buf in replica.buffers.items():
             before = replica.pulled.get(name)
             if before is None:
                 raise InvalidArgumentError("push() before pull(): pull the module in the same closure first")
-            grads.append((self.variables[name], before - buf.numpy()))
+            grads.append((self.variables[name], before - _host(buf)))
         rows = [(self.variables[param], *table.row_grads()) for param, table in replica.tables.items()]
         return context.current_client().push(grads, rows=rows)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """loss.backward() (the place a loss scale enters for float16 modules)."""
-        loss.backward()  # type: ignore[no-untyped-call]
+        """loss.backward(), the loss multiplied by the replica's scale first with loss_scale="dynamic"."""
+        scaler = self._replica().scaler
+        (loss if scaler is None else scaler.scaled(loss)).backward()  # type: ignore[no-untyped-call]
+
+    def precision_logs(self) -> dict[str, float]:
+        """With loss_scale="dynamic": this replica's loss scale and the steps it skipped (else empty)."""
+        scaler = self._replica().scaler
+        return {} if scaler is None else {k: float(v) for k, v in scaler.state().items()}
 
     # -- driver side ------------------------------------------------------------------------------
     def parameter_variables(self) -> list[str]:
