@@ -99,7 +99,8 @@ def make_validation(model: PSModule, loss_fn: LossFn, metrics: Mapping[str, Metr
         if not local:
             local.append(model.template())
         net = local[0]
-        net.load_state_dict(model.state_dict())
+        # by position: the copy's keys may differ from the original's (a Keras 3 model's do)
+        net.load_state_dict(dict(zip(net.state_dict(), model.state_dict().values())))
         device = _device(net)
         totals: dict[str, float] = {}
         n = len(y)

@@ -85,13 +85,15 @@ _REPLICAS = _Replicas()
 class _Replica:
     """One thread's copy of the module on a worker, with its tables and the buffers as pulled."""
 
-    def __init__(self, skeleton: nn.Module, tables: Mapping[str, str], buffers: list[str],
+    def __init__(self, skeleton: nn.Module, names: list[str], tables: Mapping[str, str], buffers: list[str],
                  loss_scale: str | None = None) -> None:
         self.serial = next(_serials)  # tells replicas apart in tests
         self.staging = Staging()
         self.scaler = LossScaler() if loss_scale == "dynamic" else None
         self.module = copy.deepcopy(skeleton)
-        self.params = dict(self.module.named_parameters())
+        # by position: a copy lists its parameters in the original's order, but a Keras 3 model's names
+        # (its variables' paths) change when it is copied
+        self.params = dict(zip(names, self.module.parameters()))
         self.buffers = {name: self.module.get_buffer(name) for name in buffers}
         self.pulled: dict[str, np.ndarray] = {}
         self.tables = {param: LocalTable(path, cast(TableModule, self.module.get_submodule(path)))
@@ -135,6 +137,7 @@ class PSModule:
         canonical = {id(t): n for n, t in [*module.named_parameters(), *module.named_buffers()]}
         self.keys = {key: canonical[id(t)] for key, t in module.state_dict(keep_vars=True).items()}
         self.buffers = [name for name, _ in module.named_buffers() if name in self.keys.values()]
+        self.param_names = [name for name, _ in module.named_parameters()]
         # every definition is checked before the first variable is created: bad input creates nothing
         definitions: list[tuple[str, dict[str, Any]]] = []
         for name, param in module.named_parameters():
@@ -181,7 +184,8 @@ class PSModule:
         if replica is None:
             if self.worker_threads is not None:
                 torch.set_num_threads(self.worker_threads)
-            replica = self._local.replica = _Replica(self.skeleton, self.tables, self.buffers, self.loss_scale)
+            replica = self._local.replica = _Replica(self.skeleton, self.param_names, self.tables, self.buffers,
+                                                     self.loss_scale)
         return replica
 
     @property
