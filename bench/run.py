@@ -236,7 +236,9 @@ def bench_b14_precision(args: argparse.Namespace) -> tuple[dict[str, Any], list[
     drop = 100 * (f32["accuracy"] - bf16["accuracy"])
     out = {"single": one, "float32": f32, "bfloat16": bf16}
     return out, [("B14MP", "torch CNN of B12 (Adam 2e-3) on 2 PS + 2 workers in float32 and in bfloat16 (float32 masters "
-                  "on the PS), 100 + 1000 minibatches of 64; `python bench/run.py --only B14`",
+                  "on the PS), 100 + 1000 minibatches of 64; `python -m bench.run --only B14MP` (as a module: `python "
+                  "bench/run.py` puts bench/ first on sys.path, where bench/profile.py shadows the standard profile "
+                  "module that torch.optim imports)",
                   f"float32 {f32['steps_per_s']:.0f} steps/s, {f32['pushed_bytes_per_step'] / 1e3:.1f} kB pushed/step, "
                   f"accuracy {f32['accuracy']:.4f}; bfloat16 {bf16['steps_per_s']:.0f} steps/s, "
                   f"{bf16['pushed_bytes_per_step'] / 1e3:.1f} kB pushed/step ({ratio:.2f} x), accuracy "
@@ -252,7 +254,7 @@ def bench_fit(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
     med = statistics.median(ratios)
     return {"pairs": r, "ratios": ratios}, [
         ("FIT", "pscluster.training.fit vs the same step in a hand-written schedule/join loop (4 epochs x 100 closures, "
-         "CNN of B12, 2 PS + 2 workers, alternating pairs on one cluster); `python bench/run.py --only FIT`",
+         "CNN of B12, 2 PS + 2 workers, alternating pairs on one cluster); `python -m bench.run --only FIT`",
          f"loop {statistics.median(r['loop']):.0f} steps/s, fit {statistics.median(r['fit']):.0f} steps/s; "
          f"fit / loop per pair {', '.join(f'{x:.3f}' for x in ratios)} (median {med:.3f})",
          f"overhead <= 3%: {'met' if med >= 0.97 else 'NOT met'}")]
