@@ -118,6 +118,12 @@ def make_validation(model: PSModule, loss_fn: LossFn, metrics: Mapping[str, Metr
     return validate
 
 
+def _first_learning_rate(optimizer: Any) -> float:
+    """The learning rate callbacks start from: the optimizer's, or its first parameter group's (ParamGroups)."""
+    configs = getattr(optimizer, "configs", None)
+    return float((configs[0] if configs else optimizer).learning_rate)
+
+
 def fit(coord: Any, model: PSModule, loss_fn: LossFn, dataset: Any, *, epochs: int, steps_per_epoch: int,
         metrics: Sequence[str | Metric] | Mapping[str, Metric] | None = None,
         validation_data: tuple[Any, Any] | None = None, callbacks: Iterable[Callback] = (),
@@ -139,6 +145,6 @@ def fit(coord: Any, model: PSModule, loss_fn: LossFn, dataset: Any, *, epochs: i
     if validation_data is not None:
         validation = make_validation(model, loss_fn, named, *validation_data, batch_size=validation_batch_size)
     return fit_loop(coord, make_train_step(model, loss_fn, named), dataset, epochs=epochs,
-                    steps_per_epoch=steps_per_epoch, learning_rate=model.optimizer.learning_rate,
+                    steps_per_epoch=steps_per_epoch, learning_rate=_first_learning_rate(model.optimizer),
                     variables=model.parameter_variables(), callbacks=callbacks, validation=validation,
                     initial_epoch=initial_epoch, verbose=verbose)
