@@ -226,6 +226,40 @@ def bench_b12(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
                   f"{'met' if ps_['accuracy'] >= 0.95 else 'NOT met'})")]
 
 
+def bench_b14_precision(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
+    from bench import fit_bench, torch_cnn  # torch is an optional extra: imported only here
+
+    one = _runs(torch_cnn.single, args.runs)
+    f32 = _runs(lambda: fit_bench.precision("float32"), args.runs)
+    bf16 = _runs(lambda: fit_bench.precision("bfloat16"), args.runs)
+    ratio = bf16["pushed_bytes_per_step"] / f32["pushed_bytes_per_step"]
+    drop = 100 * (f32["accuracy"] - bf16["accuracy"])
+    out = {"single": one, "float32": f32, "bfloat16": bf16}
+    return out, [("B14MP", "torch CNN of B12 (Adam 2e-3) on 2 PS + 2 workers in float32 and in bfloat16 (float32 masters "
+                  "on the PS), 100 + 1000 minibatches of 64; `python -m bench.run --only B14MP` (as a module: `python "
+                  "bench/run.py` puts bench/ first on sys.path, where bench/profile.py shadows the standard profile "
+                  "module that torch.optim imports)",
+                  f"float32 {f32['steps_per_s']:.0f} steps/s, {f32['pushed_bytes_per_step'] / 1e3:.1f} kB pushed/step, "
+                  f"accuracy {f32['accuracy']:.4f}; bfloat16 {bf16['steps_per_s']:.0f} steps/s, "
+                  f"{bf16['pushed_bytes_per_step'] / 1e3:.1f} kB pushed/step ({ratio:.2f} x), accuracy "
+                  f"{bf16['accuracy']:.4f}; single-process torch {one['steps_per_s']:.0f} steps/s, {one['accuracy']:.4f}",
+                  f"about half the bytes, <= 0.5 points lost: {'met' if ratio <= 0.55 and drop <= 0.5 else 'NOT met'}")]
+
+
+def bench_fit(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
+    from bench import fit_bench
+
+    r = fit_bench.overhead(pairs=args.runs)
+    ratios = [f / loop for f, loop in zip(r["fit"], r["loop"])]
+    med = statistics.median(ratios)
+    return {"pairs": r, "ratios": ratios}, [
+        ("FIT", "pscluster.training.fit vs the same step in a hand-written schedule/join loop (4 epochs x 100 closures, "
+         "CNN of B12, 2 PS + 2 workers, alternating pairs on one cluster); `python -m bench.run --only FIT`",
+         f"loop {statistics.median(r['loop']):.0f} steps/s, fit {statistics.median(r['fit']):.0f} steps/s; "
+         f"fit / loop per pair {', '.join(f'{x:.3f}' for x in ratios)} (median {med:.3f})",
+         f"overhead <= 3%: {'met' if med >= 0.97 else 'NOT met'}")]
+
+
 def bench_b13(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
     from bench import sparse
 
@@ -295,7 +329,7 @@ def bench_profile(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
 BENCHES = {"B1": bench_b1, "B1TLS": bench_b1tls, "B9": bench_b9, "B2": bench_b2, "FLOOR": bench_floor, "B3": bench_b3, "B4": bench_b4, "B5": bench_b5,
            "B6": bench_b6, "B7": bench_b7, "B8": bench_b8,
            "B10": bench_b10, "B11": bench_b11, "B12": bench_b12, "B13": bench_b13, "B14": bench_b14, "B15": bench_b15,
-           "PROFILE": bench_profile}
+           "B14MP": bench_b14_precision, "FIT": bench_fit, "PROFILE": bench_profile}
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 

@@ -13,6 +13,24 @@ from pscluster.proto import pscluster_pb2 as pb
 
 # Numeric dtypes a variable may have; bool/object/str never reach a PS.
 ALLOWED_KINDS = frozenset("iuf")
+BFLOAT16 = "bfloat16"  # ml_dtypes' bfloat16 (numpy kind "V"): a gradient dtype, named so on the wire
+
+
+def _bfloat16() -> np.dtype:
+    import ml_dtypes  # imported on first sight of a bfloat16 array: daemons start without it
+
+    dt: np.dtype = np.dtype(ml_dtypes.bfloat16)
+    return dt
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """A wire dtype's name in tensor headers: numpy's `<f4` form, or "bfloat16"."""
+    return BFLOAT16 if dtype.kind == "V" and dtype.name == BFLOAT16 else dtype.str
+
+
+def half_of(master: np.dtype, dtype: np.dtype) -> bool:
+    """True when dtype is a 16-bit float gradient the PS upcasts into a float32 master (mixed precision)."""
+    return master == np.float32 and (dtype == np.float16 or dtype_name(dtype) == BFLOAT16)
 
 
 def wire_dtype(dtype: np.dtype | str | type) -> np.dtype:
@@ -28,10 +46,14 @@ def _wire_dtype_of_name(name: str) -> np.dtype:
 
 
 def _wire_dtype(dtype: np.dtype | str | type) -> np.dtype:
+    if dtype == BFLOAT16:
+        return _bfloat16()
     try:
         dt = np.dtype(dtype)
     except TypeError as exc:
         raise InvalidArgumentError(f"unknown dtype {dtype!r}") from exc
+    if dt.kind == "V" and dt.name == BFLOAT16:
+        return dt
     if dt.kind not in ALLOWED_KINDS:
         raise InvalidArgumentError(f"dtype {dt} is not numeric; use an integer or floating dtype")
     return dt.newbyteorder("<")
@@ -41,12 +63,12 @@ def encode(array: np.ndarray) -> pb.Tensor:
     """Encode a numpy array as a Tensor message (one copy, into the protobuf bytes field)."""
     dt = wire_dtype(array.dtype)
     arr = np.asarray(array).astype(dt, order="C", copy=False)  # (ascontiguousarray turns 0-d into 1-d)
-    return pb.Tensor(dtype=dt.str, shape=arr.shape, data=arr.tobytes())
+    return pb.Tensor(dtype=dtype_name(dt), shape=arr.shape, data=arr.tobytes())
 
 
 def header(dtype: np.dtype, shape: Sequence[int]) -> pb.Tensor:
     """A Tensor message with dtype and shape but no data (streaming headers)."""
-    return pb.Tensor(dtype=wire_dtype(dtype).str, shape=list(shape))
+    return pb.Tensor(dtype=dtype_name(wire_dtype(dtype)), shape=list(shape))
 
 
 def decode(msg: pb.Tensor, what: str = "tensor") -> np.ndarray:

@@ -26,7 +26,7 @@ never imports jax; only this module does.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -154,6 +154,7 @@ class PSParams:
             AlreadyExistsError: a variable of the same name exists with another shape or dtype.
         """
         optimizer = optimizer or optimizers.SGD(1e-3)
+        self.optimizer = optimizer
         flat, self.treedef = tree_util.tree_flatten_with_path(params)
         self.names = [leaf_name(path) for path, _ in flat]
         duplicated = sorted({n for n in self.names if self.names.count(n) > 1})
@@ -269,6 +270,39 @@ class DynamicRows:
             raise InvalidArgumentError(f"{self.table.name}: {grads.shape[0] if grads.ndim else 0} gradient rows for "
                                        f"the {self.keys.size} keys of the last pull")
         return self.table.push_rows(self.keys, grads)
+
+
+def fit(coord: Any, model: PSParams, loss_fn: Callable[[Any, Any, Any], Any], dataset: Any, *, epochs: int,
+        steps_per_epoch: int, validation_data: tuple[Any, Any] | None = None,
+        metrics: Mapping[str, Callable[[Any, Any, Any], Any]] | None = None, callbacks: Iterable[Any] = (),
+        initial_epoch: int = 0, verbose: int = 1) -> Any:
+    """Keras's fit for a PSParams (see pscluster.training.fit): each closure pulls, takes
+    jax.value_and_grad(loss_fn)(params, x, y) on one (x, y) minibatch of the worker's iterator and pushes;
+    validation (the loss and `metrics`, each fn(params, x, y)) runs on the driver on the PS's values.
+    Returns the History."""
+    from pscluster.training import fit as fit_loop
+
+    def train_step(iterator: Any) -> dict[str, float]:
+        x, y = next(iterator)
+        loss, grads = jax.value_and_grad(loss_fn)(model.pull().params, x, y)
+        model.push(grads)
+        logs = {"loss": float(loss)}
+        context.report(**logs)
+        return logs
+
+    validation = None
+    if validation_data is not None:
+        x_val, y_val = validation_data
+
+        def validation() -> dict[str, float]:
+            params = model.state()
+            out = {"loss": float(loss_fn(params, x_val, y_val))}
+            out.update({name: float(fn(params, x_val, y_val)) for name, fn in (metrics or {}).items()})
+            return out
+
+    return fit_loop(coord, train_step, dataset, epochs=epochs, steps_per_epoch=steps_per_epoch,
+                    learning_rate=model.optimizer.learning_rate, variables=[model.prefix + n for n in model.names],
+                    callbacks=callbacks, validation=validation, initial_epoch=initial_epoch, verbose=verbose)
 
 
 def SGD(learning_rate: float = 1e-3) -> OptimizerConfig:  # noqa: N802 - optax's names, capitalised as before

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from pscluster.codec import wire_dtype
+from pscluster.codec import BFLOAT16, dtype_name, wire_dtype
 from pscluster.errors import InvalidArgumentError
 from pscluster.optimizer_config import OptimizerConfig as OptimizerConfig
 from pscluster.optimizer_config import optimizer_from_pb, optimizer_to_pb
@@ -71,7 +71,9 @@ class ShardSpec:
                 raise InvalidArgumentError(
                     f"{self.variable}: a dynamic table's shard is sparse with shape (0, {cfg.dim}) and dtype "
                     f"{cfg.dtype}; got sparse={self.sparse} {self.dtype}{list(self.shape)}")
-        wire_dtype(self.dtype)
+        if dtype_name(wire_dtype(self.dtype)) == BFLOAT16:
+            raise InvalidArgumentError(f"{self.variable}: a bfloat16 variable; keep float32 masters on the PS and push "
+                                       "bfloat16 gradients (they are upcast before the optimizer)")
         self.optimizer.validate()
         if self.optimizer.clip_norm and self.num_shards > 1:
             # a shard sees only its part of the gradient: its norm is not the variable's

@@ -20,6 +20,7 @@ from pscluster.server.dynamic_table import DynamicTable
 from pscluster.server.push_record import PushKey, PushRecord, push_key
 from pscluster.server.rows import take_rows
 
+from pscluster.codec import half_of
 from pscluster.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from pscluster.specs import Key as Key
 from pscluster.specs import ShardSpec as ShardSpec
@@ -278,8 +279,11 @@ class VariableStore:
             seen.add(key)
             dtype = grad.dtype
             if dtype != shard.dtype:
-                raise InvalidArgumentError(
-                    f"{shard.name}: gradient dtype {grad.dtype} does not match variable dtype {shard.dtype}")
+                if not half_of(shard.dtype, dtype):
+                    raise InvalidArgumentError(
+                        f"{shard.name}: gradient dtype {grad.dtype} does not match variable dtype {shard.dtype}")
+                grad = grad.astype(np.float32)  # mixed precision: a half gradient upcast before the optimizer
+                item, dtype = PushItem(key, grad, ids), grad.dtype
             local = None
             shape = shard.spec.shape
             if ids is None:

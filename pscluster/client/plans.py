@@ -51,9 +51,10 @@ def check_ids(var: Variable, ids: Sequence[int] | np.ndarray) -> np.ndarray:
 
 
 def as_grad(var: Variable, grad: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """grad as an array of `shape` in var's dtype (float64 numpy math into a float32 variable is common)."""
+    """grad as an array of `shape` in var's dtype (float64 numpy math into a float32 variable is common); a
+    float16/bfloat16 gradient of a float32 variable stays half (mixed precision: the PS upcasts it)."""
     arr = np.asarray(grad)
-    if arr.dtype != var.dtype and arr.dtype.kind == var.dtype.kind == "f":
+    if arr.dtype != var.dtype and arr.dtype.kind == var.dtype.kind == "f" and not codec.half_of(var.dtype, arr.dtype):
         arr = arr.astype(var.dtype)
     if arr.shape != shape:
         raise InvalidArgumentError(f"{var.name}: gradient shape {arr.shape} does not match {shape}")
@@ -112,7 +113,7 @@ def _dense_items(var: Variable, dtype: np.dtype) -> list[tuple[ShardPlacement, p
     entry = _DENSE_ITEMS.get((id(var), dtype))
     if entry is not None and entry[0] is var:
         return entry[1]
-    wire = var.dtype.str if dtype == var.dtype else codec.wire_dtype(dtype).str  # the PS names a mismatch
+    wire = var.dtype.str if dtype == var.dtype else codec.dtype_name(codec.wire_dtype(dtype))  # the PS checks it
     items = [(pl, pb.PushItem(ref=pb.ShardRef(variable=var.name, shard_index=pl.shard_index),
                               grad=pb.Tensor(dtype=wire, shape=var.shard_shape(pl)))) for pl in var.shards]
     if len(_DENSE_ITEMS) >= _DENSE_ITEMS_MAX:

@@ -21,8 +21,9 @@ torch; only this package does.
 """
 
 from pscluster.torch.dynamic import DynamicEmbedding
+from pscluster.torch.fit import fit
 from pscluster.torch.module import PSModule
 from pscluster.torch.optim import SGD, Adagrad, Adam, AdamW, ParamGroups, RMSprop, from_torch
 
-__all__ = ["Adagrad", "Adam", "AdamW", "DynamicEmbedding", "PSModule", "ParamGroups", "RMSprop", "SGD",
+__all__ = ["Adagrad", "Adam", "AdamW", "DynamicEmbedding", "PSModule", "ParamGroups", "RMSprop", "SGD", "fit",
            "from_torch"]

@@ -262,8 +262,8 @@ def test_a_module_that_cannot_live_on_the_ps_creates_no_variable(fresh_cluster):
     cluster = fresh_cluster(1, 0, supervise=False)
     coord = ps.ClusterCoordinator(cluster.settings())
     try:
-        half = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3).to(torch.bfloat16))
-        with pytest.raises(InvalidArgumentError, match=r"1.weight: dtype torch.bfloat16 has no PS equivalent"):
+        half = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3).to(torch.float8_e4m3fn))
+        with pytest.raises(InvalidArgumentError, match=r"1.weight: dtype torch.float8_e4m3fn has no PS equivalent"):
             ps_torch.PSModule(coord, half)
         meta = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3, device="meta"))
         with pytest.raises(InvalidArgumentError, match="1.weight: only a sparse table may live on the meta device"):
