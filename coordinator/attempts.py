@@ -34,6 +34,10 @@ class Attempts(Generic[C]):
         self._idle: dict[str, list[C]] = {}
         self._busy: dict[Key, C] = {}
 
+    def workers(self) -> set[str]:
+        """Workers this dispatcher keeps connections for (idle lists, even empty ones, included)."""
+        return set(self._idle)
+
     def reuse(self, wid: str) -> C | None:
         """An idle connection to wid, taken out of the idle list (None: open a new one)."""
         idle = self._idle.setdefault(wid, [])

@@ -161,7 +161,7 @@ def test_maps_keyed_by_worker_forget_workers_that_died(fresh_cluster):
         live = {w.wid for w in coord.snapshot().workers}
         assert len(live) == 1
         assert set(coord._rates._samples) == live and set(coord.worker_rates()) == live
-        assert set(coord._sender._framed._idle) <= live
+        assert coord._sender._framed._attempts.workers() <= live
         assert set(coord._sender._grpc._stubs) <= live
     finally:
         coord.shutdown()

@@ -37,7 +37,7 @@ def test_a_grpc_only_cluster_runs_closures_survives_a_worker_kill_and_reports_er
         while coord.status().done < 10:
             assert time.monotonic() < deadline, "no progress"
             time.sleep(0.005)
-        assert len(coord._sender._grpc._stubs) == 2 and not coord._sender._framed._idle  # closures over gRPC
+        assert len(coord._sender._grpc._stubs) == 2 and not coord._sender._framed._attempts.workers()  # closures over gRPC
         before = coord.status().retried
         cluster.kill(cluster.workers[0], signal.SIGKILL)
         coord.join(timeout=90)
