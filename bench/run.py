@@ -19,6 +19,9 @@ from collections.abc import Callable
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+# run as a script, bench/ itself is first on sys.path, where bench/profile.py would shadow the standard
+# profile module (torch.optim imports it): the repository root takes its place
+sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != ROOT / "bench"]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # the benchmark process shares 2 cores with daemons
 
@@ -236,9 +239,7 @@ def bench_b14_precision(args: argparse.Namespace) -> tuple[dict[str, Any], list[
     drop = 100 * (f32["accuracy"] - bf16["accuracy"])
     out = {"single": one, "float32": f32, "bfloat16": bf16}
     return out, [("B14MP", "torch CNN of B12 (Adam 2e-3) on 2 PS + 2 workers in float32 and in bfloat16 (float32 masters "
-                  "on the PS), 100 + 1000 minibatches of 64; `python -m bench.run --only B14MP` (as a module: `python "
-                  "bench/run.py` puts bench/ first on sys.path, where bench/profile.py shadows the standard profile "
-                  "module that torch.optim imports)",
+                  "on the PS), 100 + 1000 minibatches of 64; `python bench/run.py --only B14MP`",
                   f"float32 {f32['steps_per_s']:.0f} steps/s, {f32['pushed_bytes_per_step'] / 1e3:.1f} kB pushed/step, "
                   f"accuracy {f32['accuracy']:.4f}; bfloat16 {bf16['steps_per_s']:.0f} steps/s, "
                   f"{bf16['pushed_bytes_per_step'] / 1e3:.1f} kB pushed/step ({ratio:.2f} x), accuracy "
