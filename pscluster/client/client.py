@@ -52,12 +52,6 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
-def _routed(routes: Routes, plan: PushPlan, targets: ValueTargets | None, head: pb.PushRequest
-            ) -> tuple[PushPlan, pb.PushRequest, ValueTargets | None]:
-    routed, routed_targets = routes.route(plan, targets)
-    return routed, head, routed_targets
-
-
 def _token_step(scope: context.ClosureScope | None, step: int = 0) -> int:
     """The step to tag a pull or push with: in a sync or bounded job, the closure's token step, taking its
     token now if it has none yet (a step's first pull is where a worker joins the step); else step."""
@@ -357,11 +351,8 @@ class PSClient:
 
     def _pull_plan(self, plan: PullPlan) -> None:
         """Fill each target with its item's tensor, over the bulk path or gRPC."""
-        routes = self.routes
-        if routes is None:
-            self._retrying(lambda: self._tensors.pull(plan))
-        else:
-            self._retrying(lambda: self._tensors.pull(routes.route(plan)[0]))
+        routes = self.routes  # with replicas: each attempt goes where the replica table says now
+        self._retrying(lambda: self._tensors.pull(plan if routes is None else routes.route(plan)[0]))
 
     def pull_rows(self, var: Variable, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Rows `ids` of a table, gathered from the shards that hold them."""
@@ -438,10 +429,13 @@ class PSClient:
         head = pb.PushRequest(push_id=pid, step=step, final_below=scope.final_below if scope is not None else 0,
                               return_values=targets is not None, skip_step=skip_step)
         routes = self.routes
-        if routes is None:
-            replies = self._retrying(lambda: self._tensors.push(plan, head, targets))
-        else:
-            replies = self._retrying(lambda: self._tensors.push(*_routed(routes, plan, targets, head)))
+
+        def attempt() -> list[pb.PushReply]:
+            # with replicas, each attempt goes where the replica table says now
+            routed, routed_targets = (plan, targets) if routes is None else routes.route(plan, targets)
+            return self._tensors.push(routed, head, routed_targets)
+
+        replies = self._retrying(attempt)
         if scope is not None:
             self._record(scope, refs, replies)
         return [v for r in replies for v in r.versions], replies
