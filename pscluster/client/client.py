@@ -23,6 +23,7 @@ import numpy as np
 
 from pscluster import codec, gradients
 from pscluster.client import context, plans
+from pscluster.client.cluster_ops import ClusterOperations
 from pscluster.client.fresh import FreshValues
 from pscluster.client.routes import Routes
 from pscluster.client.variables import ShardPlacement, Variable
@@ -40,7 +41,6 @@ from pscluster.net.bulk import BulkClient, BulkTensors
 from pscluster.net.channels import Channels
 from pscluster.net.grpc_tensors import GrpcTensors
 from pscluster.net.transport import PullPlan, PushPlan, TensorTransport, ValueTargets
-from pscluster.optimizer_config import changes_to_json
 from pscluster.placement import Partitioner, ps_for_ordinal, split_rows
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
@@ -59,7 +59,7 @@ def _token_step(scope: context.ClosureScope | None, step: int = 0) -> int:
     return token.step if token is not None else step
 
 
-class PSClient:
+class PSClient(ClusterOperations):
     """Connections to every PS task, and the variable operations built on them."""
 
     def __init__(self, settings: Settings, retry_for: float = 5.0,
@@ -450,13 +450,6 @@ class PSClient:
                 scope.versions[key] = version
 
     # -- sync replicas ---------------------------------------------------------------------------
-    def configure_sync(self, mode: str, replicas_to_aggregate: int = 1, total_num_replicas: int = 0,
-                       staleness: int = 0) -> int:
-        """Set the update mode on every PS task; returns the global step."""
-        req = pb.SyncConfigRequest(mode=mode, replicas_to_aggregate=replicas_to_aggregate,
-                                   total_num_replicas=total_num_replicas or replicas_to_aggregate, staleness=staleness)
-        return int(self._gather([(ps, "ConfigureSync", req) for ps in range(self.num_ps)])[0].global_step)
-
     def take_token(self, closure_id: int, worker: str, timeout: float = 30.0) -> tuple[int, int]:
         """A sync token from PS 0's queue (blocks while none is free)."""
         request = pb.TokenRequest(closure_id=closure_id, worker=worker, timeout_s=timeout)
@@ -467,64 +460,3 @@ class PSClient:
         """Report that a closure finished its pushes for `step`."""
         request = pb.StepDoneRequest(closure_id=closure_id, step=step, worker=worker)
         self._retrying(lambda: self._tensors.step_done(request))
-
-    def sync_step(self) -> pb.StepReply:
-        """PS 0's global step, mode and clocks, with stale drops summed over every PS."""
-        replies = self._gather([(ps, "GetStep", pb.StepRequest()) for ps in range(self.num_ps)])
-        first: pb.StepReply = replies[0]
-        first.dropped_stale = sum(r.dropped_stale for r in replies)
-        return first
-
-    # -- cluster-wide operations -----------------------------------------------------------------
-    def checkpoint(self, step: int) -> list[str]:
-        """Write a checkpoint of every PS task at `step` (call with pushes quiesced for consistency)."""
-        replies = self._gather([(ps, "Save", pb.SaveRequest(step=step)) for ps in range(self.num_ps)])
-        return [r.path for r in replies]
-
-    def table_stats(self, table: Variable) -> dict[str, int]:
-        """A dynamic table's live keys, evicted keys and dropped (not admitted) gradient rows, summed
-        over its shards (one ListShards per PS task)."""
-        totals = {"live_keys": 0, "evicted_keys": 0, "dropped_rows": 0}
-        for reply in self._gather([(ps, "ListShards", pb.ListShardsRequest()) for ps in {pl.ps for pl in table.shards}]):
-            for info in reply.shards:
-                if info.spec.variable == table.name:
-                    for name in totals:
-                        totals[name] += getattr(info, name)
-        return totals
-
-    def set_hyperparameters(self, changes: dict[str, Any], variables: Sequence[str] | None = None) -> int:
-        """Change optimizer hyper-parameters (learning_rate, schedule, weight_decay, ...) of `variables` (every
-        variable when None) on every PS task, from each shard's next update; returns the shards changed.
-
-        Every task validates first (a dry run), so a change one task refuses changes nothing anywhere.
-
-        Raises:
-            NotFoundError: a named variable is on no PS task.
-            InvalidArgumentError: an unknown or unchangeable hyper-parameter, or a bad value.
-        """
-        names = list(variables or [])
-        text = changes_to_json(changes)
-        checks = self._gather([(ps, "SetHyperparameters",
-                                pb.HyperparametersRequest(variables=names, changes_json=text, dry_run=True))
-                               for ps in range(self.num_ps)])
-        missing = set(names) - {v for r in checks for v in r.variables}
-        if missing:
-            raise NotFoundError(f"set_hyperparameters: no PS task holds {', '.join(sorted(missing))}")
-        replies = self._gather([(ps, "SetHyperparameters", pb.HyperparametersRequest(variables=names, changes_json=text))
-                                for ps in range(self.num_ps)])
-        return sum(int(r.shards) for r in replies)
-
-    def status(self) -> list[pb.PsStatus]:
-        """Status of every PS task."""
-        return self._gather([(ps, "Status", pb.PsStatusRequest()) for ps in range(self.num_ps)])
-
-    def export(self, path: str) -> dict[str, tuple[int, ...]]:
-        """Write every variable, whole, to one safetensors file readable without pscluster (dynamic tables,
-        which have no whole value, are left out: their rows are in the checkpoints)."""
-        from safetensors.numpy import save_file
-
-        variables = self.discover()
-        names = sorted(n for n, v in variables.items() if not v.dynamic)
-        values = self.pull([variables[n] for n in names])
-        save_file(dict(zip(names, values)), path, metadata={"format": "pscluster-export"})
-        return {n: v.shape for n, v in zip(names, values)}
