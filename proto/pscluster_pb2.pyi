@@ -1367,6 +1367,61 @@ class GetRolesRequest(_message.Message):
 Global___GetRolesRequest: _TypeAlias = GetRolesRequest  # noqa: Y015
 
 @_typing.final
+class FreezeRequest(_message.Message):
+    """Moving a shard to another PS (elastic PS, server/handoff.py): freeze it on its primary once its successor
+    caught up as backup; the reply comes when the successor holds every admitted push. thaw: end the freeze.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REF_FIELD_NUMBER: _builtins.int
+    SUCCESSOR_FIELD_NUMBER: _builtins.int
+    LEASE_S_FIELD_NUMBER: _builtins.int
+    THAW_FIELD_NUMBER: _builtins.int
+    successor: _builtins.int
+    """the PS the shard moves to: its backup now"""
+    lease_s: _builtins.float
+    """the freeze ends by itself after this long"""
+    thaw: _builtins.bool
+    @_builtins.property
+    def ref(self) -> Global___ShardRef: ...
+    def __init__(
+        self,
+        *,
+        ref: Global___ShardRef | None = ...,
+        successor: _builtins.int = ...,
+        lease_s: _builtins.float = ...,
+        thaw: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_s", b"lease_s", "ref", b"ref", "successor", b"successor", "thaw", b"thaw"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FreezeRequest: _TypeAlias = FreezeRequest  # noqa: Y015
+
+@_typing.final
+class FreezeReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    version: _builtins.int
+    """the shard's version, held by the successor"""
+    def __init__(
+        self,
+        *,
+        version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FreezeReply: _TypeAlias = FreezeReply  # noqa: Y015
+
+@_typing.final
 class ClosurePayload(_message.Message):
     """The serialized closure inside RunClosureRequest.payload and ScheduleRequest.payload: the function is
     pickled once per coordinator and cached by digest on workers; the arguments are pickled per call.

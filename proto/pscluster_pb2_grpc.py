@@ -109,6 +109,11 @@ class ParameterServerStub:
                 request_serializer=pscluster_dot_proto_dot_pscluster__pb2.GetRolesRequest.SerializeToString,
                 response_deserializer=pscluster_dot_proto_dot_pscluster__pb2.SetRolesRequest.FromString,
                 _registered_method=True)
+        self.FreezeShard = channel.unary_unary(
+                '/pscluster.ParameterServer/FreezeShard',
+                request_serializer=pscluster_dot_proto_dot_pscluster__pb2.FreezeRequest.SerializeToString,
+                response_deserializer=pscluster_dot_proto_dot_pscluster__pb2.FreezeReply.FromString,
+                _registered_method=True)
         self.SetHyperparameters = channel.unary_unary(
                 '/pscluster.ParameterServer/SetHyperparameters',
                 request_serializer=pscluster_dot_proto_dot_pscluster__pb2.HyperparametersRequest.SerializeToString,
@@ -212,6 +217,13 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FreezeShard(self, request, context):
+        """coordinator -> a moving shard's primary
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SetHyperparameters(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -295,6 +307,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.GetRoles,
                     request_deserializer=pscluster_dot_proto_dot_pscluster__pb2.GetRolesRequest.FromString,
                     response_serializer=pscluster_dot_proto_dot_pscluster__pb2.SetRolesRequest.SerializeToString,
+            ),
+            'FreezeShard': grpc.unary_unary_rpc_method_handler(
+                    servicer.FreezeShard,
+                    request_deserializer=pscluster_dot_proto_dot_pscluster__pb2.FreezeRequest.FromString,
+                    response_serializer=pscluster_dot_proto_dot_pscluster__pb2.FreezeReply.SerializeToString,
             ),
             'SetHyperparameters': grpc.unary_unary_rpc_method_handler(
                     servicer.SetHyperparameters,
@@ -707,6 +724,33 @@ class ParameterServer:
             '/pscluster.ParameterServer/GetRoles',
             pscluster_dot_proto_dot_pscluster__pb2.GetRolesRequest.SerializeToString,
             pscluster_dot_proto_dot_pscluster__pb2.SetRolesRequest.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FreezeShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pscluster.ParameterServer/FreezeShard',
+            pscluster_dot_proto_dot_pscluster__pb2.FreezeRequest.SerializeToString,
+            pscluster_dot_proto_dot_pscluster__pb2.FreezeReply.FromString,
             options,
             channel_credentials,
             insecure,

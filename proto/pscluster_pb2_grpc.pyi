@@ -49,6 +49,8 @@ class ParameterServerStub:
     """coordinator -> PS (replicas: 2)"""
     GetRoles: _grpc.UnaryUnaryMultiCallable[_pscluster_pb2.GetRolesRequest, _pscluster_pb2.SetRolesRequest]
     """clients: where each shard's primary is now"""
+    FreezeShard: _grpc.UnaryUnaryMultiCallable[_pscluster_pb2.FreezeRequest, _pscluster_pb2.FreezeReply]
+    """coordinator -> a moving shard's primary"""
     SetHyperparameters: _grpc.UnaryUnaryMultiCallable[_pscluster_pb2.HyperparametersRequest, _pscluster_pb2.HyperparametersReply]
 
 @_typing.type_check_only
@@ -72,6 +74,8 @@ class ParameterServerAsyncStub(ParameterServerStub):
     """coordinator -> PS (replicas: 2)"""
     GetRoles: _aio.UnaryUnaryMultiCallable[_pscluster_pb2.GetRolesRequest, _pscluster_pb2.SetRolesRequest]  # type: ignore[assignment]
     """clients: where each shard's primary is now"""
+    FreezeShard: _aio.UnaryUnaryMultiCallable[_pscluster_pb2.FreezeRequest, _pscluster_pb2.FreezeReply]  # type: ignore[assignment]
+    """coordinator -> a moving shard's primary"""
     SetHyperparameters: _aio.UnaryUnaryMultiCallable[_pscluster_pb2.HyperparametersRequest, _pscluster_pb2.HyperparametersReply]  # type: ignore[assignment]
 
 class ParameterServerServicer(metaclass=_abc_1.ABCMeta):
@@ -182,6 +186,14 @@ class ParameterServerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_pscluster_pb2.SetRolesRequest, _abc.Awaitable[_pscluster_pb2.SetRolesRequest]]:
         """clients: where each shard's primary is now"""
+
+    @_abc_1.abstractmethod
+    def FreezeShard(
+        self,
+        request: _pscluster_pb2.FreezeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_pscluster_pb2.FreezeReply, _abc.Awaitable[_pscluster_pb2.FreezeReply]]:
+        """coordinator -> a moving shard's primary"""
 
     @_abc_1.abstractmethod
     def SetHyperparameters(

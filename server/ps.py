@@ -7,12 +7,14 @@ import math
 import os
 import pathlib
 import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.server import checkpoint, hyperparams
+from pscluster.server.handoff import ShardGate
 from pscluster.server.store import PushItem, PushResult, Shard, ShardSpec, VariableStore, ensure_created
 from pscluster.server.sync_hook import SyncHook
 
@@ -46,6 +48,7 @@ class ParameterServerCore:
         self.bulk_port = 0
         self.metrics: Any = None  # a PsMetrics, installed by main.start()
         self.replication: Any = None  # a server.replication.Replication with replicas: 2 (None: one copy)
+        self.gate = ShardGate(ps_index)  # shards frozen while they move to another PS (server/handoff.py)
 
     def replicas(self) -> SyncHook:
         """The sync-replica state, for the servicers."""
@@ -92,6 +95,14 @@ class ParameterServerCore:
         the versions this push made (for a push held already: the version it was applied at). skip_step: the
         replica's gradient of this sync step was not finite; the named shards skip the step (see
         SyncReplicas.skip), an async PS changes nothing."""
+        if self.replication is None:
+            return self._push(push_id, step, items, final_below, values_into, skip_step)
+        # a shard moving to another PS refuses new pushes, and its move waits for those admitted (handoff.py)
+        with self.gate.admit(item.key for item in items):
+            return self._push(push_id, step, items, final_below, values_into, skip_step)
+
+    def _push(self, push_id: str, step: int, items: Sequence[PushItem], final_below: int,
+              values_into: np.ndarray | None, skip_step: bool) -> list[PushResult]:
         replication = self.replication
         if replication is not None:
             replication.check_primary(item.key for item in items)
@@ -118,6 +129,43 @@ class ParameterServerCore:
         if replication is not None:
             replication.wait([(item.key, r.version) for item, r in zip(items, results)])
         return results
+
+    def freeze_shard(self, key: tuple[str, int], successor: int, lease_s: float) -> int:
+        """Stop admitting pushes for a shard this PS is primary of, wait for those admitted, and return its
+        version once its backup `successor` (the PS it moves to) holds it (server/handoff.py).
+
+        Raises:
+            FailedPreconditionError: replicas: 1, a sync job (a step's pushes wait for each other), or
+                successor is not the shard's backup.
+            InvalidArgumentError: lease_s outside (0, 60].
+            UnavailableError: this PS is not the shard's primary, or the backup did not confirm in time.
+        """
+        replication = self.replication
+        if replication is None:
+            raise FailedPreconditionError(f"ps {self.ps_index} runs with replicas: 1; moving a shard needs the "
+                                          "replica table (replicas: 2)")
+        if not 0 < lease_s <= 60:
+            raise InvalidArgumentError(f"a freeze lease must be in (0, 60] seconds, got {lease_s}")
+        if self.sync is not None and self.sync.accumulates:
+            raise FailedPreconditionError(f"ps {self.ps_index} runs a sync job: a step's pushes wait for each other, "
+                                          "so a shard cannot be frozen mid-step; move shards in async or bounded mode")
+        replication.check_primary([key])
+        shard = self.store.get(key)
+        _, roles = replication.roles()
+        role = next(r for r in roles if r.key == key)  # check_primary found it
+        if role.backup != successor:
+            raise FailedPreconditionError(f"{key[0]}[{key[1]}]: ps {successor} is not its backup (ps {role.backup} "
+                                          "is): the successor catches up as backup before the freeze")
+
+        def drain(deadline: float) -> None:
+            replication.wait([(key, shard.version)], max(0.0, deadline - time.monotonic()))
+
+        self.gate.freeze(key, lease_s, drain)
+        return int(shard.version)
+
+    def thaw_shard(self, key: tuple[str, int]) -> None:
+        """End a shard's freeze (its move switched the table, or was abandoned)."""
+        self.gate.thaw([key])
 
     def returns_values(self, items: Sequence[pb.PushItem]) -> bool:
         """Whether a fused push-pull of these pushed items gets values: only an async PS (an accumulating

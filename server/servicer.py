@@ -124,6 +124,12 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
             pb.ShardRole(ref=pb.ShardRef(variable=r.key[0], shard_index=r.key[1]), epoch=r.epoch, primary=r.primary,
                          backup=r.backup) for r in roles])
 
+    def FreezeShard(self, request: pb.FreezeRequest, context: grpc.ServicerContext) -> pb.FreezeReply:
+        if request.thaw:
+            self.core.thaw_shard(_key(request.ref))
+            return pb.FreezeReply()
+        return pb.FreezeReply(version=self.core.freeze_shard(_key(request.ref), request.successor, request.lease_s))
+
     def _replication(self, method: str) -> Replication:
         if self.core.replication is None:
             raise FailedPreconditionError(f"{method}: ps {self.core.ps_index} runs with replicas: 1; "

@@ -27,9 +27,10 @@ ROLE_URI = "pscluster://role/"
 ANY_CLIENT = frozenset({"worker", "coordinator", "client"})
 # (service, method) -> roles allowed; "*" is the service's default
 ALLOWED: dict[str, dict[str, frozenset[str]]] = {
-    # replicas: 2: only a PS forwards updates to its backups, only the coordinator (or an operator's client) sets roles
+    # replicas: 2: only a PS forwards updates to its backups, only the coordinator (or an operator's client) sets
+    # roles and freezes a shard that moves
     "pscluster.ParameterServer": {"Replicate": frozenset({"ps"}), "SetRoles": frozenset({"coordinator", "client"}),
-                                  "*": ANY_CLIENT},
+                                  "FreezeShard": frozenset({"coordinator", "client"}), "*": ANY_CLIENT},
     "pscluster.Worker": {"*": frozenset({"coordinator", "client"})},
     "pscluster.Coordinator": {"Register": frozenset({"worker"}), "Heartbeat": frozenset({"worker"}),
                               "Status": ANY_CLIENT, "*": frozenset({"coordinator", "client"})},

@@ -1,0 +1,173 @@
+"""Moving a shard between PS tasks (server/handoff.py): the freeze gate alone, then a whole move between two
+in-process PS cores under concurrent pushes, counted exactly (tests/cluster/test_elastic_ps.py does it
+between PS daemons)."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import numpy as np
+import pytest
+from pscluster.server.handoff import ShardGate
+from pscluster.server.optimizers import OptimizerConfig
+from pscluster.server.ps import ParameterServerCore
+from pscluster.server.replication import Role
+from pscluster.server.store import PushItem, ShardSpec
+
+from pscluster.errors import DeadlineExceededError, FailedPreconditionError, InvalidArgumentError, UnavailableError
+from tests.unit.test_replication import KEY, make_core
+
+COUNTER = ("counter", 0)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_frozen_shard_refuses_new_pushes_and_the_freeze_waits_for_admitted_ones() -> None:
+    gate = ShardGate(0)
+    entered, release = threading.Event(), threading.Event()
+    drained: list[float] = []
+
+    def push() -> None:
+        with gate.admit([KEY]):
+            entered.set()
+            release.wait(5)
+
+    t = threading.Thread(target=push)
+    t.start()
+    entered.wait(5)
+    freezer = threading.Thread(target=gate.freeze, args=(KEY, 5.0, drained.append))
+    freezer.start()
+    time.sleep(0.05)
+    assert not drained  # the admitted push has not finished
+    with pytest.raises(UnavailableError, match="moving off ps 0"):
+        with gate.admit([KEY]):
+            pass
+    with gate.admit([("other", 0)]):  # other shards are not frozen
+        pass
+    release.set()
+    freezer.join(5)
+    t.join(5)
+    assert len(drained) == 1 and gate.frozen() == [KEY]
+    gate.thaw([KEY])
+    with gate.admit([KEY]):
+        pass
+
+
+def test_a_freeze_ends_by_itself_when_its_lease_ends() -> None:
+    clock = Clock()
+    gate = ShardGate(0, clock)
+    gate.freeze(KEY, 0.5, lambda deadline: None)
+    assert gate.frozen() == [KEY]
+    clock.now = 0.6  # the coordinator died mid-move: pushes resume here
+    assert gate.frozen() == []
+    with gate.admit([KEY]):
+        pass
+
+
+def test_a_freeze_that_cannot_drain_in_its_lease_is_abandoned_and_thawed() -> None:
+    gate = ShardGate(0)
+    with gate.admit([KEY]):
+        with pytest.raises(DeadlineExceededError, match="1 pushes still in flight"):
+            gate.freeze(KEY, 0.05, lambda deadline: None)
+    assert gate.frozen() == []
+
+
+def test_a_failed_drain_thaws_the_shard() -> None:
+    gate = ShardGate(0)
+
+    def drain(deadline: float) -> None:
+        raise UnavailableError("backup did not confirm")
+
+    with pytest.raises(UnavailableError):
+        gate.freeze(KEY, 1.0, drain)
+    assert gate.frozen() == []
+
+
+@pytest.fixture
+def cores():
+    peers: dict[int, ParameterServerCore] = {}
+    links: dict = {}
+    a, b = make_core(0, peers, links), make_core(1, peers, links)
+    peers.update({0: a, 1: b})
+    spec = ShardSpec("counter", 0, 1, (), (), 0, "<i8", OptimizerConfig("sgd", 1.0))
+    a.create(spec, None, "zeros", 0, 0)
+    yield a, b
+    a.replication.stop()
+    b.replication.stop()
+
+
+def roles(cores: tuple[ParameterServerCore, ...], version: int, primary: int, backup: int = -1) -> None:
+    for core in cores:
+        core.replication.set_roles(version, [Role(COUNTER, version, primary, backup)])
+
+
+def test_freezing_needs_the_successor_as_backup_and_bad_input_changes_nothing(cores) -> None:
+    a, b = cores
+    roles((a, b), 1, 0)
+    with pytest.raises(FailedPreconditionError, match="ps 1 is not its backup"):
+        a.freeze_shard(COUNTER, 1, 1.0)
+    with pytest.raises(InvalidArgumentError, match="lease"):
+        a.freeze_shard(COUNTER, 1, 0.0)
+    with pytest.raises(UnavailableError, match="not the primary"):
+        b.freeze_shard(COUNTER, 0, 1.0)
+    assert a.gate.frozen() == [] and b.gate.frozen() == []
+    a.push("c1.0", 0, [PushItem(COUNTER, np.array(-1, np.int64))])  # still admitted
+
+
+def test_a_shard_moved_back_and_forth_under_concurrent_pushes_counts_every_acknowledged_push_once(cores) -> None:
+    a, b = cores
+    by_index = {0: a, 1: b}
+    primary = [0]  # the clients' view of the table (routes.py re-reads it after a refusal)
+    roles((a, b), 1, 0)
+    ids = itertools.count()
+    acked = [0]
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def client() -> None:
+        while not stop.is_set():
+            pid = f"c{next(ids)}.0"
+            while True:  # the same push id until acknowledged, wherever the shard is
+                try:
+                    by_index[primary[0]].push(pid, 0, [PushItem(COUNTER, np.array(-1, np.int64))])
+                    break
+                except UnavailableError:
+                    time.sleep(0.001)
+            with lock:
+                acked[0] += 1
+
+    threads = [threading.Thread(target=client) for _ in range(4)]
+    for t in threads:
+        t.start()
+    freezes = []
+    version = 1
+    for source, target in ((0, 1), (1, 0), (0, 1)):
+        time.sleep(0.05)
+        version += 1
+        roles((a, b), version, source, target)  # the successor becomes the backup and catches up
+        deadline = time.monotonic() + 5
+        while by_index[source].replication.catching_up():
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        started = time.perf_counter()
+        by_index[source].freeze_shard(COUNTER, target, 2.0)
+        version += 1
+        roles((by_index[target], by_index[source]), version, target)  # the switch: new primary first
+        primary[0] = target
+        by_index[source].thaw_shard(COUNTER)
+        freezes.append(time.perf_counter() - started)
+    time.sleep(0.05)
+    stop.set()
+    for t in threads:
+        t.join(10)
+    assert acked[0] > 0
+    assert int(b.store.get(COUNTER).value) == acked[0]  # SGD(1.0) on -1: every acknowledged push, once
+    assert max(freezes) < 1.0
