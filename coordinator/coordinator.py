@@ -35,6 +35,7 @@ from pscluster.coordinator.checkpoints import AutoCheckpointer
 from pscluster.coordinator.clients import LongPolls, RetainedValues
 from pscluster.coordinator.curves import TrainingCurves
 from pscluster.coordinator.dispatch import ClosureSender
+from pscluster.coordinator.elastic import Elastic, ScaleReport
 from pscluster.coordinator.inbox import Inbox, Posted
 from pscluster.coordinator.job_queues import MAIN
 from pscluster.coordinator.joins import JobJoins, JobSessions
@@ -53,6 +54,7 @@ from pscluster.config import Settings, load_settings
 from pscluster.errors import (
     AbortedError,
     DeadlineExceededError,
+    FailedPreconditionError,
     InternalError,
     NotFoundError,
     PsclusterError,
@@ -105,6 +107,7 @@ class ClusterCoordinator(CoordinatorAPI):
         self.initial_step = max(s.global_step for s in self.client.status())
         # replicas: 2: the keeper owns shard -> (primary, backup, epoch) and promotes backups (docs/ps_failures.md)
         self._keeper = ReplicaKeeper(list(self.client.stubs)).start() if self.settings.replicas > 1 else None
+        self._elastic = Elastic(self._keeper, list(self.client.stubs)) if self._keeper is not None else None
         self._monitor = PsMonitor(self.client, on_down=lambda: self._inbox.post(sch.PsDown()),
                                   on_up=lambda: self._inbox.post(sch.PsUp()),
                                   on_fatal=lambda exc: self._fail("ps-monitor", exc),
@@ -228,6 +231,27 @@ class ClusterCoordinator(CoordinatorAPI):
     def replica_table(self) -> dict[tuple[str, int], Copies]:
         """replicas: 2: shard (variable, index) -> its primary, backup and epoch now; empty with replicas: 1."""
         return self._keeper.table() if self._keeper is not None else {}
+
+    def scale_ps(self, count: int) -> ScaleReport:
+        """Make PS tasks 0..count-1 the active ones: shards move onto or off the others (docs/elastic.md)."""
+        return self._elastic_ready().scale_to(count)
+
+    def add_ps(self, task: int) -> ScaleReport:
+        """A drained PS task takes its share of the shards again (docs/elastic.md)."""
+        return self._elastic_ready().add(task)
+
+    def remove_ps(self, task: int) -> ScaleReport:
+        """Drain a PS task: its shard copies move to the other active tasks (docs/elastic.md)."""
+        return self._elastic_ready().remove(task)
+
+    def _elastic_ready(self) -> Elastic:
+        if self._elastic is None:
+            raise FailedPreconditionError("moving shards between PS tasks needs the replica table: start the cluster "
+                                          "with replicas: 2 (docs/elastic.md)")
+        if self.sync_mode == "sync":
+            raise FailedPreconditionError("a sync job's step waits for every replica's push, so a shard cannot be "
+                                          "frozen mid-step; scale in async or bounded mode")
+        return self._elastic
 
     def lost_updates_by_variable(self) -> dict[str, int]:
         """Lost shard updates per variable; for a one-shard counter, completed closures it lost."""

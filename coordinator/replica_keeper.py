@@ -70,6 +70,48 @@ class ReplicaKeeper:
         with self._lock:
             return {self._keys[o]: c for o, c in self.state.shards.items() if o in self._keys}
 
+    def layout(self) -> dict[int, rp.Copies]:
+        """Shard ordinal -> where it lives now (the shards whose key the keeper learned)."""
+        with self._lock:
+            return {o: c for o, c in self.state.shards.items() if o in self._keys}
+
+    def key_of(self, ordinal: int) -> Key:
+        """The (variable, shard index) of a shard ordinal."""
+        with self._lock:
+            return self._keys[ordinal]
+
+    def set_inactive(self, inactive: set[int]) -> None:
+        """PS tasks that get no new copies (a scale drained them: coordinator/elastic.py)."""
+        with self._lock:
+            self.state.inactive = set(inactive)
+
+    def reassign(self, ordinal: int, primary: int, backup: int | None) -> rp.Copies:
+        """An elastic move's step: give the shard new holders at a new epoch and send the table to every PS
+        now, `primary` first (it starts admitting pushes when it has it).
+
+        Raises:
+            PsclusterError: the new primary did not take the table (the keeper's rounds send it again).
+        """
+        with self._lock:
+            for action in rp.decide(self.state, rp.Reassign(ordinal, primary, backup)):
+                self._note(action)
+            copies = self.state.shards[ordinal]
+            version = self.state.version
+            request = self._table_request()
+        rpc.call(self._stubs[primary].SetRoles, request, timeout=1.0)  # type: ignore[attr-defined]
+        with self._lock:
+            self._sent[primary] = max(self._sent.get(primary, -1), version)
+            others = [ps for ps in self.state.up() if ps != primary]
+        self._send(others, request, version)
+        return copies
+
+    def _table_request(self) -> pb.SetRolesRequest:
+        """The whole table as SetRoles sends it (under self._lock)."""
+        return pb.SetRolesRequest(version=self.state.version, roles=[
+            pb.ShardRole(ref=pb.ShardRef(variable=self._keys[o][0], shard_index=self._keys[o][1]), epoch=c.epoch,
+                         primary=c.primary, backup=-1 if c.backup is None else c.backup)
+            for o, c in sorted(self.state.shards.items()) if o in self._keys and not c.lost])
+
     def _loop(self) -> None:
         while not self._stop.is_set():
             started = self._clock()
@@ -155,12 +197,12 @@ class ReplicaKeeper:
     def _send_table(self, answers: list[pb.PsStatus | PsclusterError]) -> None:
         with self._lock:
             version = self.state.version
-            request = pb.SetRolesRequest(version=version, roles=[
-                pb.ShardRole(ref=pb.ShardRef(variable=self._keys[o][0], shard_index=self._keys[o][1]), epoch=c.epoch,
-                             primary=c.primary, backup=-1 if c.backup is None else c.backup)
-                for o, c in sorted(self.state.shards.items()) if o in self._keys and not c.lost])
+            request = self._table_request()
             targets = [ps for ps, a in enumerate(answers) if isinstance(a, pb.PsStatus) and self.state.ps[ps].up
                        and (a.roles_version < version or self._sent.get(ps, -1) < version)]
+        self._send(targets, request, version)
+
+    def _send(self, targets: list[int], request: pb.SetRolesRequest, version: int) -> None:
         if not targets:
             return
 

@@ -18,6 +18,8 @@ Rules:
 - Backup down: the shard keeps its primary and gets a new backup.
 - Any shard without a backup gets one on the up PS (not its primary) holding the fewest backups, ties
   broken by the striped order, and it counts as in sync only after its catch-up finished.
+- An elastic move (`Reassign`, planned by rebalance.py, carried out by elastic.py) gives a shard new
+  holders at a new epoch; a PS outside the active set (`inactive`, drained by a scale) gets no new backup.
 - Initial backups are striped: shard k on primary p = k mod P goes to (p + 1 + (k // P) mod (P - 1)) mod P,
   so the shards of one PS are backed up by all the others and a dead PS spreads its load.
 """
@@ -64,6 +66,7 @@ class ReplicaState:
     shards: dict[int, Copies] = field(default_factory=dict)  # ordinal -> copies
     ps: dict[int, PsRec] = field(default_factory=dict)
     version: int = 0  # bumped whenever the table changes; clients re-read placement on a newer one
+    inactive: set[int] = field(default_factory=set)  # PS tasks a scale drained: they get no new copies
 
     def __post_init__(self) -> None:
         if self.num_ps < 2:
@@ -116,7 +119,16 @@ class CaughtUp(NamedTuple):
     epoch: int
 
 
-ReplicaEvent = ShardCreated | Heartbeat | ConnectionLost | Tick | Rejoined | CaughtUp
+class Reassign(NamedTuple):
+    """An elastic move: shard `ordinal` gets `primary` and `backup` at a new epoch (the backup catches up;
+    a new primary was the in-sync backup, frozen on the old primary first: elastic.py)."""
+
+    ordinal: int
+    primary: int
+    backup: int | None
+
+
+ReplicaEvent = ShardCreated | Heartbeat | ConnectionLost | Tick | Rejoined | CaughtUp | Reassign
 
 
 # -- actions ----------------------------------------------------------------------------------------
@@ -196,6 +208,12 @@ def decide(state: ReplicaState, event: ReplicaEvent) -> list[ReplicaAction]:
             if c.lost and event.ps in (c.primary, c.backup):
                 copies = state.shards[ordinal] = Copies(event.ps, None, c.epoch + 1)
                 actions.append(Restored(ordinal, event.ps, copies.epoch))
+    elif isinstance(event, Reassign):
+        found = state.shards.get(event.ordinal)
+        if found is None or found.lost or event.primary == event.backup:
+            return []
+        copies = state.shards[event.ordinal] = Copies(event.primary, event.backup, found.epoch + 1)
+        actions.append(Assign(event.ordinal, copies, event.backup is not None))
     elif isinstance(event, CaughtUp):
         found = state.shards.get(event.ordinal)
         if found is None or found.epoch != event.epoch or found.backup is None or found.in_sync:
@@ -242,7 +260,8 @@ def _assign_missing_backups(state: ReplicaState, actions: list[ReplicaAction]) -
     for ordinal, c in sorted(state.shards.items()):
         if c.lost or c.backup is not None or not state.ps[c.primary].up:
             continue
-        candidates = [ps for ps in up if ps != c.primary]
+        candidates = [ps for ps in up if ps != c.primary and ps not in state.inactive] or \
+            [ps for ps in up if ps != c.primary]  # a drained PS rather than one copy
         if not candidates:
             continue  # a lone PS: the shard runs on one copy until another comes back
         striped = striped_backup(ordinal, state.num_ps)

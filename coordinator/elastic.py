@@ -1,0 +1,171 @@
+"""Elastic PS: carry out a change of the active PS set, one shard at a time (docs/elastic.md).
+
+The plan is rebalance.py's (pure); this executor moves each shard the plan changes, through the replica
+keeper's table (replica_keeper.py) and the PS's freeze (server/handoff.py):
+
+1. The successor becomes the shard's backup at a new epoch, unless it is its in-sync backup already: the
+   primary sends it the whole shard and forwards every later update (server/replication.py); wait until
+   the primary says the backup confirmed the state.
+2. Freeze the shard on its primary: no new push is admitted; those admitted finish and the successor
+   confirms the shard's version.
+3. Switch: a new epoch with the successor as primary (and the plan's backup, which catches up from it),
+   sent to the successor first, then to every PS; then thaw the old primary (it is no longer the primary:
+   it refuses pushes, and clients re-read placement and retry with the same push ids).
+
+The freeze (2 to 3) is what a shard's writers wait for, and it is measured per shard. A backup that only
+changes PS needs step 1 alone. Moves run one at a time and a second scale while one runs is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+from pscluster.coordinator import rebalance as rb
+from pscluster.coordinator.replica_keeper import ReplicaKeeper
+from pscluster.proto import pscluster_pb2 as pb
+
+from pscluster.errors import DeadlineExceededError, FailedPreconditionError, InvalidArgumentError, PsclusterError
+from pscluster.net import rpc
+
+log = logging.getLogger(__name__)
+
+FREEZE_LEASE_S = 2.0  # a freeze ends by itself after this, should the coordinator die mid-move
+KEEP_FREEZES = 1000  # freeze durations kept for reports (bounded: nothing grows with the job)
+
+
+class ScaleReport(NamedTuple):
+    """What a scale did: the active PS tasks after it, the copies it moved, and each moved primary's freeze."""
+
+    active: list[int]
+    moves: list[rb.Move]
+    freezes_s: list[float]
+
+
+class Elastic:
+    """Owns the active PS set of a replicas: 2 cluster and carries out scales (one at a time)."""
+
+    def __init__(self, keeper: ReplicaKeeper, stubs: Sequence[object], lease_s: float = FREEZE_LEASE_S,
+                 catch_up_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self._keeper = keeper
+        self._stubs = stubs
+        self._lease = lease_s
+        self._catch_up = catch_up_s
+        self._clock = clock
+        self._busy = threading.Lock()  # held for a whole scale: a second one is refused, not queued
+        self.active = list(range(len(stubs)))
+        self.freezes: deque[float] = deque(maxlen=KEEP_FREEZES)
+
+    def scale_to(self, count: int) -> ScaleReport:
+        """Make PS tasks 0 .. count-1 the active set."""
+        if not 2 <= count <= len(self._stubs):
+            raise InvalidArgumentError(f"scale --ps {count}: this cluster has PS tasks 0..{len(self._stubs) - 1} and "
+                                       "replicas: 2 needs at least 2 active; pass 2.."
+                                       f"{len(self._stubs)}")
+        return self.scale(list(range(count)))
+
+    def add(self, task: int) -> ScaleReport:
+        """Bring a drained PS task back: it takes its share of the shards."""
+        self._check_task(task)
+        if task in self.active:
+            raise FailedPreconditionError(f"ps {task} is active already (active: {self.active})")
+        return self.scale(sorted({*self.active, task}))
+
+    def remove(self, task: int) -> ScaleReport:
+        """Drain a PS task: its shard copies move to the other active tasks."""
+        self._check_task(task)
+        if task not in self.active:
+            raise FailedPreconditionError(f"ps {task} is not active (active: {self.active}); nothing to drain")
+        return self.scale([ps for ps in self.active if ps != task])
+
+    def scale(self, active: Sequence[int]) -> ScaleReport:
+        """Move shard copies so that only `active` PS tasks hold them (rebalance.py's plan).
+
+        Raises:
+            InvalidArgumentError: an unknown PS task, or an active set that cannot hold two copies.
+            FailedPreconditionError: a scale is under way, a PS of the new set is down, or a shard lost
+                both its copies; nothing moved.
+            DeadlineExceededError: a catch-up or a freeze did not finish; the moves before it stand.
+        """
+        for task in active:
+            self._check_task(task)
+        if not self._busy.acquire(blocking=False):
+            raise FailedPreconditionError("a scale is under way; wait for it to finish (pscluster status shows the "
+                                          "replica table) and try again")
+        try:
+            return self._scale(sorted(active))
+        finally:
+            self._busy.release()
+
+    def _check_task(self, task: int) -> None:
+        if not 0 <= task < len(self._stubs):
+            raise InvalidArgumentError(f"unknown PS task {task}: this cluster has PS tasks 0..{len(self._stubs) - 1}")
+
+    def _scale(self, active: list[int]) -> ScaleReport:
+        layout = self._keeper.layout()
+        lost = sorted(o for o, c in layout.items() if c.lost)
+        if lost:
+            raise FailedPreconditionError(f"{len(lost)} shards lost both copies and wait for a checkpoint restore "
+                                          f"(e.g. {self._keeper.key_of(lost[0])}); scale once they are back")
+        down = [ps for ps in active if ps not in self._keeper.state.up()]
+        if down:
+            raise FailedPreconditionError(f"ps {down} of the new active set is down; scale once it is back")
+        before = {o: rb.Place(c.primary, c.backup) for o, c in layout.items()}
+        after = rb.rebalance(before, active, 2)
+        self._keeper.set_inactive(set(range(len(self._stubs))) - set(active))
+        freezes: list[float] = []
+        for ordinal in sorted(after):
+            if after[ordinal] != before[ordinal]:
+                frozen = self._move(ordinal, after[ordinal])
+                if frozen is not None:
+                    freezes.append(frozen)
+                    self.freezes.append(frozen)
+        self.active = active
+        moved = rb.moves(before, after)
+        log.info("scale: active PS %s; %d copies moved; freeze per moved primary max %.1f ms", active, len(moved),
+                 1e3 * max(freezes, default=0.0))
+        return ScaleReport(active, moved, freezes)
+
+    def _move(self, ordinal: int, dest: rb.Place) -> float | None:
+        """Move one shard to dest; the freeze in seconds when its primary moved."""
+        c = self._keeper.layout()[ordinal]
+        if dest.primary == c.primary:
+            if dest.backup != c.backup:
+                self._keeper.reassign(ordinal, c.primary, dest.backup)
+                self._wait_in_sync(ordinal)
+            return None
+        successor = dest.primary
+        if c.backup != successor or not c.in_sync:
+            self._keeper.reassign(ordinal, c.primary, successor)
+            self._wait_in_sync(ordinal)
+        key = self._keeper.key_of(ordinal)
+        ref = pb.ShardRef(variable=key[0], shard_index=key[1])
+        old = self._stubs[c.primary]
+        started = time.perf_counter()
+        rpc.call(old.FreezeShard, pb.FreezeRequest(ref=ref, successor=successor,  # type: ignore[attr-defined]
+                                                   lease_s=self._lease), timeout=self._lease + 1.0)
+        try:
+            self._keeper.reassign(ordinal, successor, dest.backup)
+        finally:
+            frozen = time.perf_counter() - started
+            try:
+                rpc.call(old.FreezeShard, pb.FreezeRequest(ref=ref, thaw=True), timeout=1.0)  # type: ignore[attr-defined]
+            except PsclusterError as exc:  # its lease ends the freeze anyway
+                log.warning("scale: ps %d did not thaw %s[%d]: %s", c.primary, key[0], key[1], exc)
+        log.info("scale: %s[%d] moved from ps %d to ps %d, frozen %.1f ms", key[0], key[1], c.primary, successor,
+                 1e3 * frozen)
+        self._wait_in_sync(ordinal)  # its new backup holds it before the next move leans on it
+        return frozen
+
+    def _wait_in_sync(self, ordinal: int) -> None:
+        deadline = self._clock() + self._catch_up
+        while not self._keeper.layout()[ordinal].in_sync:
+            if self._clock() > deadline:
+                key = self._keeper.key_of(ordinal)
+                raise DeadlineExceededError(f"scale: the new backup of {key[0]}[{key[1]}] did not catch up within "
+                                            f"{self._catch_up} s; the moves before it stand")
+            time.sleep(0.01)
