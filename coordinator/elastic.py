@@ -39,10 +39,11 @@ KEEP_FREEZES = 1000  # freeze durations kept for reports (bounded: nothing grows
 
 
 class ScaleReport(NamedTuple):
-    """What a scale did: the active PS tasks after it, the copies it moved, and each moved primary's freeze."""
+    """What a scale did: the active PS tasks after it, how many shard copies it moved, and each moved
+    primary's freeze (seconds it refused pushes)."""
 
     active: list[int]
-    moves: list[rb.Move]
+    moved: int
     freezes_s: list[float]
 
 
@@ -125,8 +126,8 @@ class Elastic:
                     freezes.append(frozen)
                     self.freezes.append(frozen)
         self.active = active
-        moved = rb.moves(before, after)
-        log.info("scale: active PS %s; %d copies moved; freeze per moved primary max %.1f ms", active, len(moved),
+        moved = len(rb.moves(before, after))
+        log.info("scale: active PS %s; %d copies moved; freeze per moved primary max %.1f ms", active, moved,
                  1e3 * max(freezes, default=0.0))
         return ScaleReport(active, moved, freezes)
 

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pscluster.coordinator.api import CoordinatorAPI
+from pscluster.coordinator.elastic import ScaleReport
 from pscluster.coordinator.values import RemoteValue, reply_error
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
@@ -180,6 +181,21 @@ class RemoteCoordinator(CoordinatorAPI):
         request = pb.CoordinatorCheckpointRequest(job=self.job, has_step=step is not None, step=step or 0)
         return list(self._call("Checkpoint", request).paths)
 
+    def scale_ps(self, count: int) -> ScaleReport:
+        """Make PS tasks 0..count-1 the active ones (see ClusterCoordinator.scale_ps)."""
+        return self._scale(pb.ScaleRequest(count=count))
+
+    def add_ps(self, task: int) -> ScaleReport:
+        """A drained PS task takes its share of the shards again (see ClusterCoordinator.add_ps)."""
+        return self._scale(pb.ScaleRequest(add=task))
+
+    def remove_ps(self, task: int) -> ScaleReport:
+        """Drain a PS task (see ClusterCoordinator.remove_ps)."""
+        return self._scale(pb.ScaleRequest(remove=task))
+
+    def _scale(self, request: pb.ScaleRequest) -> ScaleReport:
+        return scale(self._stub, request)
+
     @property
     def lost_updates(self) -> int:
         """Updates applied on a PS after its last checkpoint and lost when it restarted."""
@@ -222,3 +238,9 @@ class RemoteCoordinator(CoordinatorAPI):
                 self._call("EndJob", pb.JobRequest(job=self.job, reason="its client shut down"))
         finally:
             self.close()
+
+
+def scale(stub: pb_grpc.CoordinatorStub, request: pb.ScaleRequest) -> ScaleReport:
+    """One ScalePs call, not retried (a scale that ran half-way must be looked at, not repeated blindly)."""
+    reply: pb.ScaleReply = rpc.call(stub.ScalePs, request, timeout=600.0, what="coordinator ScalePs")
+    return ScaleReport(list(reply.active), reply.moves, [ms / 1e3 for ms in reply.freezes_ms])

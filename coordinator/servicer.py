@@ -11,6 +11,7 @@ from typing import Protocol
 
 import grpc
 from pscluster.coordinator.clients import LongPolls
+from pscluster.coordinator.elastic import ScaleReport
 from pscluster.coordinator.job_queues import MAIN
 from pscluster.coordinator.joins import JobSessions
 from pscluster.coordinator.values import RemoteValue
@@ -18,7 +19,7 @@ from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 
 from pscluster.config import Settings
-from pscluster.errors import DeadlineExceededError
+from pscluster.errors import DeadlineExceededError, InvalidArgumentError
 
 
 class CoordinatorCore(Protocol):
@@ -46,6 +47,15 @@ class CoordinatorCore(Protocol):
 
     def status(self) -> pb.CoordinatorStatus:
         """Queue, counters, workers and jobs."""
+
+    def scale_ps(self, count: int) -> ScaleReport:
+        """Make PS tasks 0..count-1 the active ones."""
+
+    def add_ps(self, task: int) -> ScaleReport:
+        """A drained PS task takes its share again."""
+
+    def remove_ps(self, task: int) -> ScaleReport:
+        """Drain a PS task."""
 
     def register(self, worker_id: str, address: str, closure_port: int = 0, timeout: float = 5.0) -> int:
         """Register a worker; its index."""
@@ -138,6 +148,16 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                    context: grpc.ServicerContext) -> pb.CoordinatorCheckpointReply:
         step = request.step if request.has_step else None
         return pb.CoordinatorCheckpointReply(paths=self.coordinator.checkpoint(step, job=request.job or MAIN))
+
+    def ScalePs(self, request: pb.ScaleRequest, context: grpc.ServicerContext) -> pb.ScaleReply:
+        change = request.WhichOneof("change")
+        if change is None:
+            raise InvalidArgumentError("ScalePs: pass a count, a PS task to add or one to remove")
+        scale = {"count": self.coordinator.scale_ps, "add": self.coordinator.add_ps,
+                 "remove": self.coordinator.remove_ps}[change]
+        report = scale(getattr(request, change))
+        return pb.ScaleReply(active=report.active, moves=report.moved,
+                             freezes_ms=[1e3 * f for f in report.freezes_s])
 
     def Status(self, request: pb.CoordinatorStatusRequest, context: grpc.ServicerContext) -> pb.CoordinatorStatus:
         return self.coordinator.status()

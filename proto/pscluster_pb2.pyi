@@ -2009,6 +2009,67 @@ class CoordinatorCheckpointReply(_message.Message):
 Global___CoordinatorCheckpointReply: _TypeAlias = CoordinatorCheckpointReply  # noqa: Y015
 
 @_typing.final
+class ScaleRequest(_message.Message):
+    """Change the active PS tasks (docs/elastic.md): PS 0..count-1, or one task added back or drained."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COUNT_FIELD_NUMBER: _builtins.int
+    ADD_FIELD_NUMBER: _builtins.int
+    REMOVE_FIELD_NUMBER: _builtins.int
+    count: _builtins.int
+    add: _builtins.int
+    remove: _builtins.int
+    def __init__(
+        self,
+        *,
+        count: _builtins.int = ...,
+        add: _builtins.int = ...,
+        remove: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["add", b"add", "change", b"change", "count", b"count", "remove", b"remove"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["add", b"add", "change", b"change", "count", b"count", "remove", b"remove"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_change: _TypeAlias = _typing.Literal["count", "add", "remove"]  # noqa: Y015
+    _WhichOneofArgType_change: _TypeAlias = _typing.Literal["change", b"change"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_change) -> _WhichOneofReturnType_change | None: ...
+
+Global___ScaleRequest: _TypeAlias = ScaleRequest  # noqa: Y015
+
+@_typing.final
+class ScaleReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACTIVE_FIELD_NUMBER: _builtins.int
+    MOVES_FIELD_NUMBER: _builtins.int
+    FREEZES_MS_FIELD_NUMBER: _builtins.int
+    moves: _builtins.int
+    """shard copies moved"""
+    @_builtins.property
+    def active(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """the active PS tasks after the scale"""
+
+    @_builtins.property
+    def freezes_ms(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """per moved primary: how long it refused pushes"""
+
+    def __init__(
+        self,
+        *,
+        active: _abc.Iterable[_builtins.int] | None = ...,
+        moves: _builtins.int = ...,
+        freezes_ms: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active", b"active", "freezes_ms", b"freezes_ms", "moves", b"moves"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ScaleReply: _TypeAlias = ScaleReply  # noqa: Y015
+
+@_typing.final
 class JobState(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -968,6 +968,11 @@ class CoordinatorStub:
                 request_serializer=pscluster_dot_proto_dot_pscluster__pb2.CoordinatorCheckpointRequest.SerializeToString,
                 response_deserializer=pscluster_dot_proto_dot_pscluster__pb2.CoordinatorCheckpointReply.FromString,
                 _registered_method=True)
+        self.ScalePs = channel.unary_unary(
+                '/pscluster.Coordinator/ScalePs',
+                request_serializer=pscluster_dot_proto_dot_pscluster__pb2.ScaleRequest.SerializeToString,
+                response_deserializer=pscluster_dot_proto_dot_pscluster__pb2.ScaleReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -1039,6 +1044,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ScalePs(self, request, context):
+        """elastic PS (replicas: 2): `pscluster scale --ps N`
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1096,6 +1108,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Checkpoint,
                     request_deserializer=pscluster_dot_proto_dot_pscluster__pb2.CoordinatorCheckpointRequest.FromString,
                     response_serializer=pscluster_dot_proto_dot_pscluster__pb2.CoordinatorCheckpointReply.SerializeToString,
+            ),
+            'ScalePs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScalePs,
+                    request_deserializer=pscluster_dot_proto_dot_pscluster__pb2.ScaleRequest.FromString,
+                    response_serializer=pscluster_dot_proto_dot_pscluster__pb2.ScaleReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1395,6 +1412,33 @@ class Coordinator:
             '/pscluster.Coordinator/Checkpoint',
             pscluster_dot_proto_dot_pscluster__pb2.CoordinatorCheckpointRequest.SerializeToString,
             pscluster_dot_proto_dot_pscluster__pb2.CoordinatorCheckpointReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScalePs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pscluster.Coordinator/ScalePs',
+            pscluster_dot_proto_dot_pscluster__pb2.ScaleRequest.SerializeToString,
+            pscluster_dot_proto_dot_pscluster__pb2.ScaleReply.FromString,
             options,
             channel_credentials,
             insecure,

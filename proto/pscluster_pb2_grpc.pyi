@@ -251,6 +251,8 @@ class CoordinatorStub:
     EndJob: _grpc.UnaryUnaryMultiCallable[_pscluster_pb2.JobRequest, _pscluster_pb2.JobReply]
     ConfigureSync: _grpc.UnaryUnaryMultiCallable[_pscluster_pb2.CoordinatorSyncRequest, _pscluster_pb2.SyncConfigReply]
     Checkpoint: _grpc.UnaryUnaryMultiCallable[_pscluster_pb2.CoordinatorCheckpointRequest, _pscluster_pb2.CoordinatorCheckpointReply]
+    ScalePs: _grpc.UnaryUnaryMultiCallable[_pscluster_pb2.ScaleRequest, _pscluster_pb2.ScaleReply]
+    """elastic PS (replicas: 2): `pscluster scale --ps N`"""
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -266,6 +268,8 @@ class CoordinatorAsyncStub(CoordinatorStub):
     EndJob: _aio.UnaryUnaryMultiCallable[_pscluster_pb2.JobRequest, _pscluster_pb2.JobReply]  # type: ignore[assignment]
     ConfigureSync: _aio.UnaryUnaryMultiCallable[_pscluster_pb2.CoordinatorSyncRequest, _pscluster_pb2.SyncConfigReply]  # type: ignore[assignment]
     Checkpoint: _aio.UnaryUnaryMultiCallable[_pscluster_pb2.CoordinatorCheckpointRequest, _pscluster_pb2.CoordinatorCheckpointReply]  # type: ignore[assignment]
+    ScalePs: _aio.UnaryUnaryMultiCallable[_pscluster_pb2.ScaleRequest, _pscluster_pb2.ScaleReply]  # type: ignore[assignment]
+    """elastic PS (replicas: 2): `pscluster scale --ps N`"""
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -344,5 +348,13 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         request: _pscluster_pb2.CoordinatorCheckpointRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_pscluster_pb2.CoordinatorCheckpointReply, _abc.Awaitable[_pscluster_pb2.CoordinatorCheckpointReply]]: ...
+
+    @_abc_1.abstractmethod
+    def ScalePs(
+        self,
+        request: _pscluster_pb2.ScaleRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_pscluster_pb2.ScaleReply, _abc.Awaitable[_pscluster_pb2.ScaleReply]]:
+        """elastic PS (replicas: 2): `pscluster scale --ps N`"""
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,4 +1,4 @@
-"""The `pscluster` command: ps, worker, coordinator, evaluator, up, status, certs."""
+"""The `pscluster` command: ps, worker, coordinator, evaluator, up, status, certs, scale."""
 
 from __future__ import annotations
 
@@ -104,7 +104,42 @@ def build_parser() -> argparse.ArgumentParser:
     _client(st)
     st.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                     help="wait up to SECONDS for every PS and the coordinator to answer")
+    sc = sub.add_parser("scale", help="change the active PS tasks of a running replicas: 2 cluster (docs/elastic.md)")
+    _client(sc)
+    change = sc.add_mutually_exclusive_group(required=True)
+    change.add_argument("--ps", type=int, metavar="N", help="PS tasks 0..N-1 hold the shards; the others are drained")
+    change.add_argument("--add", type=int, metavar="TASK", help="a drained PS task takes its share of the shards again")
+    change.add_argument("--remove", type=int, metavar="TASK", help="drain one PS task: its shards move to the others")
     return parser
+
+
+def _scale(args: argparse.Namespace) -> int:
+    from pscluster.coordinator.remote import scale
+    from pscluster.errors import PsclusterError
+    from pscluster.net import rpc
+    from pscluster.proto import pscluster_pb2 as pb
+    from pscluster.proto import pscluster_pb2_grpc as pb_grpc
+
+    settings = settings_from_args(args, None)
+    if not settings.cluster.coordinator:
+        print("pscluster scale: the cluster spec names no coordinator address; scale talks to the coordinator",
+              file=sys.stderr)
+        return 2
+    request = pb.ScaleRequest(count=args.ps) if args.ps is not None else \
+        pb.ScaleRequest(add=args.add) if args.add is not None else pb.ScaleRequest(remove=args.remove)
+    channel = rpc.open_channel(settings.cluster.coordinator, settings)
+    try:
+        report = scale(pb_grpc.CoordinatorStub(channel), request)
+    except PsclusterError as exc:
+        print(f"pscluster scale: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        channel.close()
+    freezes = sorted(report.freezes_s)
+    worst = f", freeze per moved primary: median {1e3 * freezes[len(freezes) // 2]:.1f} ms, max " \
+        f"{1e3 * freezes[-1]:.1f} ms" if freezes else ""
+    print(f"active PS tasks: {', '.join(map(str, report.active))}; {report.moved} shard copies moved{worst}")
+    return 0
 
 
 def settings_from_args(args: argparse.Namespace, task_type: str | None) -> Settings:
@@ -171,6 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             serve_evaluator(settings_from_args(args, "evaluator"), args.eval_fn, args.source, args.every_s)
         elif args.command == "certs":
             return _certs(args)
+        elif args.command == "scale":
+            return _scale(args)
         elif args.command == "status":
             from pscluster.ops.status import show, wait_for_file
 
