@@ -150,3 +150,36 @@ def test_replicas_2_with_one_ps_is_a_config_error_that_names_the_field() -> None
         validate({"cluster": {"ps": ["127.0.0.1:1"]}, "replicas": 2})
     with pytest.raises((ValidationError, ValueError), match="replicas"):
         validate({"cluster": {"ps": ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]}, "replicas": 3})
+
+
+def test_an_elastic_reassign_bumps_the_epoch_and_the_new_backup_catches_up() -> None:
+    state = table(3, 3)
+    c = state.shards[0]
+    actions = rp.decide(state, rp.Reassign(0, c.primary, 2))
+    after = state.shards[0]
+    assert after == rp.Copies(c.primary, 2, c.epoch + 1)  # not in sync until the catch-up finished
+    assert rp.Assign(0, after, True) in actions and isinstance(actions[-1], rp.Publish)
+    rp.decide(state, rp.CaughtUp(0, after.epoch))
+    switched = rp.decide(state, rp.Reassign(0, 2, c.primary))  # the switch: the successor is primary
+    assert state.shards[0].primary == 2 and state.shards[0].epoch == c.epoch + 2
+    assert rp.Assign(0, state.shards[0], True) in switched
+
+
+def test_a_reassign_of_an_unknown_or_lost_shard_or_onto_one_ps_changes_nothing() -> None:
+    state = table(3, 3)
+    version = state.version
+    assert rp.decide(state, rp.Reassign(9, 0, 1)) == []
+    assert rp.decide(state, rp.Reassign(0, 1, 1)) == []
+    state.shards[1] = rp.Copies(1, 2, 5, lost=True)
+    assert rp.decide(state, rp.Reassign(1, 0, 2)) == []
+    assert state.version == version
+
+
+def test_a_drained_ps_gets_no_new_backup_after_a_failover() -> None:
+    state = rp.ReplicaState(4)
+    state.inactive = {3}  # a scale drained it: nothing lives there
+    state.shards = {0: rp.Copies(0, 1, 1, in_sync=True), 1: rp.Copies(1, 2, 1, in_sync=True),
+                    2: rp.Copies(2, 0, 1, in_sync=True)}
+    rp.decide(state, rp.ConnectionLost(0))
+    assert state.shards[0].primary == 1 and state.shards[2].primary == 2
+    assert all(c.backup is not None and 3 not in (c.primary, c.backup) for c in state.shards.values())

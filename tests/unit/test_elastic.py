@@ -1,0 +1,147 @@
+"""The scale executor (coordinator/elastic.py) against a replica table that catches up at once and PS stubs
+that record freezes: the order of a move's steps, and refusals that change nothing."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from pscluster.coordinator import replicas as rp
+from pscluster.coordinator.elastic import Elastic
+from pscluster.proto import pscluster_pb2 as pb
+
+from pscluster.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
+
+
+class Keeper:
+    """replica_keeper.ReplicaKeeper's surface over the pure table; every new backup catches up at once."""
+
+    def __init__(self, num_ps: int, shards: int, log: list[tuple]) -> None:
+        self.state = rp.ReplicaState(num_ps)
+        self.log = log
+        for k in range(shards):
+            rp.decide(self.state, rp.ShardCreated(k))
+            rp.decide(self.state, rp.CaughtUp(k, 1))
+
+    def layout(self) -> dict[int, rp.Copies]:
+        return dict(self.state.shards)
+
+    def key_of(self, ordinal: int) -> tuple[str, int]:
+        return (f"v{ordinal}", 0)
+
+    def set_inactive(self, inactive: set[int]) -> None:
+        self.state.inactive = set(inactive)
+
+    def reassign(self, ordinal: int, primary: int, backup: int | None) -> rp.Copies:
+        rp.decide(self.state, rp.Reassign(ordinal, primary, backup))
+        self.log.append(("table", ordinal, primary, backup))
+        c = self.state.shards[ordinal]
+        rp.decide(self.state, rp.CaughtUp(ordinal, c.epoch))
+        return c
+
+
+class Stub:
+    """A PS's FreezeShard: records freezes and thaws; `fail` refuses them, `hold` blocks one."""
+
+    def __init__(self, ps: int, log: list[tuple]) -> None:
+        self.ps = ps
+        self.log = log
+        self.fail = False
+        self.hold: threading.Event | None = None
+        self.entered = threading.Event()
+
+    def FreezeShard(self, request: pb.FreezeRequest, timeout: float) -> pb.FreezeReply:  # noqa: N802 - the RPC name
+        if request.thaw:
+            self.log.append(("thaw", self.ps, request.ref.variable))
+            return pb.FreezeReply()
+        if self.fail:
+            raise UnavailableError(f"ps {self.ps} is not the primary")
+        self.entered.set()
+        if self.hold is not None:
+            self.hold.wait(5)
+        self.log.append(("freeze", self.ps, request.ref.variable, request.successor))
+        return pb.FreezeReply(version=1)
+
+
+def make(num_ps: int = 3, shards: int = 6) -> tuple[Elastic, Keeper, list[Stub], list[tuple]]:
+    log: list[tuple] = []
+    keeper = Keeper(num_ps, shards, log)
+    stubs = [Stub(i, log) for i in range(num_ps)]
+    return Elastic(keeper, stubs, catch_up_s=1.0), keeper, stubs, log  # type: ignore[arg-type]
+
+
+def test_draining_a_ps_freezes_each_of_its_primaries_switches_to_the_successor_then_thaws() -> None:
+    elastic, keeper, _, log = make()
+    moved_primaries = {o for o, c in keeper.layout().items() if c.primary == 2}
+    report = elastic.remove(2)
+    assert report.active == [0, 1] and len(report.freezes_s) == len(moved_primaries) == 2
+    assert all(2 not in (c.primary, c.backup) for c in keeper.layout().values())
+    for o in moved_primaries:
+        freeze = next(i for i, e in enumerate(log) if e[:3] == ("freeze", 2, f"v{o}"))
+        successor = log[freeze][3]
+        switch = next(i for i, e in enumerate(log) if e[:3] == ("table", o, successor) and i > freeze)
+        thaw = log.index(("thaw", 2, f"v{o}"))
+        assert freeze < switch < thaw
+        before = [e for e in log[:freeze] if e[0] == "table" and e[1] == o]
+        assert not before or before[-1][3] == successor  # the successor was made the backup first
+    assert keeper.state.inactive == {2}
+
+
+def test_adding_the_drained_ps_back_gives_it_its_share() -> None:
+    elastic, keeper, _, _ = make()
+    elastic.remove(2)
+    report = elastic.add(2)
+    assert report.active == [0, 1, 2] and len(report.freezes_s) == 2
+    assert sum(1 for c in keeper.layout().values() if c.primary == 2) == 2
+    assert keeper.state.inactive == set()
+
+
+@pytest.mark.parametrize("call,error,match", [
+    (lambda e: e.remove(5), InvalidArgumentError, "unknown PS task 5: this cluster has PS tasks 0..2"),
+    (lambda e: e.add(1), FailedPreconditionError, "ps 1 is active already"),
+    (lambda e: e.scale_to(1), InvalidArgumentError, "at least 2 active"),
+    (lambda e: e.scale_to(4), InvalidArgumentError, "pass 2..3"),
+    (lambda e: e.scale([0, 0]), InvalidArgumentError, "names a PS twice"),
+])
+def test_bad_input_is_refused_and_changes_nothing(call, error, match) -> None:
+    elastic, keeper, _, log = make()
+    before = keeper.layout()
+    with pytest.raises(error, match=match):
+        call(elastic)
+    assert keeper.layout() == before and log == [] and elastic.active == [0, 1, 2]
+
+
+def test_removing_a_drained_ps_again_is_refused() -> None:
+    elastic, _, _, _ = make()
+    elastic.remove(2)
+    with pytest.raises(FailedPreconditionError, match="ps 2 is not active"):
+        elastic.remove(2)
+
+
+def test_a_scale_while_one_runs_is_refused() -> None:
+    elastic, keeper, stubs, _ = make()
+    stubs[2].hold = threading.Event()
+    first = threading.Thread(target=elastic.remove, args=(2,))
+    first.start()
+    assert stubs[2].entered.wait(5)
+    with pytest.raises(FailedPreconditionError, match="a scale is under way"):
+        elastic.scale_to(3)
+    stubs[2].hold.set()
+    first.join(5)
+    assert elastic.active == [0, 1]
+
+
+def test_a_shard_that_lost_both_copies_stops_the_scale_before_anything_moves() -> None:
+    elastic, keeper, _, log = make()
+    keeper.state.shards[0] = rp.Copies(0, 1, 9, lost=True)  # both its holders died: waits for a restore
+    with pytest.raises(FailedPreconditionError, match="lost both copies"):
+        elastic.remove(2)
+    assert log == []
+
+
+def test_a_refused_freeze_leaves_the_primary_where_it_was() -> None:
+    elastic, keeper, stubs, _ = make()
+    stubs[2].fail = True
+    with pytest.raises(UnavailableError):
+        elastic.remove(2)
+    assert any(c.primary == 2 for c in keeper.layout().values())
