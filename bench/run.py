@@ -25,7 +25,7 @@ sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != ROOT /
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # the benchmark process shares 2 cores with daemons
 
-from bench import chaos, closures, floor, profile, replicas, training, transfer  # noqa: E402
+from bench import chaos, closures, elastic, floor, profile, replicas, training, transfer  # noqa: E402
 
 Row = tuple[str, str, str, str]  # id, what, measured, target and verdict
 
@@ -315,6 +315,22 @@ def bench_b15(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
          f"<= 15 % async, <= 5 % sync: {'met' if a['cost'] <= 0.15 and s['cost'] <= 0.05 else 'NOT met'}")]
 
 
+def bench_b15scale(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
+    r = elastic.scale(cycles=args.cycles)
+    cells = []
+    for what, label in (("remove", "PS 2 drained"), ("add", "PS 2 added back")):
+        m = r[what]
+        cells.append(f"{label}: freeze per moved primary p50 {m['freeze_p50_ms']:.1f} ms, max {m['freeze_max_ms']:.1f} "
+                     f"ms over {m['moved_primaries']}; longest gap between acknowledged pushes p50 "
+                     f"{m['gap_p50_ms']:.0f} ms, max {m['gap_max_ms']:.0f} ms")
+    worst = max(r["remove"]["freeze_max_ms"], r["add"]["freeze_max_ms"])
+    return r, [("B15SCALE", f"elastic PS: replicas: 2, 3 PS, {r['shards']} one-shard counters, PS 2 drained and added "
+                f"back x {r['cycles']} while a driver pushes +1 to all back to back",
+                "; ".join(cells) + f"; {r['acknowledged']} pushes acknowledged, counters "
+                f"{'all equal to it' if r['exact'] else r['counters']}, lost_updates {r['lost_updates']}",
+                f"freeze <= 50 ms per shard, exact: {'met' if worst <= 50 and r['exact'] else 'NOT met'}")]
+
+
 def bench_profile(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
     r = profile.profile_w2()
     cells = []
@@ -330,6 +346,7 @@ def bench_profile(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
 BENCHES = {"B1": bench_b1, "B1TLS": bench_b1tls, "B9": bench_b9, "B2": bench_b2, "FLOOR": bench_floor, "B3": bench_b3, "B4": bench_b4, "B5": bench_b5,
            "B6": bench_b6, "B7": bench_b7, "B8": bench_b8,
            "B10": bench_b10, "B11": bench_b11, "B12": bench_b12, "B13": bench_b13, "B14": bench_b14, "B15": bench_b15,
+           "B15SCALE": bench_b15scale,
            "B14MP": bench_b14_precision, "FIT": bench_fit, "PROFILE": bench_profile}
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
@@ -367,6 +384,7 @@ def main() -> int:
     parser.add_argument("--only", default=",".join(BENCHES), help="comma-separated ids")
     parser.add_argument("--runs", type=int, default=5, help="runs per figure (median reported)")
     parser.add_argument("--kills", type=int, default=100, help="B15: PS kills in the failover trial")
+    parser.add_argument("--cycles", type=int, default=10, help="B15SCALE: drain-and-add-back cycles of PS 2")
     parser.add_argument("--write", help="rewrite the table between the bench markers of this file")
     parser.add_argument("--tf-python", default=None, help="B13: a Python with tensorflow-cpu 2.21 (optional peer)")
     args = parser.parse_args()

@@ -147,12 +147,13 @@ class Elastic:
         ref = pb.ShardRef(variable=key[0], shard_index=key[1])
         old = self._stubs[c.primary]
         started = time.perf_counter()
+        switched: list[float] = []  # when the successor took the table: the shard admits pushes again there
         rpc.call(old.FreezeShard, pb.FreezeRequest(ref=ref, successor=successor,  # type: ignore[attr-defined]
                                                    lease_s=self._lease), timeout=self._lease + 1.0)
         try:
-            self._keeper.reassign(ordinal, successor, dest.backup)
+            self._keeper.reassign(ordinal, successor, dest.backup, lambda: switched.append(time.perf_counter()))
         finally:
-            frozen = time.perf_counter() - started
+            frozen = (switched[0] if switched else time.perf_counter()) - started
             try:
                 rpc.call(old.FreezeShard, pb.FreezeRequest(ref=ref, thaw=True), timeout=1.0)  # type: ignore[attr-defined]
             except PsclusterError as exc:  # its lease ends the freeze anyway

@@ -85,9 +85,10 @@ class ReplicaKeeper:
         with self._lock:
             self.state.inactive = set(inactive)
 
-    def reassign(self, ordinal: int, primary: int, backup: int | None) -> rp.Copies:
+    def reassign(self, ordinal: int, primary: int, backup: int | None,
+                 primary_took: Callable[[], None] | None = None) -> rp.Copies:
         """An elastic move's step: give the shard new holders at a new epoch and send the table to every PS
-        now, `primary` first (it starts admitting pushes when it has it).
+        now, `primary` first (it starts admitting pushes when it has it: then `primary_took` is called).
 
         Raises:
             PsclusterError: the new primary did not take the table (the keeper's rounds send it again).
@@ -99,6 +100,8 @@ class ReplicaKeeper:
             version = self.state.version
             request = self._table_request()
         rpc.call(self._stubs[primary].SetRoles, request, timeout=1.0)  # type: ignore[attr-defined]
+        if primary_took is not None:
+            primary_took()
         with self._lock:
             self._sent[primary] = max(self._sent.get(primary, -1), version)
             others = [ps for ps in self.state.up() if ps != primary]

@@ -4,6 +4,7 @@ that record freezes: the order of a move's steps, and refusals that change nothi
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pytest
 from pscluster.coordinator import replicas as rp
@@ -32,9 +33,12 @@ class Keeper:
     def set_inactive(self, inactive: set[int]) -> None:
         self.state.inactive = set(inactive)
 
-    def reassign(self, ordinal: int, primary: int, backup: int | None) -> rp.Copies:
+    def reassign(self, ordinal: int, primary: int, backup: int | None,
+                 primary_took: Callable[[], None] | None = None) -> rp.Copies:
         rp.decide(self.state, rp.Reassign(ordinal, primary, backup))
         self.log.append(("table", ordinal, primary, backup))
+        if primary_took is not None:
+            primary_took()
         c = self.state.shards[ordinal]
         rp.decide(self.state, rp.CaughtUp(ordinal, c.epoch))
         return c

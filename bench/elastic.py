@@ -1,0 +1,96 @@
+"""B15SCALE: elastic PS (docs/elastic.md). The freeze per moved shard when a PS is drained and added back.
+
+3 PS with replicas: 2 hold `shards` one-shard counters. A driver thread pushes +1 to every counter back to
+back (one push id for all of them, acknowledged once both copies hold it). Each cycle drains PS 2
+(coord.remove_ps) and brings it back (coord.add_ps) while the driver pushes. Per moved primary the
+coordinator measures the freeze: from the FreezeShard call on the old primary to the new primary holding
+the switched table (the time the shard refuses pushes). The driver sees more than that: a refused push is
+retried after the client's backoff (20 ms, then doubling) and a re-read of the table, and a push waits for
+a new backup's catch-up; the longest gap between two acknowledged pushes during a scale is reported too.
+At the end every counter must equal the number of acknowledged pushes, and lost_updates() must be 0.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+import pscluster as ps
+from pscluster.ops.launcher import LocalCluster
+
+
+def _wait(condition: Any, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def scale(cycles: int = 10, shards: int = 6) -> dict[str, Any]:
+    """Drain PS 2 and add it back `cycles` times under back-to-back pushes; freeze per moved primary."""
+    acked: list[float] = []
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    freezes: dict[str, list[float]] = {"remove": [], "add": []}
+    gaps: dict[str, list[float]] = {"remove": [], "add": []}
+    moved = {"remove": 0, "add": 0}
+    with LocalCluster(3, 0, supervise=False, replicas=2) as cluster:
+        coord = ps.ClusterCoordinator(cluster.settings())
+        try:
+            counters = [coord.create_variable(f"counter{i}", shape=(), dtype="int64", optimizer=ps.SGD(1.0))
+                        for i in range(shards)]
+            one = np.array(-1, np.int64)
+            _wait(lambda: len(t := coord.replica_table()) == shards and all(c.in_sync for c in t.values()),
+                  "every counter's backup")
+
+            def pusher() -> None:
+                while not stop.is_set():
+                    try:
+                        coord.client.push([(c, one) for c in counters])
+                    except ps.PsclusterError as exc:  # retried for retry_for already: a failure to report
+                        errors.append(exc)
+                        return
+                    acked.append(time.monotonic())
+
+            thread = threading.Thread(target=pusher, name="b15scale-pusher", daemon=True)
+            thread.start()
+            for _ in range(cycles):
+                for what, change in (("remove", lambda: coord.remove_ps(2)), ("add", lambda: coord.add_ps(2))):
+                    _wait(lambda: len(acked) > 20, "pushes")
+                    first = len(acked)
+                    started = time.monotonic()
+                    report = change()
+                    ended = time.monotonic()
+                    _wait(lambda: len(acked) > first + 5 and acked[-1] > ended, "pushes after the scale")
+                    during = [started] + [t for t in acked[first:] if t <= ended] + \
+                        [next(t for t in acked[first:] if t > ended)]
+                    gaps[what].append(max(b - a for a, b in zip(during, during[1:])))
+                    freezes[what] += report.freezes_s
+                    moved[what] += report.moved
+                    if errors:
+                        raise errors[0]
+            stop.set()
+            thread.join(timeout=30)
+            totals = [int(c.pull()) for c in counters]
+            lost = coord.lost_updates
+        finally:
+            stop.set()
+            coord.shutdown()
+    out: dict[str, Any] = {"cycles": cycles, "shards": shards, "acknowledged": len(acked), "counters": totals,
+                           "lost_updates": lost, "exact": all(t == len(acked) for t in totals) and lost == 0}
+    for what in ("remove", "add"):
+        ms = [1e3 * f for f in freezes[what]]
+        out[what] = {"moved_primaries": len(ms), "moved_copies": moved[what], "freeze_p50_ms": statistics.median(ms),
+                     "freeze_max_ms": max(ms), "gap_p50_ms": 1e3 * statistics.median(gaps[what]),
+                     "gap_max_ms": 1e3 * max(gaps[what]), "freeze_p99_ms": _pct(ms, 0.99)}
+    return out
