@@ -78,5 +78,10 @@ def test_draining_a_ps_and_bringing_it_back_under_load_counts_every_increment_on
         assert [int(c.pull()) for c in counters] == [completed] * COUNTERS
         assert coord.lost_updates == 0
         assert grown.active == [0, 1, 2] and grown.moved > 0 and len(grown.freezes_s) == 2
+        coord.configure_sync("sync", replicas_to_aggregate=2, total_num_replicas=2)
+        table = coord.replica_table()
+        with pytest.raises(FailedPreconditionError, match="scale in async or bounded mode"):
+            coord.remove_ps(2)  # a sync step's pushes wait for each other: no shard can be frozen mid-step
+        assert coord.replica_table() == table
     finally:
         coord.shutdown()

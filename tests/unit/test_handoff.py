@@ -171,3 +171,12 @@ def test_a_shard_moved_back_and_forth_under_concurrent_pushes_counts_every_ackno
     assert acked[0] > 0
     assert int(b.store.get(COUNTER).value) == acked[0]  # SGD(1.0) on -1: every acknowledged push, once
     assert max(freezes) < 1.0
+
+
+def test_a_sync_job_refuses_a_freeze_and_keeps_admitting_pushes(cores) -> None:
+    a, b = cores
+    roles((a, b), 1, 0, 1)
+    a.sync.configure("sync", 2, 2, 0)
+    with pytest.raises(FailedPreconditionError, match="sync job"):
+        a.freeze_shard(COUNTER, 1, 1.0)
+    assert a.gate.frozen() == []
