@@ -91,10 +91,15 @@ class ReplicaKeeper:
         now, `primary` first (it starts admitting pushes when it has it: then `primary_took` is called).
 
         Raises:
+            UnavailableError: the table refused the change (a holder is down, or the shard lost both copies).
             PsclusterError: the new primary did not take the table (the keeper's rounds send it again).
         """
         with self._lock:
-            for action in rp.decide(self.state, rp.Reassign(ordinal, primary, backup)):
+            actions = rp.decide(self.state, rp.Reassign(ordinal, primary, backup))
+            if not actions:
+                raise UnavailableError(f"shard {self._keys.get(ordinal, ordinal)} cannot move to primary ps {primary}, "
+                                       f"backup {backup}: a holder is down or the shard lost both copies")
+            for action in actions:
                 self._note(action)
             copies = self.state.shards[ordinal]
             version = self.state.version

@@ -210,8 +210,10 @@ def decide(state: ReplicaState, event: ReplicaEvent) -> list[ReplicaAction]:
                 actions.append(Restored(ordinal, event.ps, copies.epoch))
     elif isinstance(event, Reassign):
         found = state.shards.get(event.ordinal)
-        if found is None or found.lost or event.primary == event.backup:
-            return []
+        holders = [ps for ps in (event.primary, event.backup) if ps is not None]
+        if found is None or found.lost or event.primary == event.backup or \
+                not all(ps in state.ps and state.ps[ps].up for ps in holders):
+            return []  # nothing to move, or onto a PS that is down (a failover got there first)
         copies = state.shards[event.ordinal] = Copies(event.primary, event.backup, found.epoch + 1)
         actions.append(Assign(event.ordinal, copies, event.backup is not None))
     elif isinstance(event, CaughtUp):

@@ -35,7 +35,8 @@ class Keeper:
 
     def reassign(self, ordinal: int, primary: int, backup: int | None,
                  primary_took: Callable[[], None] | None = None) -> rp.Copies:
-        rp.decide(self.state, rp.Reassign(ordinal, primary, backup))
+        if not rp.decide(self.state, rp.Reassign(ordinal, primary, backup)):
+            raise UnavailableError("a holder is down")
         self.log.append(("table", ordinal, primary, backup))
         if primary_took is not None:
             primary_took()
@@ -149,3 +150,20 @@ def test_a_refused_freeze_leaves_the_primary_where_it_was() -> None:
     with pytest.raises(UnavailableError):
         elastic.remove(2)
     assert any(c.primary == 2 for c in keeper.layout().values())
+
+
+def test_a_successor_that_died_during_the_freeze_is_not_made_primary_and_the_old_one_thaws() -> None:
+    elastic, keeper, stubs, log = make()
+    real = stubs[2].FreezeShard
+
+    def freeze_then_lose_successor(request: pb.FreezeRequest, timeout: float) -> pb.FreezeReply:
+        reply = real(request, timeout)
+        if not request.thaw:
+            rp.decide(keeper.state, rp.ConnectionLost(request.successor))
+        return reply
+
+    stubs[2].FreezeShard = freeze_then_lose_successor  # type: ignore[method-assign]
+    with pytest.raises(UnavailableError, match="a holder is down"):
+        elastic.remove(2)
+    assert log[-1][0] == "thaw"
+    assert all(keeper.state.ps[c.primary].up for c in keeper.layout().values() if not c.lost)

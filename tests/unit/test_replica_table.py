@@ -165,13 +165,15 @@ def test_an_elastic_reassign_bumps_the_epoch_and_the_new_backup_catches_up() -> 
     assert rp.Assign(0, state.shards[0], True) in switched
 
 
-def test_a_reassign_of_an_unknown_or_lost_shard_or_onto_one_ps_changes_nothing() -> None:
+def test_a_reassign_of_an_unknown_or_lost_shard_onto_one_ps_or_a_dead_one_changes_nothing() -> None:
     state = table(3, 3)
     version = state.version
     assert rp.decide(state, rp.Reassign(9, 0, 1)) == []
     assert rp.decide(state, rp.Reassign(0, 1, 1)) == []
     state.shards[1] = rp.Copies(1, 2, 5, lost=True)
     assert rp.decide(state, rp.Reassign(1, 0, 2)) == []
+    state.ps[2].up = False  # the successor died between the freeze and the switch
+    assert rp.decide(state, rp.Reassign(0, 2, 1)) == []
     assert state.version == version
 
 
