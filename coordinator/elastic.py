@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from pscluster.coordinator import rebalance as rb
+from pscluster.coordinator import replicas as rp
 from pscluster.coordinator.replica_keeper import ReplicaKeeper
 from pscluster.proto import pscluster_pb2 as pb
 
@@ -132,8 +133,24 @@ class Elastic:
         return ScaleReport(active, moved, freezes)
 
     def _move(self, ordinal: int, dest: rb.Place) -> float | None:
-        """Move one shard to dest; the freeze in seconds when its primary moved."""
+        """Move one shard to dest, then drop the copies of the PS tasks that no longer hold it; the freeze in
+        seconds when its primary moved."""
         c = self._keeper.layout()[ordinal]
+        frozen = self._switch(ordinal, c, dest)
+        for ps in (c.primary, c.backup):
+            if ps is not None and ps not in (dest.primary, dest.backup):
+                self._drop(ordinal, ps)
+        return frozen
+
+    def _drop(self, ordinal: int, ps: int) -> None:
+        key = self._keeper.key_of(ordinal)
+        request = pb.FreezeRequest(ref=pb.ShardRef(variable=key[0], shard_index=key[1]), thaw=True, drop=True)
+        try:  # memory only: a copy the table gives no role serves nothing, and a retry of the scale drops it
+            rpc.call(self._stubs[ps].FreezeShard, request, timeout=1.0)  # type: ignore[attr-defined]
+        except PsclusterError as exc:
+            log.warning("scale: ps %d did not drop its copy of %s[%d]: %s", ps, key[0], key[1], exc)
+
+    def _switch(self, ordinal: int, c: rp.Copies, dest: rb.Place) -> float | None:
         if dest.primary == c.primary:
             if dest.backup != c.backup:
                 self._keeper.reassign(ordinal, c.primary, dest.backup)

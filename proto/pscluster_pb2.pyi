@@ -1378,11 +1378,14 @@ class FreezeRequest(_message.Message):
     SUCCESSOR_FIELD_NUMBER: _builtins.int
     LEASE_S_FIELD_NUMBER: _builtins.int
     THAW_FIELD_NUMBER: _builtins.int
+    DROP_FIELD_NUMBER: _builtins.int
     successor: _builtins.int
     """the PS the shard moves to: its backup now"""
     lease_s: _builtins.float
     """the freeze ends by itself after this long"""
     thaw: _builtins.bool
+    drop: _builtins.bool
+    """with thaw: remove this PS's copy if the table gives this PS no role for it now"""
     @_builtins.property
     def ref(self) -> Global___ShardRef: ...
     def __init__(
@@ -1392,10 +1395,11 @@ class FreezeRequest(_message.Message):
         successor: _builtins.int = ...,
         lease_s: _builtins.float = ...,
         thaw: _builtins.bool = ...,
+        drop: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_s", b"lease_s", "ref", b"ref", "successor", b"successor", "thaw", b"thaw"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["drop", b"drop", "lease_s", b"lease_s", "ref", b"ref", "successor", b"successor", "thaw", b"thaw"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1406,16 +1410,20 @@ class FreezeReply(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     VERSION_FIELD_NUMBER: _builtins.int
+    DROPPED_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     """the shard's version, held by the successor"""
+    dropped: _builtins.bool
+    """thaw with drop: the copy was removed"""
     def __init__(
         self,
         *,
         version: _builtins.int = ...,
+        dropped: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped", b"dropped", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

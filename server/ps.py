@@ -163,9 +163,21 @@ class ParameterServerCore:
         self.gate.freeze(key, lease_s, drain)
         return int(shard.version)
 
-    def thaw_shard(self, key: tuple[str, int]) -> None:
-        """End a shard's freeze (its move switched the table, or was abandoned)."""
+    def thaw_shard(self, key: tuple[str, int], drop: bool = False) -> bool:
+        """End a shard's freeze (its move switched the table, or was abandoned); drop: also remove this PS's
+        copy when the replica table gives this PS no role for it any more. True if a copy was dropped."""
         self.gate.thaw([key])
+        if not drop or self.replication is None:
+            return False
+        _, roles = self.replication.roles()
+        role = next((r for r in roles if r.key == key), None)
+        if role is None or self.ps_index in (role.primary, role.backup):
+            return False  # no table yet, or this PS still holds it: keep the copy
+        dropped = bool(self.store.remove(key))
+        if dropped:
+            log.info("ps %d: dropped %s[%d]: it moved to ps %d (epoch %d)", self.ps_index, key[0], key[1],
+                     role.primary, role.epoch)
+        return dropped
 
     def returns_values(self, items: Sequence[pb.PushItem]) -> bool:
         """Whether a fused push-pull of these pushed items gets values: only an async PS (an accumulating

@@ -126,8 +126,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     def FreezeShard(self, request: pb.FreezeRequest, context: grpc.ServicerContext) -> pb.FreezeReply:
         if request.thaw:
-            self.core.thaw_shard(_key(request.ref))
-            return pb.FreezeReply()
+            return pb.FreezeReply(dropped=self.core.thaw_shard(_key(request.ref), request.drop))
         return pb.FreezeReply(version=self.core.freeze_shard(_key(request.ref), request.successor, request.lease_s))
 
     def _replication(self, method: str) -> Replication:

@@ -173,6 +173,11 @@ class VariableStore:
         with self._create_lock:
             self._shards[shard.spec.key] = shard
 
+    def remove(self, key: Key) -> bool:
+        """Drop a shard this PS no longer holds (it moved away: server/handoff.py); False if it had none."""
+        with self._create_lock:
+            return self._shards.pop(key, None) is not None
+
     def find(self, key: Key) -> Shard | None:
         """The shard for key, or None."""
         return self._shards.get(key)

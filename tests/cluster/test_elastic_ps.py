@@ -67,6 +67,7 @@ def test_draining_a_ps_and_bringing_it_back_under_load_counts_every_increment_on
         assert cli.main(["scale", "--remove", "2", "--cluster", str(cluster.cluster_file)]) == 0  # under load
         assert "active PS tasks: 0, 1;" in capsys.readouterr().out
         assert 2 not in holders(coord)[0]
+        assert coord.client.status()[2].num_shards == 0  # drained: it dropped every copy
         values += [coord.schedule(increment, args=tuple(counters)) for _ in range(150)]
         poll(lambda: int(counters[0].pull()) >= 170, "pushes under way again")
         grown = coord.add_ps(2)  # under load

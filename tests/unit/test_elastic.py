@@ -57,8 +57,8 @@ class Stub:
 
     def FreezeShard(self, request: pb.FreezeRequest, timeout: float) -> pb.FreezeReply:  # noqa: N802 - the RPC name
         if request.thaw:
-            self.log.append(("thaw", self.ps, request.ref.variable))
-            return pb.FreezeReply()
+            self.log.append(("drop" if request.drop else "thaw", self.ps, request.ref.variable))
+            return pb.FreezeReply(dropped=request.drop)
         if self.fail:
             raise UnavailableError(f"ps {self.ps} is not the primary")
         self.entered.set()
@@ -77,7 +77,8 @@ def make(num_ps: int = 3, shards: int = 6) -> tuple[Elastic, Keeper, list[Stub],
 
 def test_draining_a_ps_freezes_each_of_its_primaries_switches_to_the_successor_then_thaws() -> None:
     elastic, keeper, _, log = make()
-    moved_primaries = {o for o, c in keeper.layout().items() if c.primary == 2}
+    start = keeper.layout()
+    moved_primaries = {o for o, c in start.items() if c.primary == 2}
     report = elastic.remove(2)
     assert report.active == [0, 1] and len(report.freezes_s) == len(moved_primaries) == 2
     assert all(2 not in (c.primary, c.backup) for c in keeper.layout().values())
@@ -90,6 +91,10 @@ def test_draining_a_ps_freezes_each_of_its_primaries_switches_to_the_successor_t
         before = [e for e in log[:freeze] if e[0] == "table" and e[1] == o]
         assert not before or before[-1][3] == successor  # the successor was made the backup first
     assert keeper.state.inactive == {2}
+    dropped = {(e[1], e[2]) for e in log if e[0] == "drop"}
+    assert {(2, f"v{o}") for o, c in start.items() if 2 in (c.primary, c.backup)} <= dropped  # PS 2 keeps nothing
+    assert all(ps not in (keeper.layout()[int(v[1:])].primary, keeper.layout()[int(v[1:])].backup)
+               for ps, v in dropped)  # and only copies the table no longer names are dropped
 
 
 def test_adding_the_drained_ps_back_gives_it_its_share() -> None:
@@ -165,5 +170,6 @@ def test_a_successor_that_died_during_the_freeze_is_not_made_primary_and_the_old
     stubs[2].FreezeShard = freeze_then_lose_successor  # type: ignore[method-assign]
     with pytest.raises(UnavailableError, match="a holder is down"):
         elastic.remove(2)
-    assert log[-1][0] == "thaw"
+    frozen = next(e[2] for e in log if e[0] == "freeze")
+    assert log[-1] == ("thaw", 2, frozen) and ("drop", 2, frozen) not in log  # it still holds the shard
     assert all(keeper.state.ps[c.primary].up for c in keeper.layout().values() if not c.lost)

@@ -180,3 +180,15 @@ def test_a_sync_job_refuses_a_freeze_and_keeps_admitting_pushes(cores) -> None:
     with pytest.raises(FailedPreconditionError, match="sync job"):
         a.freeze_shard(COUNTER, 1, 1.0)
     assert a.gate.frozen() == []
+
+
+def test_the_old_holder_drops_its_copy_only_once_the_table_gives_it_no_role(cores) -> None:
+    a, b = cores
+    assert not a.thaw_shard(COUNTER, drop=True)  # no table yet: keep it
+    roles((a, b), 1, 0, 1)
+    a.replication.wait([(COUNTER, a.store.get(COUNTER).version)])
+    assert not a.thaw_shard(COUNTER, drop=True)  # still its primary
+    roles((b, a), 2, 1)  # moved: ps 1 alone
+    assert not b.thaw_shard(COUNTER, drop=True)
+    assert a.thaw_shard(COUNTER, drop=True) and a.store.find(COUNTER) is None
+    assert b.store.find(COUNTER) is not None
