@@ -167,6 +167,7 @@ class Elastic:
         switched: list[float] = []  # when the successor took the table: the shard admits pushes again there
         rpc.call(old.FreezeShard, pb.FreezeRequest(ref=ref, successor=successor,  # type: ignore[attr-defined]
                                                    lease_s=self._lease), timeout=self._lease + 1.0)
+        drained = time.perf_counter() - started
         try:
             self._keeper.reassign(ordinal, successor, dest.backup, lambda: switched.append(time.perf_counter()))
         finally:
@@ -175,8 +176,8 @@ class Elastic:
                 rpc.call(old.FreezeShard, pb.FreezeRequest(ref=ref, thaw=True), timeout=1.0)  # type: ignore[attr-defined]
             except PsclusterError as exc:  # its lease ends the freeze anyway
                 log.warning("scale: ps %d did not thaw %s[%d]: %s", c.primary, key[0], key[1], exc)
-        log.info("scale: %s[%d] moved from ps %d to ps %d, frozen %.1f ms", key[0], key[1], c.primary, successor,
-                 1e3 * frozen)
+        log.info("scale: %s[%d] moved from ps %d to ps %d, frozen %.1f ms (%.1f ms of them draining)", key[0], key[1],
+                 c.primary, successor, 1e3 * frozen, 1e3 * drained)
         self._wait_in_sync(ordinal)  # its new backup holds it before the next move leans on it
         return frozen
 
