@@ -44,6 +44,9 @@ class ReplicaKeeper:
         self._shard_counts: dict[int, int] = {}
         self._sent: dict[int, int] = {}  # the table version each PS acknowledged
         self._lost: dict[int, set[Key]] = {}  # ps -> shards that came back from a checkpoint there
+        # the table the PS tasks hold when this keeper starts (a restarted coordinator goes on from it, not
+        # from the initial placement: failovers and elastic moves changed it); None until asked
+        self._adopted: dict[Key, pb.ShardRole] | None = None
         self._lock = threading.Lock()  # state, for readers on other threads (never held across an RPC)
         self._pool = ThreadPoolExecutor(max(2, len(stubs)), thread_name_prefix="replica-keeper-rpc")
         self._stop = threading.Event()
@@ -154,7 +157,10 @@ class ReplicaKeeper:
                 elif isinstance(answer, UnavailableError):
                     actions += rp.decide(state, rp.ConnectionLost(ps))
             actions += rp.decide(state, rp.Tick(now))
-        self._learn_shards(answers)
+        if self._adopted is None:
+            self._adopt(answers)
+        if self._adopted is not None:  # a shard's placement comes from the PS tasks' table first
+            self._learn_shards(answers)
         with self._lock:
             for ps, answer in enumerate(answers):
                 if not isinstance(answer, pb.PsStatus) or answer.roles_version < self.state.version:
@@ -181,6 +187,23 @@ class ReplicaKeeper:
             log.info("replica table: %s primary ps %d, backup %s, epoch %d", key, c.primary,
                      "none" if c.backup is None else f"ps {c.backup}", c.epoch)
 
+    def _adopt(self, answers: list[pb.PsStatus | PsclusterError]) -> None:
+        """Take the newest table a PS holds (a coordinator restart); nothing to take on a new cluster."""
+        held = [(a.roles_version, ps) for ps, a in enumerate(answers) if isinstance(a, pb.PsStatus) and a.roles_version]
+        if not held:
+            self._adopted = {}
+            return
+        _, ps = max(held)
+        try:
+            table = rpc.call(self._stubs[ps].GetRoles, pb.GetRolesRequest(), timeout=1.0)  # type: ignore[attr-defined]
+        except PsclusterError:
+            return  # the next round asks again
+        with self._lock:
+            self.state.version = max(self.state.version, table.version)  # PS tasks ignore older tables
+            self._adopted = {(r.ref.variable, r.ref.shard_index): r for r in table.roles}
+        log.info("replica table: went on from version %d held by ps %d (%d shards)", table.version, ps,
+                 len(table.roles))
+
     def _learn_shards(self, answers: list[pb.PsStatus | PsclusterError]) -> None:
         changed = [ps for ps, a in enumerate(answers)
                    if isinstance(a, pb.PsStatus) and self._shard_counts.get(ps) != a.num_shards]
@@ -198,7 +221,12 @@ class ReplicaKeeper:
                     ordinal = info.spec.ordinal
                     if ordinal not in self._keys:
                         self._keys[ordinal] = (info.spec.variable, info.spec.shard_index)
-                    if ordinal not in self.state.shards:
+                    role = (self._adopted or {}).get(self._keys[ordinal])
+                    if ordinal not in self.state.shards and role is not None:
+                        # in sync once its primary says so (the next round), as after any assignment
+                        self.state.shards[ordinal] = rp.Copies(role.primary, role.backup if role.backup >= 0 else None,
+                                                               role.epoch)
+                    elif ordinal not in self.state.shards:
                         for action in rp.decide(self.state, rp.ShardCreated(ordinal)):
                             self._note(action)
 

@@ -164,13 +164,17 @@ class PSClient(ClusterOperations):
     def discover(self) -> dict[str, Variable]:
         """Every variable on the cluster, from the PS tasks' own listings."""
         infos = self._gather([(ps, "ListShards", pb.ListShardsRequest()) for ps in range(self.num_ps)])
-        by_name: dict[str, list[tuple[int, pb.ShardInfo]]] = defaultdict(list)
+        by_name: dict[str, dict[int, tuple[int, pb.ShardInfo]]] = defaultdict(dict)
         for ps, reply in enumerate(infos):
             for info in reply.shards:
-                by_name[info.spec.variable].append((ps, info))
+                # with replicas: 2 a shard is listed by its primary and its backup, and may have moved since its
+                # creation: the handle names its placement PS once (routes.py finds its primary)
+                home = ps_for_ordinal(info.spec.ordinal, self.num_ps)
+                if info.spec.shard_index not in by_name[info.spec.variable] or ps == home:
+                    by_name[info.spec.variable][info.spec.shard_index] = (home, info)
         found = {}
-        for name, items in by_name.items():
-            items.sort(key=lambda x: x[1].spec.shard_index)
+        for name, shards in by_name.items():
+            items = sorted(shards.values(), key=lambda x: x[1].spec.shard_index)
             spec = items[0][1].spec
             found[name] = Variable(
                 name, tuple(spec.full_shape), np.dtype(spec.dtype),

@@ -79,10 +79,23 @@ def test_draining_a_ps_and_bringing_it_back_under_load_counts_every_increment_on
         assert [int(c.pull()) for c in counters] == [completed] * COUNTERS
         assert coord.lost_updates == 0
         assert grown.active == [0, 1, 2] and grown.moved > 0 and len(grown.freezes_s) == 2
+        coord.remove_ps(2)
+        table = {key: (c.primary, c.backup) for key, c in coord.replica_table().items()}
         coord.configure_sync("sync", replicas_to_aggregate=2, total_num_replicas=2)
-        table = coord.replica_table()
         with pytest.raises(FailedPreconditionError, match="scale in async or bounded mode"):
-            coord.remove_ps(2)  # a sync step's pushes wait for each other: no shard can be frozen mid-step
-        assert coord.replica_table() == table
+            coord.remove_ps(0)  # a sync step's pushes wait for each other: no shard can be frozen mid-step
+        coord.configure_sync("async")
+        coord.shutdown()
+        # a restarted coordinator goes on from the table the PS tasks hold, not from the initial placement
+        coord = ps.ClusterCoordinator(cluster.settings())
+        poll(lambda: {key: (c.primary, c.backup) for key, c in coord.replica_table().items()} == table,
+             "the new coordinator to take the PS tasks' table")
+        counters = [coord.create_variable(f"counter{i}", shape=(), dtype="int64", optimizer=ps.SGD(1.0))
+                    for i in range(COUNTERS)]
+        coord.wait_for_workers(2)
+        values = [coord.schedule(increment, args=tuple(counters)) for _ in range(10)]
+        coord.join(timeout=30)
+        assert [int(c.pull()) for c in counters] == [completed + 10] * COUNTERS
+        assert coord.client.status()[2].num_shards == 0
     finally:
         coord.shutdown()
