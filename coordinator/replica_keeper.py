@@ -60,7 +60,8 @@ class ReplicaKeeper:
     def stop(self) -> None:
         """Stop the thread and join it."""
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.ident is not None:  # started
+            self._thread.join(timeout=5)
         self._pool.shutdown(wait=True)
 
     def lost_shards(self, ps: int) -> set[Key]:

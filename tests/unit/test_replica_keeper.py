@@ -1,0 +1,67 @@
+"""The replica keeper (coordinator/replica_keeper.py) over PS stubs that answer from memory: a restarted
+coordinator goes on from the table the PS tasks hold; a new cluster starts from the initial placement."""
+
+from __future__ import annotations
+
+from pscluster.coordinator.replica_keeper import ReplicaKeeper
+from pscluster.proto import pscluster_pb2 as pb
+
+
+class Ps:
+    """Status, ListShards, GetRoles and SetRoles of one PS task, as plain calls (rpc.call's shape)."""
+
+    def __init__(self, index: int, shards: list[tuple[str, int]], table: pb.SetRolesRequest) -> None:
+        self.index = index
+        self.shards = shards
+        self.table = table
+
+    def Status(self, request: pb.PsStatusRequest, timeout: float) -> pb.PsStatus:  # noqa: N802 - the RPC name
+        return pb.PsStatus(ps_index=self.index, num_shards=len(self.shards), roles_version=self.table.version)
+
+    def ListShards(self, request: pb.ListShardsRequest, timeout: float) -> pb.ListShardsReply:  # noqa: N802
+        return pb.ListShardsReply(shards=[pb.ShardInfo(spec=pb.ShardSpec(variable=v, shard_index=0, ordinal=o))
+                                          for v, o in self.shards])
+
+    def GetRoles(self, request: pb.GetRolesRequest, timeout: float) -> pb.SetRolesRequest:  # noqa: N802
+        return self.table
+
+    def SetRoles(self, request: pb.SetRolesRequest, timeout: float) -> pb.SetRolesReply:  # noqa: N802
+        if request.version >= self.table.version:
+            self.table = request
+        return pb.SetRolesReply()
+
+
+def role(variable: str, epoch: int, primary: int, backup: int) -> pb.ShardRole:
+    return pb.ShardRole(ref=pb.ShardRef(variable=variable, shard_index=0), epoch=epoch, primary=primary,
+                        backup=backup)
+
+
+def test_a_restarted_coordinator_goes_on_from_the_table_the_ps_tasks_hold() -> None:
+    # shard a (ordinal 0) moved from ps 0 to ps 2; ps 0 holds nothing now
+    moved = pb.SetRolesRequest(version=7, roles=[role("a", 3, 2, 1), role("b", 1, 1, 2), role("c", 1, 2, 1)])
+    older = pb.SetRolesRequest(version=5, roles=[role("a", 2, 0, 1)])
+    stubs = [Ps(0, [], older), Ps(1, [("a", 0), ("b", 1), ("c", 2)], moved),
+             Ps(2, [("a", 0), ("b", 1), ("c", 2)], moved)]
+    keeper = ReplicaKeeper(stubs)
+    try:
+        keeper._round()
+        table = keeper.table()
+        assert (table[("a", 0)].primary, table[("a", 0)].backup, table[("a", 0)].epoch) == (2, 1, 3)
+        assert all(0 not in (c.primary, c.backup) for c in table.values())
+        assert keeper.state.version >= 7  # PS tasks ignore a table older than theirs
+        assert all(p.table.version >= 7 and {r.ref.variable: r.primary for r in p.table.roles}["a"] == 2
+                   for p in stubs)  # and every PS got it, ps 0 included
+    finally:
+        keeper.stop()
+
+
+def test_a_new_cluster_starts_from_the_initial_striped_placement() -> None:
+    empty = pb.SetRolesRequest()
+    stubs = [Ps(0, [("a", 0)], empty), Ps(1, [], empty)]
+    keeper = ReplicaKeeper(stubs)
+    try:
+        keeper._round()
+        c = keeper.table()[("a", 0)]
+        assert (c.primary, c.backup, c.epoch) == (0, 1, 1)
+    finally:
+        keeper.stop()
