@@ -36,8 +36,9 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def scale(cycles: int = 10, shards: int = 6) -> dict[str, Any]:
-    """Drain PS 2 and add it back `cycles` times under back-to-back pushes; freeze per moved primary."""
+def scale(cycles: int = 10, shards: int = 6, elements: int = 1) -> dict[str, Any]:
+    """Drain PS 2 and add it back `cycles` times under back-to-back pushes; freeze per moved primary.
+    elements: each counter's size (1: a scalar; more: a vector of int64, every element counts the pushes)."""
     acked: list[float] = []
     stop = threading.Event()
     errors: list[BaseException] = []
@@ -47,9 +48,10 @@ def scale(cycles: int = 10, shards: int = 6) -> dict[str, Any]:
     with LocalCluster(3, 0, supervise=False, replicas=2) as cluster:
         coord = ps.ClusterCoordinator(cluster.settings())
         try:
-            counters = [coord.create_variable(f"counter{i}", shape=(), dtype="int64", optimizer=ps.SGD(1.0))
+            shape: tuple[int, ...] = () if elements == 1 else (elements,)
+            counters = [coord.create_variable(f"counter{i}", shape=shape, dtype="int64", optimizer=ps.SGD(1.0))
                         for i in range(shards)]
-            one = np.array(-1, np.int64)
+            one = np.full(shape, -1, np.int64)
             _wait(lambda: len(t := coord.replica_table()) == shards and all(c.in_sync for c in t.values()),
                   "every counter's backup")
 
@@ -81,12 +83,14 @@ def scale(cycles: int = 10, shards: int = 6) -> dict[str, Any]:
                         raise errors[0]
             stop.set()
             thread.join(timeout=30)
-            totals = [int(c.pull()) for c in counters]
+            totals = [int(np.asarray(c.pull()).min()) for c in counters]
+            if elements > 1:
+                totals += [int(np.asarray(c.pull()).max()) for c in counters]
             lost = coord.lost_updates
         finally:
             stop.set()
             coord.shutdown()
-    out: dict[str, Any] = {"cycles": cycles, "shards": shards, "acknowledged": len(acked), "counters": totals,
+    out: dict[str, Any] = {"cycles": cycles, "shards": shards, "elements": elements, "acknowledged": len(acked), "counters": totals,
                            "lost_updates": lost, "exact": all(t == len(acked) for t in totals) and lost == 0}
     for what in ("remove", "add"):
         ms = [1e3 * f for f in freezes[what]]

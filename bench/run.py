@@ -316,7 +316,7 @@ def bench_b15(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
 
 
 def bench_b15scale(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
-    r = elastic.scale(cycles=args.cycles)
+    r = elastic.scale(cycles=args.cycles, elements=args.scale_elements)
     cells = []
     for what, label in (("remove", "PS 2 drained"), ("add", "PS 2 added back")):
         m = r[what]
@@ -324,7 +324,8 @@ def bench_b15scale(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]
                      f"ms over {m['moved_primaries']}; longest gap between acknowledged pushes p50 "
                      f"{m['gap_p50_ms']:.0f} ms, max {m['gap_max_ms']:.0f} ms")
     worst = max(r["remove"]["freeze_max_ms"], r["add"]["freeze_max_ms"])
-    return r, [("B15SCALE", f"elastic PS: replicas: 2, 3 PS, {r['shards']} one-shard counters, PS 2 drained and added "
+    size = "one-shard counters" if r["elements"] == 1 else f"one-shard int64 counters of {r['elements'] * 8 >> 20} MiB each"
+    return r, [("B15SCALE", f"elastic PS: replicas: 2, 3 PS, {r['shards']} {size}, PS 2 drained and added "
                 f"back x {r['cycles']} while a driver pushes +1 to all back to back",
                 "; ".join(cells) + f"; {r['acknowledged']} pushes acknowledged, counters "
                 f"{'all equal to it' if r['exact'] else r['counters']}, lost_updates {r['lost_updates']}",
@@ -385,6 +386,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=5, help="runs per figure (median reported)")
     parser.add_argument("--kills", type=int, default=100, help="B15: PS kills in the failover trial")
     parser.add_argument("--cycles", type=int, default=10, help="B15SCALE: drain-and-add-back cycles of PS 2")
+    parser.add_argument("--scale-elements", type=int, default=1, help="B15SCALE: int64 elements per counter shard")
     parser.add_argument("--write", help="rewrite the table between the bench markers of this file")
     parser.add_argument("--tf-python", default=None, help="B13: a Python with tensorflow-cpu 2.21 (optional peer)")
     args = parser.parse_args()
