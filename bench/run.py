@@ -356,15 +356,17 @@ def _write_table(path: pathlib.Path, rows: list[Row], kept_ids: set[str]) -> Non
     """Rewrite the table between the bench markers: new rows replace their ids, other ids' rows stay.
 
     A subset run (`--only B11`) so updates its own rows and says which command produced them,
-    without wiping the figures of the full run.
+    without wiping the figures of the full run. Rows of ids that bench/run.py does not measure
+    (B16, B13DYN: written by bench/dyntables.py) always stay.
     """
     command = "python bench/run.py " + " ".join(sys.argv[1:])
     text = path.read_text() if path.exists() else f"# Benchmarks\n\n{BEGIN}\n{END}\n"
     head, _, rest = text.partition(BEGIN)
     old, _, tail = rest.partition(END)
     old_lines = old.strip("\n").splitlines()
-    kept = [line for line in old_lines if line.startswith("| ") and line.split("|")[1].strip() in kept_ids]
-    if kept:
+    kept = [line for line in old_lines if line.startswith("| ") and not line.startswith("| id |")
+            and (line.split("|")[1].strip() in kept_ids or line.split("|")[1].strip() not in BENCHES)]
+    if any(line.split("|")[1].strip() in kept_ids for line in kept):  # a subset run beside earlier figures
         intro = [line for line in old_lines if not line.startswith("|")]
         stamp = f"; a separate run {datetime.date.today()}: `{command}`"
         rows = [(a, b if "separate run" in b else b + stamp, c, d) for a, b, c, d in rows]
