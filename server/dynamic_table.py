@@ -25,7 +25,7 @@ from pscluster.server import optimizers as opt
 from pscluster.server.hash_index import HashIndex
 from pscluster.server.table_filters import initial_rows, make_filter
 
-from pscluster.errors import InvalidArgumentError, ResourceExhaustedError
+from pscluster.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from pscluster.specs import OptimizerConfig
 from pscluster.tables import TableConfig
 
@@ -42,6 +42,20 @@ class TableResult:
     dropped: int = 0
     inserted: int = 0
     evicted: np.ndarray = field(default_factory=lambda: _EMPTY_KEYS)
+
+
+@dataclass(frozen=True)
+class PushPlan:
+    """A validated push of one table shard, decided but not applied (DynamicTable.prepare)."""
+
+    step: int
+    uniq: np.ndarray
+    counts: np.ndarray
+    summed: np.ndarray
+    rows: np.ndarray
+    missing: np.ndarray
+    admitted: np.ndarray
+    victims: np.ndarray
 
 
 @dataclass
@@ -141,6 +155,12 @@ class DynamicTable:
             ResourceExhaustedError: the new rows do not fit the shard (on_full="refuse", or nothing left
                 to evict); nothing changed.
         """
+        return self.commit(self.prepare(keys, grads))
+
+    def prepare(self, keys: np.ndarray, grads: np.ndarray) -> PushPlan:
+        """Everything a push decides before it changes anything (validation, admission, room); raises as
+        push does. A store that applies several items all or nothing prepares each of them first, holding
+        every lock, then commits them (the plan is valid only until the table changes)."""
         self.check_keys(keys)
         if grads.shape != (keys.size, self.cfg.dim) or grads.dtype != self.dtype:
             raise InvalidArgumentError(
@@ -161,15 +181,23 @@ class DynamicTable:
         rows = self.index.lookup(uniq)
         missing = np.flatnonzero(rows < 0)
         admitted = self.filter.decide(uniq[missing], counts[missing], step)
+        victims = self._plan_room(int(np.count_nonzero(admitted)), rows[rows >= 0])
+        return PushPlan(step, uniq, counts, summed, rows, missing, admitted, victims)
+
+    def commit(self, plan: PushPlan) -> TableResult:
+        """Apply a prepared push (see prepare); nothing in it can fail."""
+        if plan.step != self.version + 1:
+            raise FailedPreconditionError(f"{self.name}: a push prepared at version {plan.step - 1} committed at "
+                                          f"{self.version}")
+        step, uniq, counts, rows, missing, admitted = (plan.step, plan.uniq, plan.counts, plan.rows, plan.missing,
+                                                      plan.admitted)
         new = missing[admitted]
-        victims = self._plan_room(new.size, rows[rows >= 0])
-        # -- nothing has changed up to here --
         self.filter.commit(uniq[missing], counts[missing], admitted, step)
-        evicted = [self._remove(victims)]
+        evicted = [self._remove(plan.victims)]
         rows[new] = self._create(uniq[new], step)
         hit = rows >= 0
         live_rows = rows[hit]
-        opt.apply_rows(self.optimizer, self.values, live_rows, summed[hit], self.slots, step)
+        opt.apply_rows(self.optimizer, self.values, live_rows, plan.summed[hit], self.slots, step)
         self._touch(live_rows, counts[hit], step)
         dropped = int(counts[~hit].sum())
         self.stats.dropped += dropped

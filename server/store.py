@@ -17,6 +17,7 @@ from typing import Literal, NamedTuple
 import numpy as np
 from pscluster.server import optimizers as opt
 from pscluster.server.dynamic_table import DynamicTable
+from pscluster.server.dynamic_table import PushPlan as TablePlan
 from pscluster.server.push_record import PushKey, PushRecord, push_key
 from pscluster.server.rows import take_rows
 
@@ -328,6 +329,8 @@ class VariableStore:
         """
         checked = self.validate_push(items)
         key = push_key(push_id) if push_id else None
+        if len(checked) > 1 and any(shard.table is not None for shard, _, _ in checked):
+            return self._push_all_or_nothing(checked, key, final_below)
         results = []
         fill = 0
         for shard, item, local in checked:
@@ -338,36 +341,61 @@ class VariableStore:
             results.append(self.apply(shard, item.grad, local, key, final_below, out))
         return results
 
+    def _push_all_or_nothing(self, checked: list[tuple[Shard, PushItem, np.ndarray | None]], key: PushKey | None,
+                             final_below: int) -> list[PushResult]:
+        """A push of several items, one a dynamic table: every shard's lock is taken (in ordinal order, as
+        frozen() does) and every table item is prepared before any item applies, so a shard refusing its
+        new keys at capacity leaves the request's other shards unchanged too."""
+        with contextlib.ExitStack() as stack:
+            for shard in sorted({id(s): s for s, _, _ in checked}.values(), key=lambda s: s.spec.ordinal):
+                stack.enter_context(shard.lock)
+            plans: list[TablePlan | None] = []
+            for shard, item, local in checked:
+                shard.record.advance(final_below)
+                held = key is not None and shard.record.seen_key(key)
+                plans.append(shard.table.prepare(local, item.grad)
+                             if shard.table is not None and local is not None and not held else None)
+            return [self._apply_held(shard, item.grad, local, key, final_below, None, plan)
+                    for (shard, item, local), plan in zip(checked, plans)]
+
     def apply(self, shard: Shard, grad: np.ndarray, local: np.ndarray | None, key: PushKey | None,
               final_below: int = 0, out: np.ndarray | None = None) -> PushResult:
         """Apply one validated gradient under the shard's lock, unless the push of `key` (see `push_key`;
         None: always apply) was applied already; with `out`, copy the shard's bytes there before letting
         go of the lock."""
-        record = shard.record
         with shard.lock:
-            record.advance(final_below)
-            if key is not None and record.seen_key(key):
-                applied = record.applied_at_key(key)  # the version it made (lost-update accounting)
-                result = PushResult(shard.version if applied is None else applied, False, shard.version)
-            else:
-                t = shard.version + 1
-                if shard.table is not None:
-                    assert local is not None  # validate_push refused a dense gradient
-                    shard.table.push(local, grad)  # evicted keys and drops: in shard.table.stats
-                elif local is None:
-                    opt.apply_dense(shard.spec.optimizer, shard.value, grad, shard.slots, t)
+            return self._apply_held(shard, grad, local, key, final_below, out)
+
+    def _apply_held(self, shard: Shard, grad: np.ndarray, local: np.ndarray | None, key: PushKey | None,
+                    final_below: int, out: np.ndarray | None, plan: TablePlan | None = None) -> PushResult:
+        """apply's body, with the shard's lock held by the caller (`plan`: its table item, prepared)."""
+        record = shard.record
+        record.advance(final_below)
+        if key is not None and record.seen_key(key):
+            applied = record.applied_at_key(key)  # the version it made (lost-update accounting)
+            result = PushResult(shard.version if applied is None else applied, False, shard.version)
+        else:
+            t = shard.version + 1
+            if shard.table is not None:
+                assert local is not None  # validate_push refused a dense gradient
+                if plan is not None:  # evicted keys and drops: in shard.table.stats
+                    shard.table.commit(plan)
                 else:
-                    opt.apply_sparse(shard.spec.optimizer, shard.value, local, grad, shard.slots, t)
-                shard.version = t
-                if key is not None:
-                    record.add_key(key, t)
-                result = PushResult(t, True, t)
-                hook = self.on_applied
-                if hook is not None:
-                    hook(shard, grad, local, key, final_below, t)
-            if out is not None:
-                out[:] = shard.value.reshape(-1).view(np.uint8)
-            return result
+                    shard.table.push(local, grad)
+            elif local is None:
+                opt.apply_dense(shard.spec.optimizer, shard.value, grad, shard.slots, t)
+            else:
+                opt.apply_sparse(shard.spec.optimizer, shard.value, local, grad, shard.slots, t)
+            shard.version = t
+            if key is not None:
+                record.add_key(key, t)
+            result = PushResult(t, True, t)
+            hook = self.on_applied
+            if hook is not None:
+                hook(shard, grad, local, key, final_below, t)
+        if out is not None:
+            out[:] = shard.value.reshape(-1).view(np.uint8)
+        return result
 
     @staticmethod
     def apply_at(shard: Shard, version: int, grad: np.ndarray, local: np.ndarray | None, key: PushKey | None,

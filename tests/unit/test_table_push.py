@@ -1,0 +1,106 @@
+"""Pushes of several items that include dynamic tables: all or nothing on a PS, evicted keys reported."""
+
+import threading
+
+import numpy as np
+import pytest
+from pscluster.server import table_state as ts
+from pscluster.server.store import PushItem, ShardSpec, VariableStore, ensure_created
+
+from pscluster.errors import PsclusterError, ResourceExhaustedError
+from pscluster.optimizers import SGD, Adagrad
+from pscluster.tables import TableConfig
+
+
+def make_store(on_full: str = "refuse", capacity: int = 4) -> VariableStore:
+    store = VariableStore()
+    cfg = TableConfig(dim=2, capacity=capacity, on_full=on_full, initializer="uniform", init_value=0.1)
+    for i, name in enumerate(("a", "b")):
+        spec = ShardSpec(name, 0, 1, (0, 2), (0, 2), 0, "<f4", Adagrad(0.1), True, i, cfg.to_json())
+        ensure_created(store, spec, None, "zeros", 0.0, 0)
+    ensure_created(store, ShardSpec("w", 0, 1, (3,), (3,), 0, "<f4", SGD(0.5), False, 2), None, "ones", 0.0, 0)
+    return store
+
+
+def rows(keys: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    k = np.array(keys, np.int64)
+    return k, np.ones((k.size, 2), np.float32)
+
+
+def everything(store: VariableStore) -> dict[str, object]:
+    out: dict[str, object] = {"w": store.get(("w", 0)).value.copy()}
+    for name in ("a", "b"):
+        shard = store.get((name, 0))
+        assert shard.table is not None
+        state = ts.snapshot(shard.table)
+        state["meta"] = state["meta"][:5]  # [5] counts refused keys: the refusal is reported there, by design
+        out[name] = (shard.version, shard.table.version, state)
+    return out
+
+
+def same(before: dict[str, object], after: dict[str, object]) -> bool:
+    if not np.array_equal(before["w"], after["w"]):  # type: ignore[arg-type]
+        return False
+    for name in ("a", "b"):
+        v0, t0, s0 = before[name]  # type: ignore[misc]
+        v1, t1, s1 = after[name]  # type: ignore[misc]
+        if (v0, t0) != (v1, t1) or set(s0) != set(s1) or not all(np.array_equal(s0[k], s1[k]) for k in s0):
+            return False
+    return True
+
+
+def push(store: VariableStore, pid: str, a: list[int], b: list[int]) -> None:
+    (ka, ga), (kb, gb) = rows(a), rows(b)
+    store.push(pid, [PushItem(("w", 0), np.ones(3, np.float32)), PushItem(("a", 0), ga, ka),
+                     PushItem(("b", 0), gb, kb)])
+
+
+@pytest.mark.parametrize("on_full", ["refuse", "evict"])
+def test_a_refused_table_item_leaves_the_requests_earlier_items_unapplied(on_full: str) -> None:
+    store = make_store(on_full)
+    push(store, "p1", [1, 2], [10, 11, 12])
+    before = everything(store)
+    # "a" fits its two new keys; "b" cannot take 5 new keys (refuse: over capacity; evict: the push's own
+    # rows cannot be evicted): the dense item and "a", applied first in request order, must not change
+    with pytest.raises(ResourceExhaustedError, match=r"b\[0\]: \d+ new keys do not fit"):
+        push(store, "p2", [3, 4], [10, 13, 14, 15, 16, 17])
+    assert same(before, everything(store))
+    push(store, "p2", [3, 4], [10])  # the refused push id was not recorded: a smaller push under it applies
+    assert store.get(("a", 0)).version == 2 and store.get(("w", 0)).version == 2
+
+
+def test_a_push_id_held_already_is_not_prepared_again_and_cannot_be_refused() -> None:
+    store = make_store("refuse", capacity=3)
+    push(store, "p1", [1, 2, 3], [10, 11, 12])
+    before = everything(store)
+    push(store, "p1", [4, 5], [13])  # the same id resent with other keys: held, so neither refused nor applied
+    assert same(before, everything(store))
+
+
+def test_multi_item_pushes_and_consistent_snapshots_do_not_deadlock() -> None:
+    store = make_store("evict", capacity=64)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def pusher(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            for i in range(200):
+                push(store, f"{seed}-{i}", rng.integers(0, 100, 3).tolist(), rng.integers(0, 100, 3).tolist())
+        except PsclusterError as exc:  # reported below: a thread must not die unnoticed
+            errors.append(exc)
+
+    def freezer() -> None:
+        while not stop.is_set():
+            with store.frozen():
+                pass
+
+    threads = [threading.Thread(target=pusher, args=(s,)) for s in range(3)] + [threading.Thread(target=freezer)]
+    for t in threads:
+        t.start()
+    for t in threads[:3]:
+        t.join(timeout=30)
+    stop.set()
+    threads[3].join(timeout=30)
+    assert not any(t.is_alive() for t in threads) and not errors
+    assert store.get(("w", 0)).version == 600
