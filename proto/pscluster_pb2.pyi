@@ -1132,6 +1132,126 @@ class HyperparametersReply(_message.Message):
 Global___HyperparametersReply: _TypeAlias = HyperparametersReply  # noqa: Y015
 
 @_typing.final
+class EvictedKeysRequest(_message.Message):
+    """--- dynamic tables (docs/dynamic_tables.md) ------------------------------------------------------
+    Every key a table's shards on this PS evicted (by a push, a pull at capacity, a sweep or the memory
+    bound) since the last EvictedKeys call, oldest first; the call empties the report. It is bounded: keys
+    beyond TableConfig.report_evicted are counted in `overflowed` instead (and in ShardInfo.evicted_keys).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VARIABLE_FIELD_NUMBER: _builtins.int
+    variable: _builtins.str
+    def __init__(
+        self,
+        *,
+        variable: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["variable", b"variable"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EvictedKeysRequest: _TypeAlias = EvictedKeysRequest  # noqa: Y015
+
+@_typing.final
+class EvictedKeysReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEYS_FIELD_NUMBER: _builtins.int
+    OVERFLOWED_FIELD_NUMBER: _builtins.int
+    overflowed: _builtins.int
+    """evicted keys not listed because the report was full"""
+    @_builtins.property
+    def keys(self) -> Global___Tensor:
+        """int64"""
+
+    def __init__(
+        self,
+        *,
+        keys: Global___Tensor | None = ...,
+        overflowed: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "overflowed", b"overflowed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EvictedKeysReply: _TypeAlias = EvictedKeysReply  # noqa: Y015
+
+@_typing.final
+class ReadTableRequest(_message.Message):
+    """The live keys and rows of one dynamic table shard whose row ids lie in [start, start + max_rows): a page
+    of an export (the client sorts the keys); `next` is the start of the following page, -1 after the last.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REF_FIELD_NUMBER: _builtins.int
+    START_FIELD_NUMBER: _builtins.int
+    MAX_ROWS_FIELD_NUMBER: _builtins.int
+    FLOAT16_FIELD_NUMBER: _builtins.int
+    start: _builtins.int
+    max_rows: _builtins.int
+    float16: _builtins.bool
+    """values as float16 (export for serving)"""
+    @_builtins.property
+    def ref(self) -> Global___ShardRef: ...
+    def __init__(
+        self,
+        *,
+        ref: Global___ShardRef | None = ...,
+        start: _builtins.int = ...,
+        max_rows: _builtins.int = ...,
+        float16: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["float16", b"float16", "max_rows", b"max_rows", "ref", b"ref", "start", b"start"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReadTableRequest: _TypeAlias = ReadTableRequest  # noqa: Y015
+
+@_typing.final
+class ReadTableReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEYS_FIELD_NUMBER: _builtins.int
+    VALUES_FIELD_NUMBER: _builtins.int
+    NEXT_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    next: _builtins.int
+    version: _builtins.int
+    """the shard's version when this page was read"""
+    @_builtins.property
+    def keys(self) -> Global___Tensor:
+        """int64, in row order"""
+
+    @_builtins.property
+    def values(self) -> Global___Tensor:
+        """(len(keys), dim)"""
+
+    def __init__(
+        self,
+        *,
+        keys: Global___Tensor | None = ...,
+        values: Global___Tensor | None = ...,
+        next: _builtins.int = ...,
+        version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "values", b"values"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "next", b"next", "values", b"values", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReadTableReply: _TypeAlias = ReadTableReply  # noqa: Y015
+
+@_typing.final
 class ReplicaForward(_message.Message):
     """--- replicated shards (replicas: 2; server/replication.py, docs/ps_failures.md) ----------------
     One update a primary applied, for its backup; or, with `spec` set, a shard's whole state (its

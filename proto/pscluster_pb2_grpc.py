@@ -119,6 +119,16 @@ class ParameterServerStub:
                 request_serializer=pscluster_dot_proto_dot_pscluster__pb2.HyperparametersRequest.SerializeToString,
                 response_deserializer=pscluster_dot_proto_dot_pscluster__pb2.HyperparametersReply.FromString,
                 _registered_method=True)
+        self.EvictedKeys = channel.unary_unary(
+                '/pscluster.ParameterServer/EvictedKeys',
+                request_serializer=pscluster_dot_proto_dot_pscluster__pb2.EvictedKeysRequest.SerializeToString,
+                response_deserializer=pscluster_dot_proto_dot_pscluster__pb2.EvictedKeysReply.FromString,
+                _registered_method=True)
+        self.ReadTable = channel.unary_unary(
+                '/pscluster.ParameterServer/ReadTable',
+                request_serializer=pscluster_dot_proto_dot_pscluster__pb2.ReadTableRequest.SerializeToString,
+                response_deserializer=pscluster_dot_proto_dot_pscluster__pb2.ReadTableReply.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -230,6 +240,20 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EvictedKeys(self, request, context):
+        """dynamic tables: drain the eviction report
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadTable(self, request, context):
+        """dynamic tables: live rows, a page at a time
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -317,6 +341,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.SetHyperparameters,
                     request_deserializer=pscluster_dot_proto_dot_pscluster__pb2.HyperparametersRequest.FromString,
                     response_serializer=pscluster_dot_proto_dot_pscluster__pb2.HyperparametersReply.SerializeToString,
+            ),
+            'EvictedKeys': grpc.unary_unary_rpc_method_handler(
+                    servicer.EvictedKeys,
+                    request_deserializer=pscluster_dot_proto_dot_pscluster__pb2.EvictedKeysRequest.FromString,
+                    response_serializer=pscluster_dot_proto_dot_pscluster__pb2.EvictedKeysReply.SerializeToString,
+            ),
+            'ReadTable': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadTable,
+                    request_deserializer=pscluster_dot_proto_dot_pscluster__pb2.ReadTableRequest.FromString,
+                    response_serializer=pscluster_dot_proto_dot_pscluster__pb2.ReadTableReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -778,6 +812,60 @@ class ParameterServer:
             '/pscluster.ParameterServer/SetHyperparameters',
             pscluster_dot_proto_dot_pscluster__pb2.HyperparametersRequest.SerializeToString,
             pscluster_dot_proto_dot_pscluster__pb2.HyperparametersReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EvictedKeys(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pscluster.ParameterServer/EvictedKeys',
+            pscluster_dot_proto_dot_pscluster__pb2.EvictedKeysRequest.SerializeToString,
+            pscluster_dot_proto_dot_pscluster__pb2.EvictedKeysReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadTable(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pscluster.ParameterServer/ReadTable',
+            pscluster_dot_proto_dot_pscluster__pb2.ReadTableRequest.SerializeToString,
+            pscluster_dot_proto_dot_pscluster__pb2.ReadTableReply.FromString,
             options,
             channel_credentials,
             insecure,

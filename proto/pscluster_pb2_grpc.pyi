@@ -52,6 +52,10 @@ class ParameterServerStub:
     FreezeShard: _grpc.UnaryUnaryMultiCallable[_pscluster_pb2.FreezeRequest, _pscluster_pb2.FreezeReply]
     """coordinator -> a moving shard's primary"""
     SetHyperparameters: _grpc.UnaryUnaryMultiCallable[_pscluster_pb2.HyperparametersRequest, _pscluster_pb2.HyperparametersReply]
+    EvictedKeys: _grpc.UnaryUnaryMultiCallable[_pscluster_pb2.EvictedKeysRequest, _pscluster_pb2.EvictedKeysReply]
+    """dynamic tables: drain the eviction report"""
+    ReadTable: _grpc.UnaryUnaryMultiCallable[_pscluster_pb2.ReadTableRequest, _pscluster_pb2.ReadTableReply]
+    """dynamic tables: live rows, a page at a time"""
 
 @_typing.type_check_only
 class ParameterServerAsyncStub(ParameterServerStub):
@@ -77,6 +81,10 @@ class ParameterServerAsyncStub(ParameterServerStub):
     FreezeShard: _aio.UnaryUnaryMultiCallable[_pscluster_pb2.FreezeRequest, _pscluster_pb2.FreezeReply]  # type: ignore[assignment]
     """coordinator -> a moving shard's primary"""
     SetHyperparameters: _aio.UnaryUnaryMultiCallable[_pscluster_pb2.HyperparametersRequest, _pscluster_pb2.HyperparametersReply]  # type: ignore[assignment]
+    EvictedKeys: _aio.UnaryUnaryMultiCallable[_pscluster_pb2.EvictedKeysRequest, _pscluster_pb2.EvictedKeysReply]  # type: ignore[assignment]
+    """dynamic tables: drain the eviction report"""
+    ReadTable: _aio.UnaryUnaryMultiCallable[_pscluster_pb2.ReadTableRequest, _pscluster_pb2.ReadTableReply]  # type: ignore[assignment]
+    """dynamic tables: live rows, a page at a time"""
 
 class ParameterServerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -201,6 +209,22 @@ class ParameterServerServicer(metaclass=_abc_1.ABCMeta):
         request: _pscluster_pb2.HyperparametersRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_pscluster_pb2.HyperparametersReply, _abc.Awaitable[_pscluster_pb2.HyperparametersReply]]: ...
+
+    @_abc_1.abstractmethod
+    def EvictedKeys(
+        self,
+        request: _pscluster_pb2.EvictedKeysRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_pscluster_pb2.EvictedKeysReply, _abc.Awaitable[_pscluster_pb2.EvictedKeysReply]]:
+        """dynamic tables: drain the eviction report"""
+
+    @_abc_1.abstractmethod
+    def ReadTable(
+        self,
+        request: _pscluster_pb2.ReadTableRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_pscluster_pb2.ReadTableReply, _abc.Awaitable[_pscluster_pb2.ReadTableReply]]:
+        """dynamic tables: live rows, a page at a time"""
 
 def add_ParameterServerServicer_to_server(servicer: ParameterServerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

@@ -11,12 +11,15 @@ Occurrences are counted in pushes (where training happens), not pulls: an evalua
 never admits a key. Until admitted, a key reads its initializer's row and its gradients are dropped
 (counted in the table's stats). Eviction reports every key it removes; at capacity, inserts either evict
 by the policy's score (`on_full="evict"`) or are refused with ResourceExhaustedError (`"refuse"`).
+Every evicted key is kept in a bounded report per shard (`report_evicted` keys) until the client's
+`evicted_keys(table)` reads it; keys beyond the bound are counted as overflowed, never dropped silently.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import pathlib
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -132,6 +135,7 @@ class TableConfig:
     seed: int = 0
     admission: Admission = field(default_factory=Admission)
     eviction: Eviction = field(default_factory=Eviction)
+    report_evicted: int = 1 << 16  # evicted keys a shard keeps until `evicted_keys()` reads them
 
     def validate(self) -> TableConfig:
         """Self, or InvalidArgumentError naming the bad field."""
@@ -146,6 +150,8 @@ class TableConfig:
         if self.initializer not in INITIALIZERS:
             raise InvalidArgumentError(
                 f"initializer {self.initializer!r} unknown; use one of {', '.join(INITIALIZERS)}")
+        if not 0 <= self.report_evicted <= 1 << 26:
+            raise InvalidArgumentError(f"report_evicted must be in [0, 2**26], got {self.report_evicted}")
         if not math.isfinite(self.init_value):
             raise InvalidArgumentError(f"init_value must be finite, got {self.init_value}")
         self.admission.validate()
@@ -179,3 +185,16 @@ def dynamic_config(name: str, shape: Any, dtype: np.dtype, table: TableConfig | 
     if initializer != "zeros":
         cfg = replace(cfg, initializer=initializer, init_value=init_scale, seed=seed)
     return cfg.validate()
+
+
+def write_export(keys: np.ndarray, values: np.ndarray, directory: pathlib.Path, name: str,
+                 float16: bool = False) -> tuple[pathlib.Path, pathlib.Path]:
+    """Write NAME.keys (int64, sorted by the caller) and NAME.values (rows in that order) as .npy files, each
+    to a temporary name first (a reader never sees half a file)."""
+    keys_path, values_path = directory / f"{name}.keys", directory / f"{name}.values"
+    for path, arr in ((keys_path, keys.astype("<i8")), (values_path, values.astype("<f2" if float16 else values.dtype))):
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            np.save(f, arr)
+        tmp.replace(path)
+    return keys_path, values_path

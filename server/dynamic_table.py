@@ -68,6 +68,43 @@ class TableStats:
     refused: int = 0
 
 
+class EvictionReport:
+    """Evicted keys kept until read (`drain`), at most `limit` of them: the oldest beyond it are counted
+    as overflowed, so a reader always knows whether it saw every eviction."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._parts: list[np.ndarray] = []
+        self._held = 0
+        self.overflowed = 0
+
+    def add(self, keys: np.ndarray) -> None:
+        """Note keys as evicted (a copy is kept)."""
+        if not keys.size:
+            return
+        self._parts.append(keys.copy())
+        self._held += keys.size
+        excess = self._held - self.limit
+        while excess > 0:  # the oldest go first: one part at a time, cut the last one short
+            first = self._parts[0]
+            if first.size <= excess:
+                self._parts.pop(0)
+                cut = first.size
+            else:
+                self._parts[0] = first[excess:]
+                cut = excess
+            self._held -= cut
+            self.overflowed += cut
+            excess -= cut
+
+    def drain(self) -> tuple[np.ndarray, int]:
+        """(keys noted since the last drain, oldest first; how many more were evicted but not kept); empties."""
+        keys = np.concatenate(self._parts) if self._parts else _EMPTY_KEYS
+        out = (keys, self.overflowed)
+        self._parts, self._held, self.overflowed = [], 0, 0
+        return out
+
+
 def group_keys(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(unique sorted keys, their counts, the stable order that sorts keys, start of each run)."""
     order = np.argsort(keys, kind="stable")
@@ -102,6 +139,7 @@ class DynamicTable:
         self.version = 0
         self.stats = TableStats()
         self.removed_log: list[np.ndarray] | None = None  # keys removed since the last mark (None: no base)
+        self.report = EvictionReport(cfg.report_evicted)  # every evicted key, until the client reads them
         self.lock = threading.Lock()
 
     @property
@@ -274,6 +312,7 @@ class DynamicTable:
             return _EMPTY_KEYS
         keys = self.index.remove(rows)
         self.stats.evicted += rows.size
+        self.report.add(keys)
         if self.removed_log is not None:
             self.removed_log.append(keys)
         return keys

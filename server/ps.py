@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 from pscluster.proto import pscluster_pb2 as pb
-from pscluster.server import checkpoint, hyperparams
+from pscluster.server import checkpoint, hyperparams, table_ops
 from pscluster.server.handoff import ShardGate
 from pscluster.server.store import PushItem, PushResult, Shard, ShardSpec, VariableStore, ensure_created
 from pscluster.server.sync_hook import SyncHook
@@ -228,6 +228,21 @@ class ParameterServerCore:
             log.info("ps %d: %s set on %d shards of %s", self.ps_index, sorted(changes), count,
                      ", ".join(names) or "-")
         return count, names
+
+    def evicted_keys(self, variable: str) -> tuple[np.ndarray, int]:
+        """Drain the eviction reports of `variable`'s dynamic table shards this PS is the primary of (a
+        backup's copy evicts the same keys: reading both would list them twice)."""
+        shards = [s for s in self.store.shards() if s.spec.variable == variable and s.table is not None]
+        if self.replication is not None:
+            shards = [s for s in shards if self.replication.is_primary(s.spec.key)]
+        return table_ops.drain_evicted(shards)
+
+    def read_table(self, key: tuple[str, int], start: int, max_rows: int,
+                   float16: bool) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """A page of a dynamic table shard's live keys and rows (server/table_ops.read_page)."""
+        if self.replication is not None:
+            self.replication.check_primary([key])
+        return table_ops.read_page(table_ops.table_shard(self.store, key), start, max_rows, float16)
 
     def learning_rates(self) -> dict[str, float]:
         """Variable -> the rate of its next update on this task (schedule at the shard's count, or the set rate)."""

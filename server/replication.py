@@ -155,6 +155,11 @@ class Replication:
                 return role, None
             return role, self._replicators.get(role.backup)
 
+    def is_primary(self, key: Key) -> bool:
+        """Whether this PS is the primary of shard key now."""
+        role = self._roles.get(key)
+        return role is not None and role.primary == self.ps_index
+
     def check_primary(self, keys: Iterable[Key]) -> None:
         """UnavailableError (retryable: the client re-reads placement) unless this PS is the primary of keys."""
         roles = self._roles

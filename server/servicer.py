@@ -141,6 +141,15 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         shards, names = self.core.set_hyperparameters(list(request.variables), request.changes_json, request.dry_run)
         return pb.HyperparametersReply(shards=shards, variables=names)
 
+    def EvictedKeys(self, request: pb.EvictedKeysRequest, context: grpc.ServicerContext) -> pb.EvictedKeysReply:
+        keys, overflowed = self.core.evicted_keys(request.variable)
+        return pb.EvictedKeysReply(keys=codec.encode(keys), overflowed=overflowed)
+
+    def ReadTable(self, request: pb.ReadTableRequest, context: grpc.ServicerContext) -> pb.ReadTableReply:
+        keys, values, after, version = self.core.read_table(_key(request.ref), request.start, request.max_rows,
+                                                            request.float16)
+        return pb.ReadTableReply(keys=codec.encode(keys), values=codec.encode(values), next=after, version=version)
+
     def Status(self, request: pb.PsStatusRequest, context: grpc.ServicerContext) -> pb.PsStatus:
         core = self.core
         return pb.PsStatus(ps_index=core.ps_index, num_ps=core.num_ps, global_step=core.global_step,

@@ -23,6 +23,7 @@ from pscluster.server.dynamic_table import DynamicTable, TableStats
 from pscluster.server.hash_index import shard_of
 
 from pscluster.errors import FailedPreconditionError, InvalidArgumentError
+from pscluster.tables import write_export
 
 State = dict[str, np.ndarray]
 _ROW_FIELDS = ("values", "last_step", "freq", "touched_s")
@@ -183,11 +184,4 @@ def load(table: DynamicTable, state: State) -> DynamicTable:
 def export(state: State, directory: pathlib.Path, name: str,
            float16: bool = False) -> tuple[pathlib.Path, pathlib.Path]:
     """Write NAME.keys (int64, sorted) and NAME.values (rows in that order) as .npy files for serving."""
-    keys_path, values_path = directory / f"{name}.keys", directory / f"{name}.values"
-    for path, arr in ((keys_path, state["keys"].astype("<i8")),
-                      (values_path, state["values"].astype("<f2" if float16 else state["values"].dtype))):
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            np.save(f, arr)
-        tmp.replace(path)
-    return keys_path, values_path
+    return write_export(state["keys"], state["values"], directory, name, float16)

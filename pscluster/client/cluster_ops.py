@@ -6,20 +6,33 @@ discovery and pulls, and keeps the data path (pull, push, tokens) to itself.
 
 from __future__ import annotations
 
+import pathlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from pscluster import codec
+from pscluster.client.routes import Routes
 from pscluster.client.variables import Variable
-from pscluster.errors import NotFoundError
+from pscluster.errors import InvalidArgumentError, NotFoundError
 from pscluster.optimizer_config import changes_to_json
 from pscluster.proto import pscluster_pb2 as pb
+from pscluster.tables import write_export
+
+# rows per ReadTable page of an export (the PS caps it too: server/table_ops.py)
+EXPORT_PAGE_ROWS = 1 << 15
 
 
 class ClusterOperations(ABC):
     """Operations on every PS task at once, over a client's fan-out."""
+
+    routes: Routes | None  # with replicas: 2, where each shard's primary is
+
+    @abstractmethod
+    def _call(self, ps: int, method: str, request: Any, retry_for: float | None = None) -> Any:
+        """One unary call to PS task ps (retried while retryable)."""
 
     @property
     @abstractmethod
@@ -68,6 +81,44 @@ class ClusterOperations(ABC):
                         totals[name] += getattr(info, name)
         return totals
 
+    def evicted_keys(self, table: Variable) -> tuple[np.ndarray, int]:
+        """Every key the dynamic table evicted since the last call (sorted; a key evicted twice is listed
+        twice), and how many more were evicted but not kept because a shard's report was full
+        (TableConfig.report_evicted): 0 means none went unlisted. Each call empties the reports."""
+        self._check_table(table, "evicted_keys")
+        replies = self._gather([(ps, "EvictedKeys", pb.EvictedKeysRequest(variable=table.name))
+                                for ps in range(self.num_ps)])
+        keys = np.sort(np.concatenate([codec.decode(r.keys, "evicted keys") for r in replies]))
+        return keys, sum(int(r.overflowed) for r in replies)
+
+    def export_table(self, table: Variable, directory: str | pathlib.Path,
+                     float16: bool = False) -> tuple[pathlib.Path, pathlib.Path]:
+        """Write a dynamic table for serving: `NAME.keys` (int64, sorted) and `NAME.values` (its rows in that
+        order, float16 if asked) as .npy files in directory, read a page at a time from every shard's
+        primary. Quiesce pushes first (as for checkpoint()): pages are read between pushes, not at once."""
+        self._check_table(table, "export_table")
+        keys, values = [], []
+        for pl in table.shards:
+            key = (table.name, pl.shard_index)
+            ps = pl.ps if self.routes is None else self.routes.primary.get(key, pl.ps)
+            start = 0
+            while start >= 0:
+                ref = pb.ShardRef(variable=table.name, shard_index=pl.shard_index)
+                reply = self._call(ps, "ReadTable", pb.ReadTableRequest(ref=ref, start=start,
+                                                                      max_rows=EXPORT_PAGE_ROWS, float16=float16))
+                keys.append(codec.decode(reply.keys, "table keys"))
+                values.append(codec.decode(reply.values, "table rows"))
+                start = int(reply.next)
+        all_keys = np.concatenate(keys)
+        order = np.argsort(all_keys, kind="stable")
+        rows = np.concatenate(values).reshape(-1, table.shape[1])[order]
+        return write_export(all_keys[order], rows, pathlib.Path(directory), table.name, float16)
+
+    @staticmethod
+    def _check_table(table: Variable, what: str) -> None:
+        if not table.dynamic:
+            raise InvalidArgumentError(f"{what}: {table.name} is not a dynamic table (shape (None, dim), sparse=True)")
+
     def set_hyperparameters(self, changes: dict[str, Any], variables: Sequence[str] | None = None) -> int:
         """Change optimizer hyper-parameters (learning_rate, schedule, weight_decay, ...) of `variables` (every
         variable when None) on every PS task, from each shard's next update; returns the shards changed.
@@ -96,7 +147,7 @@ class ClusterOperations(ABC):
 
     def export(self, path: str) -> dict[str, tuple[int, ...]]:
         """Write every variable, whole, to one safetensors file readable without pscluster (dynamic tables,
-        which have no whole value, are left out: their rows are in the checkpoints)."""
+        which have no whole value, are left out: export_table writes them)."""
         from safetensors.numpy import save_file
 
         variables = self.discover()

@@ -116,3 +116,39 @@ def test_torch_and_jax_adapters_train_a_dynamic_table_over_raw_int64_ids(client)
         np.testing.assert_allclose(client.pull_rows(table, [0, -7]), after[[3, 1]] - np.array([[3], [1]]), rtol=1e-6)
     finally:
         context.set_default_client(None)
+
+
+def test_every_evicted_key_is_listed_over_the_wire_and_overflow_is_counted(client):
+    cfg = TableConfig(dim=2, capacity=8, report_evicted=5)  # per shard: 8 rows, 5 evicted keys reported
+    emb = client.create_variable("dyn_evict", shape=(None, 2), sparse=True, optimizer=ps.SGD(0.1), table=cfg)
+    keys = np.arange(100, dtype=np.int64)
+    where = shard_of(keys, 2)
+    first = np.concatenate([keys[where == i][:8] for i in range(2)])  # fills both shards
+    client.push_rows(emb, first, np.ones((first.size, 2), np.float32))
+    assert client.evicted_keys(emb)[0].size == 0
+    newer = np.concatenate([keys[where == i][8:11] for i in range(2)])  # 3 new keys per shard: 3 evicted each
+    client.push_rows(emb, newer, np.ones((newer.size, 2), np.float32))
+    evicted, overflowed = client.evicted_keys(emb)
+    assert overflowed == 0 and evicted.size == 6 and set(evicted.tolist()) <= set(first.tolist())
+    assert client.evicted_keys(emb)[0].size == 0  # read once: the report is empty again
+    live_before = client.table_stats(emb)["evicted_keys"]
+    more = np.concatenate([keys[where == i][11:19] for i in range(2)])  # 8 more per shard: 8 evicted, 5 kept
+    client.push_rows(emb, more, np.ones((more.size, 2), np.float32))
+    evicted, overflowed = client.evicted_keys(emb)
+    assert (evicted.size, overflowed) == (10, 6)
+    assert client.table_stats(emb)["evicted_keys"] - live_before == evicted.size + overflowed
+
+
+def test_export_table_writes_sorted_keys_and_rows_of_every_shard(client, tmp_path):
+    emb = client.create_variable("dyn_export", shape=(None, 3), sparse=True, optimizer=ps.SGD(0.5),
+                                 table=TableConfig(dim=3, capacity=1_000, initializer="uniform", init_value=0.3))
+    keys = np.concatenate([EDGE, np.random.default_rng(1).integers(-(2**62), 2**62, 300)]).astype(np.int64)
+    client.push_rows(emb, keys, np.ones((keys.size, 3), np.float32))
+    keys_path, values_path = client.export_table(emb, tmp_path)
+    saved_keys, saved_rows = np.load(keys_path), np.load(values_path)
+    assert saved_keys.dtype == np.int64 and np.array_equal(saved_keys, np.unique(keys))
+    np.testing.assert_array_equal(saved_rows, client.pull_rows(emb, saved_keys))
+    _, half = client.export_table(emb, tmp_path, float16=True)
+    assert np.load(half).dtype == np.float16
+    with pytest.raises(InvalidArgumentError, match="not a dynamic table"):
+        client.export_table(client.create_variable("dense_x", shape=(3,)), tmp_path)

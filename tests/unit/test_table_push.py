@@ -5,11 +5,12 @@ import threading
 import numpy as np
 import pytest
 from pscluster.server import table_state as ts
+from pscluster.server.dynamic_table import DynamicTable, EvictionReport
 from pscluster.server.store import PushItem, ShardSpec, VariableStore, ensure_created
 
 from pscluster.errors import PsclusterError, ResourceExhaustedError
 from pscluster.optimizers import SGD, Adagrad
-from pscluster.tables import TableConfig
+from pscluster.tables import Eviction, TableConfig
 
 
 def make_store(on_full: str = "refuse", capacity: int = 4) -> VariableStore:
@@ -104,3 +105,23 @@ def test_multi_item_pushes_and_consistent_snapshots_do_not_deadlock() -> None:
     threads[3].join(timeout=30)
     assert not any(t.is_alive() for t in threads) and not errors
     assert store.get(("w", 0)).version == 600
+
+
+def test_eviction_report_keeps_the_newest_keys_and_counts_the_rest() -> None:
+    report = EvictionReport(4)
+    report.add(np.array([1, 2, 3], np.int64))
+    report.add(np.array([4, 5, 6], np.int64))
+    keys, overflowed = report.drain()
+    assert keys.tolist() == [3, 4, 5, 6] and overflowed == 2
+    assert report.drain()[0].size == 0 and report.drain()[1] == 0
+
+
+def test_every_eviction_path_reaches_the_report() -> None:
+    table = DynamicTable(TableConfig(dim=2, capacity=3, eviction=Eviction("steps", max_idle=1)), SGD(1.0))
+    table.push(*(rows([1, 2, 3])))
+    table.push(*(rows([4])))  # a full shard: one row leaves for the new key
+    table.pull(np.array([5], np.int64))  # a pull that creates a row at capacity evicts too
+    table.push(*(rows([5])))
+    table.sweep()  # idle rows leave
+    keys, overflowed = table.report.drain()
+    assert overflowed == 0 and keys.size == table.stats.evicted >= 3

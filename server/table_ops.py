@@ -1,0 +1,58 @@
+"""A PS's reads of its dynamic tables for the client's cluster-wide calls: eviction reports, export pages.
+
+Plain functions over the store (the servicer translates, server/ps.py picks the shards this PS is the
+primary of): each holds one shard's lock while it copies, never while anything is sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+from pscluster.server.store import Shard, VariableStore
+
+from pscluster.errors import InvalidArgumentError
+from pscluster.specs import Key
+
+# rows of one ReadTable page at most, whatever the client asks (a page of 64-float rows is then 16 MiB)
+MAX_PAGE_ROWS = 1 << 16
+
+
+def table_shard(store: VariableStore, key: Key) -> Shard:
+    """The dynamic table shard `key`, or NotFoundError / InvalidArgumentError (a fixed variable)."""
+    shard = store.get(key)
+    if shard.table is None:
+        raise InvalidArgumentError(f"{shard.name} is not a dynamic table (shape (None, dim), sparse=True)")
+    return shard
+
+
+def drain_evicted(shards: Iterable[Shard]) -> tuple[np.ndarray, int]:
+    """Every key the shards' eviction reports hold (emptied) and the count of those that did not fit."""
+    parts, overflowed = [], 0
+    for shard in shards:
+        assert shard.table is not None
+        with shard.lock:
+            keys, lost = shard.table.report.drain()
+        parts.append(keys)
+        overflowed += lost
+    return (np.concatenate(parts) if parts else np.zeros(0, np.int64)), overflowed
+
+
+def read_page(shard: Shard, start: int, max_rows: int, float16: bool) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """(keys, values, next start or -1, version) of the live rows with ids in [start, start + max_rows).
+
+    Raises:
+        InvalidArgumentError: start < 0 or max_rows < 1.
+    """
+    table = shard.table
+    assert table is not None
+    if start < 0 or max_rows < 1:
+        raise InvalidArgumentError(f"{shard.name}: ReadTable needs start >= 0 and max_rows >= 1, got {start}, {max_rows}")
+    with shard.lock:
+        high = table.index.high_water
+        end = min(start + min(max_rows, MAX_PAGE_ROWS), high)
+        live = table.index.live_rows()  # ascending; a scan of the shard's row range, no copy of its rows
+        rows = live[np.searchsorted(live, start):np.searchsorted(live, end)]
+        keys = table.index.row_keys[rows]
+        values = table.values[rows].astype(np.float16) if float16 else table.values[rows]
+        return keys, values, (end if end < high else -1), table.version
