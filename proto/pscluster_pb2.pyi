@@ -1293,6 +1293,7 @@ class ReplicaForward(_message.Message):
     VALUE_FIELD_NUMBER: _builtins.int
     SLOTS_FIELD_NUMBER: _builtins.int
     RECORD_FIELD_NUMBER: _builtins.int
+    PULLED_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     """of the shard's (primary, backup) configuration; an older one is refused"""
     version: _builtins.int
@@ -1303,6 +1304,10 @@ class ReplicaForward(_message.Message):
     has_rows: _builtins.bool
     record: _builtins.str
     """the push record's state, JSON"""
+    pulled: _builtins.bool
+    """A dynamic table's pull that created (and maybe evicted) rows at `version` (not an update: the version
+    stays): the backup repeats it with the pull's unique keys in `rows` when it holds exactly `version`.
+    """
     @_builtins.property
     def ref(self) -> Global___ShardRef: ...
     @_builtins.property
@@ -1336,10 +1341,11 @@ class ReplicaForward(_message.Message):
         value: Global___Tensor | None = ...,
         slots: _abc.Mapping[_builtins.str, Global___Tensor] | None = ...,
         record: _builtins.str = ...,
+        pulled: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["grad", b"grad", "ref", b"ref", "rows", b"rows", "spec", b"spec", "value", b"value"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "final_below", b"final_below", "grad", b"grad", "has_rows", b"has_rows", "push_id", b"push_id", "record", b"record", "ref", b"ref", "rows", b"rows", "slots", b"slots", "spec", b"spec", "value", b"value", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "final_below", b"final_below", "grad", b"grad", "has_rows", b"has_rows", "pulled", b"pulled", "push_id", b"push_id", "record", b"record", "ref", b"ref", "rows", b"rows", "slots", b"slots", "spec", b"spec", "value", b"value", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

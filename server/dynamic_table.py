@@ -116,6 +116,21 @@ def group_keys(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np
     return sk[starts], counts, order, starts
 
 
+def sum_duplicates(keys: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(unique sorted keys, their counts, their gradients summed). Sums run in float64 in key order, so the
+    result does not depend on the order of arrival (exact unless a key's parts span 2**29)."""
+    uniq, counts, order, starts = group_keys(keys)
+    summed = grads[order[starts]]
+    dup = counts > 1
+    if dup.any():
+        in_dup = np.repeat(dup, counts)
+        part_counts = counts[dup]
+        part_starts = np.concatenate(([0], np.cumsum(part_counts)[:-1]))
+        parts = grads[order[in_dup]].astype(np.float64)
+        summed[dup] = np.add.reduceat(parts, part_starts, axis=0).astype(grads.dtype)
+    return uniq, counts, summed
+
+
 class DynamicTable:
     """One shard's rows of a dynamic table, keyed by int64."""
 
@@ -207,15 +222,7 @@ class DynamicTable:
         if not np.logical_and.reduce(np.isfinite(grads), axis=None):
             raise InvalidArgumentError(f"{self.name}: gradient holds NaN or Inf; rejected")
         step = self.version + 1
-        uniq, counts, order, starts = group_keys(keys)
-        summed = grads[order[starts]]
-        dup = counts > 1
-        if dup.any():  # float64 in key order: exact for any arrival order unless a key's parts span 2**29
-            in_dup = np.repeat(dup, counts)
-            part_counts = counts[dup]
-            part_starts = np.concatenate(([0], np.cumsum(part_counts)[:-1]))
-            parts = grads[order[in_dup]].astype(np.float64)
-            summed[dup] = np.add.reduceat(parts, part_starts, axis=0).astype(self.dtype)
+        uniq, counts, summed = sum_duplicates(keys, grads)
         rows = self.index.lookup(uniq)
         missing = np.flatnonzero(rows < 0)
         admitted = self.filter.decide(uniq[missing], counts[missing], step)

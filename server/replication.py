@@ -80,6 +80,7 @@ class Replication:
         self._retired: list[Replicator] = []
         self._install_at: dict[Key, int] = {}  # a resync's version, until the backup confirmed it
         store.on_applied = self.on_applied
+        store.on_pulled = self.on_pulled
 
     # -- roles --------------------------------------------------------------------------------------
     def set_roles(self, version: int, roles: Iterable[Role]) -> None:
@@ -188,6 +189,18 @@ class Replication:
             msg.has_rows = True
         rep.put(shard.spec.key, version, msg, grad.nbytes)
 
+    def on_pulled(self, shard: Shard, keys: np.ndarray) -> None:
+        """The store's hook for a table pull that created rows (under the shard's lock): queue it, so the
+        backup creates (and evicts) the same rows, with the same metadata, between the same updates."""
+        role, rep = self._replicator_of(shard.spec.key)
+        if role is None or rep is None:
+            return
+        uniq = np.unique(keys)  # what the pull's decisions depend on: its distinct keys
+        msg = pb.ReplicaForward(ref=pb.ShardRef(variable=shard.spec.variable, shard_index=shard.spec.shard_index),
+                                epoch=role.epoch, version=shard.version, rows=codec.encode(uniq), has_rows=True,
+                                pulled=True)
+        rep.put(shard.spec.key, shard.version, msg, uniq.nbytes)
+
     def resync(self, key: Key) -> None:
         """Queue shard key's whole state for its backup (catch-up), in order with its updates."""
         shard = self.store.find(key)
@@ -246,6 +259,9 @@ class Replication:
                 outcome = pb.REPLICA_APPLIED
             elif shard is None:
                 outcome = pb.REPLICA_GAP
+            elif f.pulled:
+                done = self.store.pull_at(shard, f.version, codec.decode_ids(f.rows, name_of(key)))
+                outcome = pb.REPLICA_GAP if done == "gap" else pb.REPLICA_APPLIED
             else:
                 grad = codec.decode(f.grad, name_of(key))
                 local = codec.decode_ids(f.rows, name_of(key)) if f.has_rows else None

@@ -127,6 +127,8 @@ class VariableStore:
         self.dedup_window = dedup_window
         self.max_tensor_bytes = max_tensor_bytes
         self.on_applied: OnApplied | None = None  # server/replication.py's forwarder, with replicas: 2
+        # the same forwarder for a dynamic table's pull that created rows: (shard, the pull's keys), under its lock
+        self.on_pulled: Callable[[Shard, np.ndarray], None] | None = None
 
     # -- structure -------------------------------------------------------------------------------
     def create(self, spec: ShardSpec, value: np.ndarray) -> tuple[Shard, bool]:
@@ -213,7 +215,10 @@ class VariableStore:
                 raise InvalidArgumentError(f"{shard.name}: a dynamic table has no whole value; pull rows by key")
             shard.table.check_keys(ids)
             with shard.lock:
-                return shard.table.pull(ids)[0], shard.version
+                rows, made = shard.table.pull(ids)
+                if made.inserted and self.on_pulled is not None:  # rows created (maybe others evicted)
+                    self.on_pulled(shard, ids)
+                return rows, shard.version
         local = None if ids is None else self._local_rows(shard, ids)
         with shard.lock:
             out = shard.value.copy() if local is None else take_rows(shard.value, local)
@@ -419,6 +424,17 @@ class VariableStore:
             shard.version = version
             if key is not None:
                 shard.record.add_key(key, version)
+            return "applied"
+
+    @staticmethod
+    def pull_at(shard: Shard, version: int, keys: np.ndarray) -> Literal["applied", "held", "gap"]:
+        """A backup's repeat of its primary's row-creating pull of a dynamic table at `version` (as apply_at)."""
+        with shard.lock:
+            if version < shard.version:
+                return "held"
+            if version > shard.version or shard.table is None:
+                return "gap"
+            shard.table.pull(keys)  # the same keys on the same state: the same rows created and evicted
             return "applied"
 
     @staticmethod

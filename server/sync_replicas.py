@@ -29,6 +29,7 @@ from typing import TypedDict
 
 import numpy as np
 from pscluster.server import sync_tokens as tok
+from pscluster.server.dynamic_table import sum_duplicates
 from pscluster.server.ps import ParameterServerCore
 from pscluster.server.push_record import push_key
 from pscluster.server.store import PushItem, PushResult, Shard
@@ -208,6 +209,10 @@ class SyncReplicas:
             else:
                 ids = np.concatenate([i for i, _ in acc.rows])
                 grads = np.concatenate([g for _, g in acc.rows]) / r
+                if shard.table is not None:
+                    # one occurrence per key and step, however many replicas' batches carry it: a step is one
+                    # update, so admission and LFU count steps (summed as the table would: same bits)
+                    ids, _, grads = sum_duplicates(ids, grads)
                 result = self.core.store.apply(shard, grads, ids, step_key)
             with self._cond:
                 self._acc[key] = Accumulator(acc.step + 1, earlier=frozenset(acc.contributors))

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
+from pscluster.server import sync_replicas
 from pscluster.server import table_state as ts
 from pscluster.server.ps import ParameterServerCore
 from pscluster.server.replication import Role
 from pscluster.server.store import PushItem, ShardSpec
+from pscluster.server.table_filters import initial_rows
 
 from pscluster.optimizers import Adam
 from pscluster.tables import Admission, TableConfig
@@ -51,3 +53,38 @@ def test_a_dynamic_table_reaches_its_backup_by_forwards_and_by_catch_up(pair):
     push(a, "c3.0", [-1, 7, 12])
     same_table(a, fresh)  # by the catch-up's whole state
     fresh.replication.stop()
+
+
+def test_rows_a_pull_creates_and_evicts_reach_the_backup_with_their_metadata(pair):
+    a, b, _ = pair
+    cfg = TableConfig(dim=2, capacity=6, initializer="uniform", init_value=0.1)  # admission "always": pulls create
+    a.create(ShardSpec("dyn", 0, 1, (0, 2), (0, 2), 0, "<f4", Adam(0.1), True, 0, cfg.to_json()), None, "zeros", 0, 0)
+    for core in (b, a):
+        set_roles(core)
+    a.replication.wait([(DYN, a.store.get(DYN).version)])
+    push(a, "c1.0", [1, 2, 3])
+    a.pull([(DYN, np.array([4, 5, 4], np.int64))])  # two new rows, after the push's
+    push(a, "c2.0", [1, 6])
+    a.pull([(DYN, np.array([7, 8, -9], np.int64))])  # a full shard: the pull evicts 3 rows for its own
+    a.pull([(DYN, np.array([7, 10], np.int64))])  # and again, between the same two updates
+    push(a, "c3.0", [7])  # its reply waits for the backup, which took the pulls' forwards before it
+    tb = b.store.get(DYN).table
+    assert tb is not None and tb.stats.evicted > 0
+    same_table(a, b)  # rows, slots, last-touched steps, counters: the backup is the primary
+
+
+def test_a_sync_step_counts_a_key_once_for_admission_however_many_replicas_carry_it():
+    core = ParameterServerCore(0, 1)
+    sync_replicas.attach(core)
+    core.sync.configure("sync", 2, 2, 0)
+    create(core)  # admission: a key needs 2 occurrences
+    for step in (0, 1):
+        for replica in (0, 1):
+            k = np.array([5], np.int64)
+            core.push(f"c{step}.{replica}", step, [PushItem(DYN, np.full((1, 2), replica + 1.0, np.float32), k)])
+        table = core.store.get(DYN).table
+        assert table is not None and table.live == step  # step 0 counts 5 once: not admitted until step 1
+    rows, _ = core.store.pull(DYN, np.array([5], np.int64))
+    # admitted by step 1's push, the table's update 2: Adam's fresh slots with bias correction at t = 2
+    move = 0.1 * (0.1 / (1 - 0.9**2)) / np.sqrt(0.001 / (1 - 0.999**2))
+    np.testing.assert_allclose(rows, initial_rows(np.array([5], np.int64), CFG) - move, atol=1e-5)
