@@ -136,6 +136,7 @@ class TableConfig:
     admission: Admission = field(default_factory=Admission)
     eviction: Eviction = field(default_factory=Eviction)
     report_evicted: int = 1 << 16  # evicted keys a shard keeps until `evicted_keys()` reads them
+    increments: int = 0  # checkpoints written as increments (rows changed since the last save) between full ones
 
     def validate(self) -> TableConfig:
         """Self, or InvalidArgumentError naming the bad field."""
@@ -150,6 +151,8 @@ class TableConfig:
         if self.initializer not in INITIALIZERS:
             raise InvalidArgumentError(
                 f"initializer {self.initializer!r} unknown; use one of {', '.join(INITIALIZERS)}")
+        if not 0 <= self.increments <= 1000:
+            raise InvalidArgumentError(f"increments must be in [0, 1000], got {self.increments}")
         if not 0 <= self.report_evicted <= 1 << 26:
             raise InvalidArgumentError(f"report_evicted must be in [0, 2**26], got {self.report_evicted}")
         if not math.isfinite(self.init_value):

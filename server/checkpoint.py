@@ -12,10 +12,15 @@ complete steps, since a step is useless once newer complete ones exist), and a t
 start and after each of its saves, when none of its own saves is in flight. Its PID is not asked:
 an earlier version kept the temporaries whose PID was a live pscluster process, and on a PID reuse,
 another host, or another container's PID namespace (a shared checkpoint volume) that kept them forever.
+
+A dynamic table with `increments` writes increments between full states (server/table_state.py's
+for_checkpoint): its entry names the earlier steps they build on (`table_chain`), the file header their
+union (`needs`); restore applies them in order, and pruning spares the steps a kept step needs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -33,6 +38,7 @@ from safetensors.numpy import save_file
 
 from pscluster.checkpoint_files import STEP_DIR as _STEP
 from pscluster.checkpoint_files import complete_steps as complete_steps
+from pscluster.errors import FailedPreconditionError
 from pscluster.optimizer_config import config_from_dict
 from pscluster.placement import PLACEMENT_VERSION, ps_for_ordinal
 from pscluster.tables import TableConfig
@@ -68,26 +74,42 @@ def save(store: VariableStore, root: pathlib.Path, step: int, ps_index: int, num
     step_dir.mkdir(parents=True, exist_ok=True)
     final = step_dir / f"ps-{ps_index}-of-{num_ps}.safetensors"
     tmp = step_dir / f".{final.name}.tmp-{os.getpid()}"
-    with store.frozen() as shards:
-        tensors: dict[str, np.ndarray] = {}
-        meta = []
-        for shard in shards:
-            base = f"{shard.spec.variable}/{shard.spec.shard_index}"
-            tensors[f"{base}/value"] = shard.value
-            for name, slot in shard.slots.items():
-                tensors[f"{base}/slot/{name}"] = slot
-            if shard.table is not None:  # live keys only, with slots, metadata and admission state
-                for name, arr in table_state.snapshot(shard.table).items():
-                    tensors[f"{base}/table/{name}"] = arr
-            spec = {**asdict(shard.spec), "optimizer": shard.spec.optimizer.to_dict()}
-            meta.append({"spec": spec, "version": shard.version, "applied": shard.record.state()})
-        header = {"placement_version": str(PLACEMENT_VERSION), "step": str(step),
-                  "shards": json.dumps(meta), "extra": json.dumps(extra or {})}
-        save_file(tensors, str(tmp), metadata=header)
-    with open(tmp, "rb+") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, final)
-    _fsync_dir(step_dir)
+    tables: list[DynamicTable] = []
+    try:
+        with store.frozen() as shards:
+            tensors: dict[str, np.ndarray] = {}
+            meta = []
+            needs: set[int] = set()
+            for shard in shards:
+                base = f"{shard.spec.variable}/{shard.spec.shard_index}"
+                tensors[f"{base}/value"] = shard.value
+                for name, slot in shard.slots.items():
+                    tensors[f"{base}/slot/{name}"] = slot
+                spec = {**asdict(shard.spec), "optimizer": shard.spec.optimizer.to_dict()}
+                entry: dict[str, object] = {"spec": spec, "version": shard.version, "applied": shard.record.state()}
+                if shard.table is not None:  # live keys only (or the rows changed since the last save), slots,
+                    tables.append(shard.table)  # metadata and admission state
+                    state, chain = table_state.for_checkpoint(shard.table, step)
+                    for name, arr in state.items():
+                        tensors[f"{base}/table/{name}"] = arr
+                    if chain:
+                        entry["table_chain"] = chain
+                    needs.update(chain)
+                meta.append(entry)
+            header = {"placement_version": str(PLACEMENT_VERSION), "step": str(step),
+                      "shards": json.dumps(meta), "extra": json.dumps(extra or {})}
+            if needs:
+                header["needs"] = json.dumps(sorted(needs))
+            save_file(tensors, str(tmp), metadata=header)
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, final)
+        _fsync_dir(step_dir)
+    except BaseException:
+        for table in tables:  # the increments were marked as saved: the next save of each table is full
+            with contextlib.suppress(Exception):
+                table_state.drop_chain(table)
+        raise
     prune(root, keep, ps_index, num_ps)
     return final
 
@@ -128,12 +150,53 @@ def prune(root: pathlib.Path, keep: int, ps_index: int, num_ps: int) -> None:
     this task's stale temporaries (see remove_stale_temporaries)."""
     steps = complete_steps(root)
     if len(steps) > keep:
-        oldest_kept = steps[-keep][0]
+        kept = steps[-keep:]
+        oldest_kept = kept[0][0]
+        needed = {step for _, files in kept for path in files for step in _needs(path)}  # increments' bases
         for step_dir in root.iterdir():
             m = _STEP.match(step_dir.name)
-            if m and step_dir.is_dir() and int(m.group(1)) < oldest_kept:
+            if m and step_dir.is_dir() and int(m.group(1)) < oldest_kept and int(m.group(1)) not in needed:
                 shutil.rmtree(step_dir, ignore_errors=True)
     remove_stale_temporaries(root, ps_index, num_ps)
+
+
+def _needs(path: pathlib.Path) -> list[int]:
+    """The earlier steps a task file's table increments build on (its header's `needs`)."""
+    try:
+        with safe_open(str(path), framework="numpy") as fh:
+            return [int(x) for x in json.loads(fh.metadata().get("needs", "[]"))]
+    except (OSError, ValueError):
+        return []  # a file removed meanwhile (another task's prune) or unreadable: it protects nothing
+
+
+def _table_part(files: list[pathlib.Path], base: str) -> tuple[table_state.State, list[int]]:
+    """A table shard's saved state in one step's files (`base` = variable/shard) and its chain."""
+    prefix = f"{base}/table/"
+    for path in files:
+        with safe_open(str(path), framework="numpy") as fh:
+            for entry in json.loads(fh.metadata()["shards"]):
+                if f"{entry['spec']['variable']}/{entry['spec']['shard_index']}" == base:
+                    state = {k[len(prefix):]: _writable(fh.get_tensor(k)) for k in fh.keys() if k.startswith(prefix)}
+                    return state, [int(x) for x in entry.get("table_chain", [])]
+    raise FailedPreconditionError(f"checkpoint step files {[str(p) for p in files]} lack {base}, which a later "
+                                  "increment builds on; restore an older complete step or a full one")
+
+
+def _table_state(root: pathlib.Path, own: table_state.State, chain: list[int], base: str) -> table_state.State:
+    """A table shard's whole state: the full state of chain[0] with every later increment applied in order."""
+    if not chain:
+        return own
+    steps = dict(complete_steps(root))
+    missing = [s for s in chain if s not in steps]
+    if missing:
+        raise FailedPreconditionError(f"{base}: the increments saved at {chain} need steps {missing}, which are gone "
+                                      f"from {root}")
+    state, first_chain = _table_part(steps[chain[0]], base)
+    if first_chain:
+        raise FailedPreconditionError(f"{base}: step {chain[0]} holds an increment where a full state was expected")
+    for step in chain[1:]:
+        state = table_state.apply_delta(state, _table_part(steps[step], base)[0])
+    return table_state.apply_delta(state, own)
 
 
 def restore(store: VariableStore, root: pathlib.Path, ps_index: int, num_ps: int) -> Restored | None:
@@ -165,7 +228,7 @@ def restore(store: VariableStore, root: pathlib.Path, ps_index: int, num_ps: int
                     table = DynamicTable(TableConfig.from_json(spec.table), spec.optimizer, shard_name(spec))
                     prefix = f"{base}/table/"
                     state = {k[len(prefix):]: _writable(fh.get_tensor(k)) for k in fh.keys() if k.startswith(prefix)}
-                    table_state.load(table, state)
+                    table_state.load(table, _table_state(root, state, entry.get("table_chain", []), base))
                 store.install(Shard(spec, value, slots, entry["version"], entry["version"], record, table=table))
                 loaded += 1
     return Restored(step, loaded, extra)

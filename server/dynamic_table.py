@@ -155,6 +155,8 @@ class DynamicTable:
         self.stats = TableStats()
         self.removed_log: list[np.ndarray] | None = None  # keys removed since the last mark (None: no base)
         self.report = EvictionReport(cfg.report_evicted)  # every evicted key, until the client reads them
+        # checkpoint steps the next increment builds on, oldest (the full one) first; [] : the next save is full
+        self.chain: list[int] = []
         self.lock = threading.Lock()
 
     @property

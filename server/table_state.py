@@ -82,6 +82,35 @@ def delta(table: DynamicTable) -> State:
     return state
 
 
+def for_checkpoint(table: DynamicTable, step: int) -> tuple[State, list[int]]:
+    """The state a checkpoint at `step` writes (hold table.lock) and the earlier steps it builds on.
+
+    With `increments` = k in the table's config, a full state is followed by up to k increments (rows
+    changed and keys removed since the previous save; `chain` lists the steps from the full one to the
+    previous save, [] for a full state). A table without a base in this process (just created, restored,
+    promoted, or after a failed save: see `drop_chain`) or past REMOVED_LOG_LIMIT removals saves in full.
+    """
+    k = table.cfg.increments
+    if k and table.chain and len(table.chain) <= k and table.removed_log is not None:
+        try:
+            state, chain = delta(table), list(table.chain)
+            table.chain.append(step)
+            return state, chain
+        except FailedPreconditionError:
+            pass  # too many removals to list: a full state instead
+    state = snapshot(table)
+    if k:
+        mark(table)
+        table.chain = [step]
+    return state, []
+
+
+def drop_chain(table: DynamicTable) -> None:
+    """Forget the incremental base (a save that did not complete): the next checkpoint is full."""
+    table.chain = []
+    table.removed_log = None
+
+
 def apply_delta(base: State, change: State) -> State:
     """The state after `change` (a delta) on `base` (a full state or an earlier result)."""
     gone = np.union1d(change["removed"], change["keys"])  # updated rows are replaced whole

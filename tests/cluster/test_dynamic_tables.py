@@ -65,19 +65,23 @@ def test_any_int64_key_is_admitted_updated_and_placed_by_its_hash(client):
         client.pull([emb])
 
 
-def test_dynamic_table_comes_back_from_a_checkpoint_after_sigkill(cluster, client):
-    emb = client.create_variable("dyn_ckpt", shape=(None, 4), sparse=True, optimizer=ps.Adagrad(0.1), table=CFG)
+def test_dynamic_table_comes_back_from_a_full_checkpoint_and_an_increment_after_sigkill(cluster, client):
+    cfg = TableConfig(dim=4, capacity=1_000, initializer="normal", init_value=0.1, increments=1,
+                      admission=Admission("counter", min_count=2))
+    emb = client.create_variable("dyn_ckpt", shape=(None, 4), sparse=True, optimizer=ps.Adagrad(0.1), table=cfg)
     keys = np.arange(-40, 40, dtype=np.int64)
     for _ in range(2):
         client.push_rows(emb, keys, np.ones((keys.size, 4), np.float32))
+    client.checkpoint(step=7)  # full
+    client.push_rows(emb, keys[:10], np.ones((10, 4), np.float32))
     saved = client.pull_rows(emb, keys)
-    client.checkpoint(step=7)
+    client.checkpoint(step=8)  # an increment on step 7
     client.push_rows(emb, keys, np.ones((keys.size, 4), np.float32))  # after the checkpoint
     newer = client.pull_rows(emb, keys)
     victim = cluster.ps[1]
     cluster.kill(victim)
     cluster.restart(victim)
-    assert client.status()[1].restored_step == 7
+    assert client.status()[1].restored_step == 8
     after = client.pull_rows(emb, keys)
     on_victim = shard_of(keys, 2) == [pl.shard_index for pl in emb.shards if pl.ps == 1][0]
     assert on_victim.any() and (~on_victim).any()
