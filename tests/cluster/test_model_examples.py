@@ -32,6 +32,19 @@ def test_torch_recsys_with_two_1m_row_tables_reaches_auc_060():
     assert score >= 0.6, out
 
 
+def test_torch_recsys_hashed_reports_auc_and_the_live_table_size_as_it_trains():
+    """--hashed on small flags: dynamic tables grow, evict idle keys, and the model still learns."""
+    out = run_example("torch_recsys.py", "--hashed", "--steps", "60", "--rows", "3000", "--batch", "256",
+                      "--workers", "1", "--eval-samples", "2000", "--max-idle", "10", "--min-auc", "0", timeout=120)
+    rounds = re.findall(r"after (\d+) steps: live keys user ([\d,]+), item ([\d,]+); evicted ([\d,]+)", out)
+    assert [int(r[0]) for r in rounds] == [12, 24, 36, 48, 60], out
+    live = [(int(u.replace(",", "")), int(i.replace(",", ""))) for _, u, i, _ in rounds]
+    assert all(u > 0 and i > 0 for u, i in live) and live[1][0] > live[0][0], out  # rows appear as keys are admitted
+    assert int(rounds[-1][3].replace(",", "")) > 0, out  # rows idle for 10 pushes were evicted by the sweep
+    score = float(re.search(r"held-out AUC: ([0-9.]+)", out).group(1))
+    assert score >= 0.6, out
+
+
 def test_jax_mnist_mlp_trains_on_2_ps_and_2_workers():
     out = run_example("jax_mnist.py", "--steps", "1000", "--ps", "2", "--workers", "2", "--min-accuracy", "0")
     assert "cluster: 2 PS, 2 workers" in out, out
