@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pathlib
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -20,6 +20,8 @@ from pscluster.errors import InvalidArgumentError, NotFoundError
 from pscluster.optimizer_config import changes_to_json
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.tables import write_export
+
+T = TypeVar("T")
 
 # rows per ReadTable page of an export (the PS caps it too: server/table_ops.py)
 EXPORT_PAGE_ROWS = 1 << 15
@@ -33,6 +35,10 @@ class ClusterOperations(ABC):
     @abstractmethod
     def _call(self, ps: int, method: str, request: Any, retry_for: float | None = None) -> Any:
         """One unary call to PS task ps (retried while retryable)."""
+
+    @abstractmethod
+    def _retrying(self, fn: Callable[[], T]) -> T:
+        """fn, retried on retryable errors with the replica routes refreshed between tries."""
 
     @property
     @abstractmethod
@@ -72,13 +78,18 @@ class ClusterOperations(ABC):
 
     def table_stats(self, table: Variable) -> dict[str, int]:
         """A dynamic table's live keys, evicted keys and dropped (not admitted) gradient rows, summed
-        over its shards (one ListShards per PS task)."""
+        over its shards, each counted once (one ListShards per PS task)."""
         totals = {"live_keys": 0, "evicted_keys": 0, "dropped_rows": 0}
-        for reply in self._gather([(ps, "ListShards", pb.ListShardsRequest()) for ps in {pl.ps for pl in table.shards}]):
+        # with replicas: 2 a shard is listed by its primary and its backup: count the copy furthest ahead once
+        newest: dict[int, pb.ShardInfo] = {}
+        for reply in self._gather([(ps, "ListShards", pb.ListShardsRequest()) for ps in range(self.num_ps)]):
             for info in reply.shards:
-                if info.spec.variable == table.name:
-                    for name in totals:
-                        totals[name] += getattr(info, name)
+                seen = newest.get(info.spec.shard_index)
+                if info.spec.variable == table.name and (seen is None or info.version > seen.version):
+                    newest[info.spec.shard_index] = info
+        for info in newest.values():
+            for name in totals:
+                totals[name] += getattr(info, name)
         return totals
 
     def evicted_keys(self, table: Variable) -> tuple[np.ndarray, int]:
@@ -100,12 +111,17 @@ class ClusterOperations(ABC):
         keys, values = [], []
         for pl in table.shards:
             key = (table.name, pl.shard_index)
-            ps = pl.ps if self.routes is None else self.routes.primary.get(key, pl.ps)
+            ref = pb.ShardRef(variable=table.name, shard_index=pl.shard_index)
             start = 0
             while start >= 0:
-                ref = pb.ShardRef(variable=table.name, shard_index=pl.shard_index)
-                reply = self._call(ps, "ReadTable", pb.ReadTableRequest(ref=ref, start=start,
-                                                                      max_rows=EXPORT_PAGE_ROWS, float16=float16))
+                req = pb.ReadTableRequest(ref=ref, start=start, max_rows=EXPORT_PAGE_ROWS, float16=float16)
+
+                def read(req: pb.ReadTableRequest = req, key: tuple[str, int] = key, home: int = pl.ps) -> Any:
+                    # with replicas, the shard's primary now (a retry after a promotion reads the new one)
+                    ps = home if self.routes is None else self.routes.primary.get(key, home)
+                    return self._call(ps, "ReadTable", req, retry_for=1.0)
+
+                reply = self._retrying(read)
                 keys.append(codec.decode(reply.keys, "table keys"))
                 values.append(codec.decode(reply.values, "table rows"))
                 start = int(reply.next)

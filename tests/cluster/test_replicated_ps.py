@@ -110,3 +110,33 @@ def test_sync_training_survives_a_kill_of_a_primary_other_than_ps0(fresh_cluster
         assert coord.lost_updates == 0
     finally:
         coord.shutdown()
+
+
+def test_a_dynamic_tables_rows_made_by_pulls_survive_a_primary_kill_and_are_counted_once(fresh_cluster, tmp_path):
+    from pscluster.tables import TableConfig, shard_of
+
+    cluster = fresh_cluster(2, 0, supervise=True, replicas=2)
+    coord = ps.ClusterCoordinator(cluster.settings())
+    try:
+        client = coord.client
+        cfg = TableConfig(dim=2, capacity=40, initializer="uniform", init_value=0.5)  # admission "always"
+        emb = client.create_variable("dyn", shape=(None, 2), sparse=True, optimizer=ps.Adagrad(0.1), table=cfg)
+        keys = [("dyn", pl.shard_index) for pl in emb.shards]
+        poll(lambda: all((c := primary_of(coord, k)) is not None and c.in_sync for k in keys), "backups in sync")
+        ids = np.arange(-200, 200, dtype=np.int64)
+        client.push_rows(emb, ids[:60], np.ones((60, 2), np.float32))
+        client.pull_rows(emb, ids[60:110])  # creates rows, and evicts some at the 40-row capacity
+        client.push_rows(emb, ids[:5], np.ones((5, 2), np.float32))  # acknowledged once the backups hold it
+        (tmp_path / "before").mkdir()
+        before = [np.load(p) for p in client.export_table(emb, tmp_path / "before")]
+        stats = client.table_stats(emb)
+        assert stats["live_keys"] == before[0].size == 80 and stats["evicted_keys"] >= 30  # each shard once
+        victim = primary_of(coord, keys[0]).primary
+        cluster.kill(cluster.ps[victim], signal.SIGKILL)
+        poll(lambda: primary_of(coord, keys[0]).primary != victim, "the backup's promotion")
+        (tmp_path / "after").mkdir()
+        after = [np.load(p) for p in client.export_table(emb, tmp_path / "after")]
+        assert np.array_equal(before[0], after[0]) and np.array_equal(before[1], after[1])  # pulls' rows too
+        assert shard_of(before[0], 2).min() == 0 and shard_of(before[0], 2).max() == 1
+    finally:
+        coord.shutdown()
