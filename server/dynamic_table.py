@@ -146,7 +146,7 @@ class DynamicTable:
         self.values = np.zeros((cap, cfg.dim), dt)
         self.slots = {s: np.zeros((cap, cfg.dim), dt) for s in optimizer.slot_names()}
         self.last_step = np.zeros(cap, np.uint32)
-        self.freq = np.zeros(cap, np.float32)
+        self.freq = np.zeros(cap if cfg.eviction.policy == "lfu" else 0, np.float32)  # LFU alone reads it
         self.touched_s = np.zeros(cap if cfg.eviction.policy == "seconds" else 0, np.uint32)
         self.dirty = np.zeros(cap, np.bool_)
         self.epoch = int(clock())
@@ -339,7 +339,8 @@ class DynamicTable:
         for name, slot in self.slots.items():
             slot[at] = self.optimizer.initial_accumulator_value if name == "accumulator" else 0.0
         self.last_step[rows] = step
-        self.freq[rows] = 0.0
+        if self.freq.size:
+            self.freq[rows] = 0.0
         if self.touched_s.size:
             self.touched_s[rows] = int(self.clock()) - self.epoch
         self.dirty[rows] = True

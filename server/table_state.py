@@ -34,7 +34,9 @@ REMOVED_LOG_LIMIT = 1 << 24
 
 
 def _row_arrays(table: DynamicTable) -> dict[str, np.ndarray]:
-    arrays = {"values": table.values, "last_step": table.last_step, "freq": table.freq}
+    arrays = {"values": table.values, "last_step": table.last_step}
+    if table.freq.size:
+        arrays["freq"] = table.freq
     if table.touched_s.size:
         arrays["touched_s"] = table.touched_s
     arrays.update({f"slot.{name}": slot for name, slot in table.slots.items()})
@@ -196,6 +198,8 @@ def load(table: DynamicTable, state: State) -> DynamicTable:
             f"{table.name}: saved rows of width {state['values'].shape[1:]} for a table of dim {table.cfg.dim}")
     arrays = _row_arrays(table)
     saved = {name for name in state if name not in ("keys", "meta", "removed") and not name.startswith(_FILTER)}
+    if "freq" not in arrays:
+        saved.discard("freq")  # saved when every policy kept a frequency: only LFU reads it
     if saved != set(arrays):
         what = ", ".join(repr(n) for n in sorted(set(arrays) - saved)) or "nothing"
         raise InvalidArgumentError(f"{table.name}: saved state lacks {what} and has {sorted(saved - set(arrays))} "

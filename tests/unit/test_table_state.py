@@ -156,3 +156,20 @@ def test_export_writes_sorted_keys_and_their_rows(tmp_path: pathlib.Path) -> Non
     keys, values = np.load(keys_path), np.load(values_path)
     assert keys.dtype == np.int64 and np.all(np.diff(keys) > 0) and keys.size == state["keys"].size
     assert values.dtype == np.float16 and np.allclose(values, src.pull(keys), atol=1e-3)
+
+
+def test_only_lfu_keeps_a_frequency_per_key_and_older_states_that_carry_one_still_load() -> None:
+    src = Sharded(1)
+    src.push(*batches(6, 1)[0])
+    state = ts.snapshot(src.tables[0])
+    assert "freq" not in state and src.tables[0].freq.nbytes == 0  # 4 B per key saved beyond LFU
+    older = {**state, "freq": np.zeros(state["keys"].size, np.float32)}  # what the previous format saved
+    again = ts.load(DynamicTable(CFG, Adam(0.01)), older)
+    assert np.array_equal(ts.snapshot(again)["values"], state["values"])
+    lfu = TableConfig(dim=4, capacity=100, eviction=Eviction("lfu", decay=0.5, min_frequency=0.1))
+    t = DynamicTable(lfu, Adam(0.01))
+    t.push(np.array([3, 3, 4], np.int64), np.ones((3, 4), np.float32))
+    saved = ts.snapshot(t)
+    assert saved["freq"].tolist() == [2.0, 1.0]
+    with pytest.raises(InvalidArgumentError, match="lacks 'freq'"):
+        ts.load(DynamicTable(lfu, Adam(0.01)), {k: v for k, v in saved.items() if k != "freq"})
