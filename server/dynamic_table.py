@@ -1,7 +1,7 @@
 """One shard of a hash-keyed dynamic table: rows that appear on touch, are admitted, updated, evicted.
 
 One row id (from server/hash_index.py) per live key indexes every array of its state: value, each
-optimizer slot, last-touched step (and second), decayed frequency, the changed-since-checkpoint flag.
+optimizer slot, last-touched step (and second), decayed frequency (LFU only), the changed-since-checkpoint flag.
 A freed row id is reset completely before another key gets it, so a re-admitted key starts fresh and
 no slot outlives its row. Arrays are reserved at the shard's capacity with np.zeros (the OS commits
 a page when it is first written), so growing never copies rows.
