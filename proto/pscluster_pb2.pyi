@@ -1183,6 +1183,51 @@ class EvictedKeysReply(_message.Message):
 Global___EvictedKeysReply: _TypeAlias = EvictedKeysReply  # noqa: Y015
 
 @_typing.final
+class RoomRequest(_message.Message):
+    """Before a push that spans several PS tasks reaches any of them: would each table shard's new keys fit
+    (admission and capacity decided as the push would, nothing changed)? RESOURCE_EXHAUSTED if not.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ITEMS_FIELD_NUMBER: _builtins.int
+    PUSH_ID_FIELD_NUMBER: _builtins.int
+    push_id: _builtins.str
+    """a push held already needs no room"""
+    @_builtins.property
+    def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___PullItem]:
+        """a dynamic table shard and the keys the push carries for it"""
+
+    def __init__(
+        self,
+        *,
+        items: _abc.Iterable[Global___PullItem] | None = ...,
+        push_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items", "push_id", b"push_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomRequest: _TypeAlias = RoomRequest  # noqa: Y015
+
+@_typing.final
+class RoomReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomReply: _TypeAlias = RoomReply  # noqa: Y015
+
+@_typing.final
 class ReadTableRequest(_message.Message):
     """The live keys and rows of one dynamic table shard whose row ids lie in [start, start + max_rows): a page
     of an export (the client sorts the keys); `next` is the start of the following page, -1 after the last.

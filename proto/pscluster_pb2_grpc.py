@@ -129,6 +129,11 @@ class ParameterServerStub:
                 request_serializer=pscluster_dot_proto_dot_pscluster__pb2.ReadTableRequest.SerializeToString,
                 response_deserializer=pscluster_dot_proto_dot_pscluster__pb2.ReadTableReply.FromString,
                 _registered_method=True)
+        self.CheckRoom = channel.unary_unary(
+                '/pscluster.ParameterServer/CheckRoom',
+                request_serializer=pscluster_dot_proto_dot_pscluster__pb2.RoomRequest.SerializeToString,
+                response_deserializer=pscluster_dot_proto_dot_pscluster__pb2.RoomReply.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -254,6 +259,13 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CheckRoom(self, request, context):
+        """dynamic tables: would a push's new keys fit
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -351,6 +363,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.ReadTable,
                     request_deserializer=pscluster_dot_proto_dot_pscluster__pb2.ReadTableRequest.FromString,
                     response_serializer=pscluster_dot_proto_dot_pscluster__pb2.ReadTableReply.SerializeToString,
+            ),
+            'CheckRoom': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckRoom,
+                    request_deserializer=pscluster_dot_proto_dot_pscluster__pb2.RoomRequest.FromString,
+                    response_serializer=pscluster_dot_proto_dot_pscluster__pb2.RoomReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -866,6 +883,33 @@ class ParameterServer:
             '/pscluster.ParameterServer/ReadTable',
             pscluster_dot_proto_dot_pscluster__pb2.ReadTableRequest.SerializeToString,
             pscluster_dot_proto_dot_pscluster__pb2.ReadTableReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckRoom(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pscluster.ParameterServer/CheckRoom',
+            pscluster_dot_proto_dot_pscluster__pb2.RoomRequest.SerializeToString,
+            pscluster_dot_proto_dot_pscluster__pb2.RoomReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -56,6 +56,8 @@ class ParameterServerStub:
     """dynamic tables: drain the eviction report"""
     ReadTable: _grpc.UnaryUnaryMultiCallable[_pscluster_pb2.ReadTableRequest, _pscluster_pb2.ReadTableReply]
     """dynamic tables: live rows, a page at a time"""
+    CheckRoom: _grpc.UnaryUnaryMultiCallable[_pscluster_pb2.RoomRequest, _pscluster_pb2.RoomReply]
+    """dynamic tables: would a push's new keys fit"""
 
 @_typing.type_check_only
 class ParameterServerAsyncStub(ParameterServerStub):
@@ -85,6 +87,8 @@ class ParameterServerAsyncStub(ParameterServerStub):
     """dynamic tables: drain the eviction report"""
     ReadTable: _aio.UnaryUnaryMultiCallable[_pscluster_pb2.ReadTableRequest, _pscluster_pb2.ReadTableReply]  # type: ignore[assignment]
     """dynamic tables: live rows, a page at a time"""
+    CheckRoom: _aio.UnaryUnaryMultiCallable[_pscluster_pb2.RoomRequest, _pscluster_pb2.RoomReply]  # type: ignore[assignment]
+    """dynamic tables: would a push's new keys fit"""
 
 class ParameterServerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -225,6 +229,14 @@ class ParameterServerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_pscluster_pb2.ReadTableReply, _abc.Awaitable[_pscluster_pb2.ReadTableReply]]:
         """dynamic tables: live rows, a page at a time"""
+
+    @_abc_1.abstractmethod
+    def CheckRoom(
+        self,
+        request: _pscluster_pb2.RoomRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_pscluster_pb2.RoomReply, _abc.Awaitable[_pscluster_pb2.RoomReply]]:
+        """dynamic tables: would a push's new keys fit"""
 
 def add_ParameterServerServicer_to_server(servicer: ParameterServerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

@@ -231,6 +231,15 @@ class DynamicTable:
         victims = self._plan_room(int(np.count_nonzero(admitted)), rows[rows >= 0])
         return PushPlan(step, uniq, counts, summed, rows, missing, admitted, victims)
 
+    def check_room(self, keys: np.ndarray) -> None:
+        """ResourceExhaustedError (counted as refused) unless a push of keys would fit now; changes nothing."""
+        self.check_keys(keys)
+        uniq, counts, _, _ = group_keys(keys)
+        rows = self.index.lookup(uniq)
+        missing = np.flatnonzero(rows < 0)
+        admitted = self.filter.decide(uniq[missing], counts[missing], self.version + 1)
+        self._plan_room(int(np.count_nonzero(admitted)), rows[rows >= 0])
+
     def commit(self, plan: PushPlan) -> TableResult:
         """Apply a prepared push (see prepare); nothing in it can fail."""
         if plan.step != self.version + 1:

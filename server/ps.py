@@ -244,6 +244,12 @@ class ParameterServerCore:
             self.replication.check_primary([key])
         return table_ops.read_page(table_ops.table_shard(self.store, key), start, max_rows, float16)
 
+    def check_room(self, push_id: str, items: list[tuple[tuple[str, int], np.ndarray]]) -> None:
+        """Whether a push's new keys fit every table shard named (server/table_ops.check_room)."""
+        if self.replication is not None:
+            self.replication.check_primary(key for key, _ in items)
+        table_ops.check_room(self.store, push_id, items)
+
     def learning_rates(self) -> dict[str, float]:
         """Variable -> the rate of its next update on this task (schedule at the shard's count, or the set rate)."""
         return {s.spec.variable: s.spec.optimizer.lr_at(s.version + 1) for s in self.store.shards()}

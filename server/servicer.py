@@ -150,6 +150,10 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                                                             request.float16)
         return pb.ReadTableReply(keys=codec.encode(keys), values=codec.encode(values), next=after, version=version)
 
+    def CheckRoom(self, request: pb.RoomRequest, context: grpc.ServicerContext) -> pb.RoomReply:
+        self.core.check_room(request.push_id, [(_key(i.ref), codec.decode_ids(i.ids)) for i in request.items])
+        return pb.RoomReply()
+
     def Status(self, request: pb.PsStatusRequest, context: grpc.ServicerContext) -> pb.PsStatus:
         core = self.core
         return pb.PsStatus(ps_index=core.ps_index, num_ps=core.num_ps, global_step=core.global_step,

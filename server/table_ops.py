@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import numpy as np
+from pscluster.server.push_record import push_key
 from pscluster.server.store import Shard, VariableStore
 
 from pscluster.errors import InvalidArgumentError
@@ -56,3 +57,16 @@ def read_page(shard: Shard, start: int, max_rows: int, float16: bool) -> tuple[n
         keys = table.index.row_keys[rows]
         values = table.values[rows].astype(np.float16) if float16 else table.values[rows]
         return keys, values, (end if end < high else -1), table.version
+
+
+def check_room(store: VariableStore, push_id: str, items: list[tuple[Key, np.ndarray]]) -> None:
+    """ResourceExhaustedError unless every table shard's new keys of a push would fit now (see CheckRoom);
+    a shard that applied `push_id` already is skipped (its repeat applies nothing)."""
+    pkey = push_key(push_id) if push_id else None
+    for key, keys in items:
+        shard = table_shard(store, key)
+        assert shard.table is not None
+        with shard.lock:
+            if pkey is not None and shard.record.seen_key(pkey):
+                continue
+            shard.table.check_room(keys)

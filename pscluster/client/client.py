@@ -407,6 +407,10 @@ class PSClient(ClusterOperations):
         grads, rows = screened
         fused = scope is not None and scope.push_pull and not rows
         plan, targets, values = plans.push_plan(grads, rows, fused)
+        if rows:  # a table that refuses new keys at capacity: every PS task says they fit before any applies
+            routes = self.routes
+            self._retrying(lambda: self._gather(plans.room_checks(plan if routes is None else routes.route(plan)[0],
+                                                                  rows, pid)))
         versions, replies = self._push_plan(plan, pid, _token_step(scope, step), scope, targets if fused else None)
         if fused and sum(len(r.values) for r in replies) == sum(len(items) for items in plan.values()):
             self.fresh.put(values)  # every PS answered with values (none accumulates, nothing streamed)

@@ -7,6 +7,7 @@ numpy views, so it is tested without sockets.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -18,6 +19,7 @@ from pscluster.client.variables import ShardPlacement, Variable
 from pscluster.errors import InvalidArgumentError
 from pscluster.net.transport import PullPlan, PushPlan, ValueTargets
 from pscluster.proto import pscluster_pb2 as pb
+from pscluster.tables import TableConfig
 
 Grads = Sequence[tuple[Variable, np.ndarray]]
 Rows = Sequence[tuple[Variable, np.ndarray, np.ndarray]]  # (table, ids, rows or row gradients)
@@ -178,3 +180,23 @@ def push_plan(grads: Grads, rows: Rows = (), with_values: bool = False
                                             ids=codec.encode(part_ids), grad=codec.header(part.dtype, part.shape)),
                                 part))
     return plan, targets, values
+
+
+@functools.lru_cache(maxsize=256)
+def _refuses(table_json: str) -> bool:
+    """Whether a dynamic table's config (its JSON, parsed once) refuses new keys at capacity."""
+    return TableConfig.from_json(table_json).on_full == "refuse"
+
+
+def room_checks(plan: PushPlan, rows: Rows, push_id: str) -> list[tuple[int, str, pb.RoomRequest]]:
+    """CheckRoom calls to send before a push plan that reaches several PS tasks and carries keys of a
+    dynamic table with on_full="refuse": one per PS task holding such keys ([] when none is needed)."""
+    if len(plan) < 2:
+        return []  # one PS task: its store applies a request all or nothing by itself
+    refusing = {var.name for var, _, _ in rows if var.table and _refuses(var.table)}
+    calls = []
+    for ps, items in plan.items():
+        check = [pb.PullItem(ref=item.ref, ids=item.ids) for item, _ in items if item.ref.variable in refusing]
+        if check:
+            calls.append((ps, "CheckRoom", pb.RoomRequest(items=check, push_id=push_id)))
+    return calls

@@ -5,7 +5,7 @@ import pytest
 from pscluster.server.dynamic_table import DynamicTable
 
 import pscluster as ps
-from pscluster.errors import InvalidArgumentError
+from pscluster.errors import InvalidArgumentError, ResourceExhaustedError
 from pscluster.ops.launcher import LocalCluster
 from pscluster.tables import Admission, TableConfig, shard_of
 
@@ -156,3 +156,20 @@ def test_export_table_writes_sorted_keys_and_rows_of_every_shard(client, tmp_pat
     assert np.load(half).dtype == np.float16
     with pytest.raises(InvalidArgumentError, match="not a dynamic table"):
         client.export_table(client.create_variable("dense_x", shape=(3,)), tmp_path)
+
+
+def test_a_push_one_ps_task_refuses_at_capacity_changes_no_ps_task(client):
+    cfg = TableConfig(dim=2, capacity=6, on_full="refuse")
+    emb = client.create_variable("dyn_refuse", shape=(None, 2), sparse=True, optimizer=ps.SGD(0.5), table=cfg)
+    dense = client.create_variable("dense_refuse", shape=(2, 2), optimizer=ps.SGD(0.5))
+    keys = np.arange(1_000, dtype=np.int64)
+    on = [keys[shard_of(keys, 2) == i] for i in range(2)]
+    first = np.concatenate([on[0][:6], on[1][:2]])  # shard 0 full, shard 1 has room for 4
+    client.push_rows(emb, first, np.ones((first.size, 2), np.float32))
+    rows_before, dense_before = client.pull_rows(emb, first), client.pull([dense])[0]
+    more = np.concatenate([on[0][6:7], on[1][2:5]])  # shard 0 refuses its 1 new key, shard 1 would take 3
+    with pytest.raises(ResourceExhaustedError, match=r"dyn_refuse\[0\]: 1 new keys do not fit"):
+        client.push([(dense, np.ones((2, 2), np.float32))], rows=[(emb, more, np.ones((more.size, 2), np.float32))])
+    assert client.table_stats(emb)["live_keys"] == 8  # shard 1 took none of its 3 new keys
+    np.testing.assert_array_equal(client.pull_rows(emb, first), rows_before)
+    np.testing.assert_array_equal(client.pull([dense])[0], dense_before)  # nor did the dense variable change

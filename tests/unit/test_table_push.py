@@ -4,10 +4,13 @@ import threading
 
 import numpy as np
 import pytest
+from pscluster.server import table_ops
 from pscluster.server import table_state as ts
 from pscluster.server.dynamic_table import DynamicTable, EvictionReport
 from pscluster.server.store import PushItem, ShardSpec, VariableStore, ensure_created
 
+from pscluster.client.plans import push_plan, room_checks
+from pscluster.client.variables import ShardPlacement, Variable
 from pscluster.errors import PsclusterError, ResourceExhaustedError
 from pscluster.optimizers import SGD, Adagrad
 from pscluster.tables import Eviction, TableConfig
@@ -125,3 +128,28 @@ def test_every_eviction_path_reaches_the_report() -> None:
     table.sweep()  # idle rows leave
     keys, overflowed = table.report.drain()
     assert overflowed == 0 and keys.size == table.stats.evicted >= 3
+
+
+def test_check_room_refuses_what_the_push_would_refuse_and_changes_nothing() -> None:
+    store = make_store("refuse", capacity=3)
+    push(store, "p1", [1, 2, 3], [10])
+    before = everything(store)
+    with pytest.raises(ResourceExhaustedError, match=r"a\[0\]: 1 new keys do not fit"):
+        table_ops.check_room(store, "p2", [(("b", 0), np.array([11, 12], np.int64)), (("a", 0), np.array([4], np.int64))])
+    assert same(before, everything(store))
+    table_ops.check_room(store, "p2", [(("a", 0), np.array([1, 3, 3], np.int64))])  # known keys need no room
+    table_ops.check_room(store, "p1", [(("a", 0), np.array([4], np.int64))])  # p1 is held: its repeat applies nothing
+
+
+def test_room_is_checked_only_for_refusing_tables_spread_over_several_ps_tasks() -> None:
+    refuse = Variable("r", (0, 2), np.dtype(np.float32), (ShardPlacement(0, 0, 0, 0, 0), ShardPlacement(1, 1, 0, 0, 1)),
+                      True, TableConfig(dim=2, on_full="refuse").to_json())
+    evict = Variable("e", refuse.shape, refuse.dtype, refuse.shards, True, TableConfig(dim=2).to_json())
+    ids = np.arange(10, dtype=np.int64)
+    g = np.ones((10, 2), np.float32)
+    plan = push_plan([], [(refuse, ids, g), (evict, ids, g)])[0]
+    calls = room_checks(plan, [(refuse, ids, g), (evict, ids, g)], "pid")
+    assert sorted(ps for ps, _, _ in calls) == [0, 1] and all(m == "CheckRoom" for _, m, _ in calls)
+    assert all([i.ref.variable for i in req.items] == ["r"] and req.push_id == "pid" for _, _, req in calls)
+    assert room_checks(plan, [(evict, ids, g)], "pid") == []
+    assert room_checks({0: plan[0]}, [(refuse, ids, g)], "pid") == []  # one PS task: all or nothing by itself
