@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from pscluster.proto import pscluster_pb2 as pb
-from pscluster.server import table_state
+from pscluster.server import table_ops, table_state
 from pscluster.server.dynamic_table import DynamicTable
 from pscluster.server.push_record import PushKey, PushRecord, push_key
 from pscluster.server.replicator import MAX_QUEUED_BYTES, ReplicaLink, Replicator, name_of
@@ -260,7 +260,7 @@ class Replication:
             elif shard is None:
                 outcome = pb.REPLICA_GAP
             elif f.pulled:
-                done = self.store.pull_at(shard, f.version, codec.decode_ids(f.rows, name_of(key)))
+                done = table_ops.pull_at(shard, f.version, codec.decode_ids(f.rows, name_of(key)))
                 outcome = pb.REPLICA_GAP if done == "gap" else pb.REPLICA_APPLIED
             else:
                 grad = codec.decode(f.grad, name_of(key))

@@ -12,7 +12,8 @@ from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 from pscluster.server.ps import ParameterServerCore
 from pscluster.server.replication import Replication, Role
-from pscluster.server.store import PushItem, table_counts
+from pscluster.server.store import PushItem
+from pscluster.server.table_ops import table_counts
 
 from pscluster import codec
 from pscluster.errors import FailedPreconditionError, InvalidArgumentError

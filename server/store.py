@@ -427,17 +427,6 @@ class VariableStore:
             return "applied"
 
     @staticmethod
-    def pull_at(shard: Shard, version: int, keys: np.ndarray) -> Literal["applied", "held", "gap"]:
-        """A backup's repeat of its primary's row-creating pull of a dynamic table at `version` (as apply_at)."""
-        with shard.lock:
-            if version < shard.version:
-                return "held"
-            if version > shard.version or shard.table is None:
-                return "gap"
-            shard.table.pull(keys)  # the same keys on the same state: the same rows created and evicted
-            return "applied"
-
-    @staticmethod
     def _local_rows(shard: Shard, ids: np.ndarray) -> np.ndarray:
         spec = shard.spec
         if not spec.shape:
@@ -452,14 +441,6 @@ class VariableStore:
                 f"[{spec.row_offset}, {spec.row_offset + spec.shape[0]}) of this shard "
                 f"(table has {spec.full_shape[0]} rows)")
         return local
-
-
-def table_counts(shard: Shard) -> dict[str, int]:
-    """A dynamic table shard's live keys, evicted keys and dropped rows (ShardInfo's fields); {} otherwise."""
-    table = shard.table
-    if table is None:
-        return {}
-    return {"live_keys": table.live, "evicted_keys": table.stats.evicted, "dropped_rows": table.stats.dropped}
 
 
 def ensure_created(store: VariableStore, spec: ShardSpec, initial: np.ndarray | None,

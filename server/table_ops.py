@@ -7,6 +7,7 @@ primary of): each holds one shard's lock while it copies, never while anything i
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Literal
 
 import numpy as np
 from pscluster.server.push_record import push_key
@@ -25,6 +26,25 @@ def table_shard(store: VariableStore, key: Key) -> Shard:
     if shard.table is None:
         raise InvalidArgumentError(f"{shard.name} is not a dynamic table (shape (None, dim), sparse=True)")
     return shard
+
+
+def table_counts(shard: Shard) -> dict[str, int]:
+    """A dynamic table shard's live keys, evicted keys and dropped rows (ShardInfo's fields); {} otherwise."""
+    table = shard.table
+    if table is None:
+        return {}
+    return {"live_keys": table.live, "evicted_keys": table.stats.evicted, "dropped_rows": table.stats.dropped}
+
+
+def pull_at(shard: Shard, version: int, keys: np.ndarray) -> Literal["applied", "held", "gap"]:
+    """A backup's repeat of its primary's row-creating pull of a dynamic table at `version` (as apply_at)."""
+    with shard.lock:
+        if version < shard.version:
+            return "held"
+        if version > shard.version or shard.table is None:
+            return "gap"
+        shard.table.pull(keys)  # the same keys on the same state: the same rows created and evicted
+        return "applied"
 
 
 def drain_evicted(shards: Iterable[Shard]) -> tuple[np.ndarray, int]:
