@@ -34,7 +34,7 @@ from pscluster.server.ps import ParameterServerCore
 from pscluster.server.push_record import push_key
 from pscluster.server.store import PushItem, PushResult, Shard
 
-from pscluster.errors import DeadlineExceededError, InvalidArgumentError
+from pscluster.errors import DeadlineExceededError, InvalidArgumentError, ResourceExhaustedError
 
 MODES = tok.MODES
 WORKER_LEASE_S = tok.WORKER_LEASE_S
@@ -200,6 +200,7 @@ class SyncReplicas:
                 return PushResult(shard.version, True)
             r = shard.value.dtype.type(self.replicas_to_aggregate)
             step_key = push_key(f"sync:{acc.step}")
+            refused: ResourceExhaustedError | None = None
             if acc.poisoned:
                 result = PushResult(shard.version, False, shard.version)
                 with self._cond:
@@ -213,11 +214,22 @@ class SyncReplicas:
                     # one occurrence per key and step, however many replicas' batches carry it: a step is one
                     # update, so admission and LFU count steps (summed as the table would: same bits)
                     ids, _, grads = sum_duplicates(ids, grads)
-                result = self.core.store.apply(shard, grads, ids, step_key)
+                try:
+                    result = self.core.store.apply(shard, grads, ids, step_key)
+                except ResourceExhaustedError as exc:
+                    # the step's new keys do not fit this table shard (nothing changed): the step is skipped
+                    # here, and still settles, so no replica waits for it; the replica whose push completed
+                    # it is told why
+                    refused = exc
+                    result = PushResult(shard.version, False, shard.version)
+                    with self._cond:
+                        self.skipped += 1
             with self._cond:
                 self._acc[key] = Accumulator(acc.step + 1, earlier=frozenset(acc.contributors))
                 self._settled[key] = (acc.step, shard.version)
                 self._cond.notify_all()
+            if refused is not None:
+                raise refused
             return result
 
     def settled(self, key: tuple[str, int], step: int, timeout: float) -> int:

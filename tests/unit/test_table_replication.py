@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from pscluster.server import sync_replicas
 from pscluster.server import table_state as ts
 from pscluster.server.ps import ParameterServerCore
@@ -10,6 +11,7 @@ from pscluster.server.replication import Role
 from pscluster.server.store import PushItem, ShardSpec
 from pscluster.server.table_filters import initial_rows
 
+from pscluster.errors import ResourceExhaustedError
 from pscluster.optimizers import Adam
 from pscluster.tables import Admission, TableConfig
 from tests.unit.test_replication import make_core, pair  # noqa: F401 - the fixture, used by name
@@ -88,3 +90,25 @@ def test_a_sync_step_counts_a_key_once_for_admission_however_many_replicas_carry
     # admitted by step 1's push, the table's update 2: Adam's fresh slots with bias correction at t = 2
     move = 0.1 * (0.1 / (1 - 0.9**2)) / np.sqrt(0.001 / (1 - 0.999**2))
     np.testing.assert_allclose(rows, initial_rows(np.array([5], np.int64), CFG) - move, atol=1e-5)
+
+
+def test_a_sync_step_whose_new_keys_do_not_fit_is_skipped_settles_and_tells_its_last_replica():
+    core = ParameterServerCore(0, 1)
+    sync_replicas.attach(core)
+    core.sync.configure("sync", 2, 2, 0)
+    cfg = TableConfig(dim=2, capacity=2, on_full="refuse")
+    core.create(ShardSpec("dyn", 0, 1, (0, 2), (0, 2), 0, "<f4", Adam(0.1), True, 0, cfg.to_json()), None, "zeros", 0, 0)
+
+    def push_step(step: int, replica: int, keys: list[int]) -> None:
+        k = np.array(keys, np.int64)
+        core.push(f"c{step}.{replica}", step, [PushItem(DYN, np.ones((k.size, 2), np.float32), k)])
+
+    push_step(0, 0, [1, 2])
+    with pytest.raises(ResourceExhaustedError, match="3 new keys do not fit"):
+        push_step(0, 1, [3])  # completes step 0, whose 3 new keys exceed the 2-row shard
+    table = core.store.get(DYN).table
+    assert table is not None and table.live == 0 and core.store.get(DYN).version == 0  # nothing changed
+    assert core.sync.settled(DYN, 0, timeout=1.0) == 0  # the step settled (skipped): no replica hangs on it
+    push_step(1, 0, [1])
+    push_step(1, 1, [2])  # the next step fits and applies
+    assert table.live == 2 and core.store.get(DYN).version == 1
