@@ -153,3 +153,22 @@ def test_room_is_checked_only_for_refusing_tables_spread_over_several_ps_tasks()
     assert all([i.ref.variable for i in req.items] == ["r"] and req.push_id == "pid" for _, _, req in calls)
     assert room_checks(plan, [(evict, ids, g)], "pid") == []
     assert room_checks({0: plan[0]}, [(refuse, ids, g)], "pid") == []  # one PS task: all or nothing by itself
+
+
+def test_read_table_pages_cover_every_live_row_once_with_holes_left_by_evictions() -> None:
+    store = make_store("evict", capacity=50)
+    push(store, "p1", list(range(40)), [1])
+    push(store, "p2", list(range(40, 60)), [1])  # 10 rows evicted: their row ids are holes until reused
+    shard = store.get(("a", 0))
+    keys, values, start = [], [], 0
+    while start >= 0:
+        k, v, start, version = table_ops.read_page(shard, start, 7, float16=False)
+        assert version == 2 and k.size <= 7
+        keys.append(k)
+        values.append(v)
+    assert shard.table is not None
+    full = ts.snapshot(shard.table)
+    got = np.concatenate(keys)
+    order = np.argsort(got)
+    assert np.array_equal(got[order], full["keys"]) and np.array_equal(np.concatenate(values)[order], full["values"])
+    assert table_ops.read_page(shard, 0, 100, float16=True)[1].dtype == np.float16
