@@ -69,8 +69,11 @@ class HashIndex:
         old = 0 if self._old is None else self._old.nbytes
         return self._slots.nbytes + old + self._next_row * (8 + 1 + 4)
 
-    def _find(self, keys: np.ndarray, slots: np.ndarray | None = None) -> np.ndarray:
-        """Slot position of each key in `slots` (default: the current table), -1 where absent."""
+    def _find(self, keys: np.ndarray, slots: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(slot position of each key in `slots` (default: the current table), its row id), -1 where absent.
+
+        Probing stays one slot per numpy round: random reads of the slot and key arrays are what a
+        lookup costs (each a cache miss at a million keys), and wider windows read more of them."""
         slots = self._slots if slots is None else slots
         row_keys = self.row_keys
         mask = np.int64(slots.size - 1)
@@ -79,6 +82,7 @@ class HashIndex:
         s = slots[pos]
         hit = (row_keys[s - 1] == keys) & (s > 0)  # an empty / deleted slot reads a spare entry, ignored
         out = np.where(hit, pos, -1)
+        rows = np.where(hit, s, 0).astype(np.int64) - 1
         go_on = ~hit & (s != _EMPTY)
         active = np.flatnonzero(go_on)
         pos, want = (pos[active] + 1) & mask, keys[active]
@@ -88,21 +92,18 @@ class HashIndex:
             hit = occupied.copy()
             hit[occupied] = row_keys[s[occupied] - 1] == want[occupied]
             out[active[hit]] = pos[hit]
+            rows[active[hit]] = s[hit].astype(np.int64) - 1
             go_on = ~hit & (s != _EMPTY)
             active, pos, want = active[go_on], (pos[go_on] + 1) & mask, want[go_on]
-        return out
+        return out, rows
 
     def lookup(self, keys: np.ndarray) -> np.ndarray:
         """Row id of each key (int64), -1 where the key is absent."""
-        pos = self._find(keys)
-        found = pos >= 0
-        rows = np.full(keys.size, -1, np.int64)
-        rows[found] = self._slots[pos[found]].astype(np.int64) - 1
-        if self._old is not None and not found.all():  # keys not moved yet
-            rest = np.flatnonzero(~found)
-            old_pos = self._find(keys[rest], self._old)
-            hit = old_pos >= 0
-            rows[rest[hit]] = self._old[old_pos[hit]].astype(np.int64) - 1
+        rows = self._find(keys)[1]
+        if self._old is not None:  # keys not moved yet are only in the old table
+            rest = np.flatnonzero(rows < 0)
+            if rest.size:
+                rows[rest] = self._find(keys[rest], self._old)[1]
         return rows
 
     def live_rows(self) -> np.ndarray:
@@ -139,11 +140,11 @@ class HashIndex:
     def remove(self, rows: np.ndarray) -> np.ndarray:
         """Free live rows (unique); returns their keys. Their slots become tombstones."""
         keys = self.row_keys[rows].copy()
-        pos = self._find(keys)
+        pos = self._find(keys)[0]
         self._slots[pos[pos >= 0]] = _TOMB
         self._tombs += int(np.count_nonzero(pos >= 0))
         if self._old is not None:  # a key not moved yet is only there
-            old_pos = self._find(keys, self._old)
+            old_pos = self._find(keys, self._old)[0]
             self._old[old_pos[old_pos >= 0]] = _TOMB
         self.row_live[rows] = False
         self._free[self._nfree:self._nfree + rows.size] = rows

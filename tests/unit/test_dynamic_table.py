@@ -147,6 +147,22 @@ def test_duplicate_keys_are_order_independent() -> None:
     assert np.array_equal(a.pull(np.arange(-5, 5, dtype=np.int64))[0], b.pull(np.arange(-5, 5, dtype=np.int64))[0])
 
 
+def test_keys_pushed_sorted_and_unique_update_exactly_as_the_same_keys_in_any_order() -> None:
+    """The sorted-unique fast path (no sort, no copy) must give what the general path gives, and must not
+    write into the caller's gradients."""
+    rng = np.random.default_rng(6)
+    keys = np.unique(rng.integers(-2**63, 2**63 - 1, 300, dtype=np.int64, endpoint=True))
+    grads = rng.standard_normal((keys.size, 4)).astype(np.float32)
+    kept = grads.copy()
+    a, b = table(dim=4, optimizer=Adam(0.01), capacity=400), table(dim=4, optimizer=Adam(0.01), capacity=400)
+    perm = rng.permutation(keys.size)
+    for _ in range(3):
+        a.push(keys, grads)
+        b.push(keys[perm], grads[perm])
+    assert np.array_equal(grads, kept)
+    assert np.array_equal(a.pull(keys)[0], b.pull(keys)[0])
+
+
 def test_initial_rows_do_not_depend_on_shard_or_arrival_order() -> None:
     cfg = {"initializer": "normal", "init_value": 1.0, "dim": 16, "seed": 3}
     a, b = table(**cfg), table(capacity=1_000, **cfg)  # type: ignore[arg-type]
