@@ -19,10 +19,12 @@ def _noop() -> None:
     return None
 
 
-def b4(closures: int = 3000, round_trips: int = 300, tls: bool = False) -> dict[str, float]:
-    """Empty closures per second with 2 workers, and one closure's round-trip latency (mutual TLS if tls)."""
+def b4(closures: int = 3000, round_trips: int = 300, tls: bool = False, inflight: int | None = None) -> dict[str, float]:
+    """Empty closures per second with 2 workers, and one closure's round-trip latency (mutual TLS if tls;
+    inflight: the coordinator's max_inflight_per_worker, default the settings' own)."""
     with local_cluster(1, 2, tls=tls) as cluster:
-        coord = ps.ClusterCoordinator(cluster.settings())
+        extra = {} if inflight is None else {"max_inflight_per_worker": inflight}
+        coord = ps.ClusterCoordinator(cluster.settings(**extra))
         try:
             coord.wait_for_workers(2)
             for _ in range(200):

@@ -1,0 +1,132 @@
+"""B16's in-process figures for two revisions of the dynamic table, alternating in one process.
+
+    python bench/ab_dyntables.py --before main --pairs 5 --keys 1000000 --dim 64
+
+The "before" side is server/hash_index.py and server/dynamic_table.py as they were at git revision
+BEFORE (read with `git show`, loaded under other module names); the "after" side is this checkout. Both
+use this checkout's optimizers and the same keys. Each pair runs before then after, each on a fresh
+table: inserts (growing from empty, batches of 65,536 new keys), lookups and lookup + Adagrad update of
+batches of 4,096 live keys. Figures are per second of the process's CPU time (time.thread_time) as well
+as wall time: on a shared machine CPU time moves far less with the load. Prints every pair and the
+medians, and the after/before ratio of each median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != ROOT / "bench"]
+sys.path.insert(0, str(ROOT))
+
+from pscluster.server import dynamic_table as after_table  # noqa: E402
+
+from pscluster.optimizers import Adagrad  # noqa: E402
+from pscluster.tables import Eviction, TableConfig  # noqa: E402
+
+BATCH = 4096
+GROW_BATCH = 65536
+
+
+def _load(name: str, path: pathlib.Path) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def before_module(rev: str, tmp: pathlib.Path) -> types.ModuleType:
+    """dynamic_table at `rev`, wired to hash_index at `rev`."""
+    for name in ("hash_index", "dynamic_table"):
+        text = subprocess.run(["git", "show", f"{rev}:server/{name}.py"], cwd=ROOT, check=True,
+                              capture_output=True, text=True).stdout
+        (tmp / f"{name}.py").write_text(text)
+    index = _load("ab_before_hash_index", tmp / "hash_index.py")
+    table = _load("ab_before_dynamic_table", tmp / "dynamic_table.py")
+    table.HashIndex = index.HashIndex  # type: ignore[attr-defined]
+    return table
+
+
+def _timed(fn: Callable[[], int]) -> tuple[float, float]:
+    """(items per CPU second, items per wall second) of one call of fn (it returns how many items)."""
+    cpu, wall = time.thread_time(), time.perf_counter()
+    done = fn()
+    return done / (time.thread_time() - cpu), done / (time.perf_counter() - wall)
+
+
+def measure(module: Any, keys: np.ndarray, dim: int, batches: list[np.ndarray]) -> dict[str, float]:
+    """Insert, lookup and lookup + update figures of one fresh table."""
+    n = keys.size
+    cfg = TableConfig(dim=dim, capacity=n + GROW_BATCH, eviction=Eviction("steps", max_idle=1e15))
+    table = module.DynamicTable(cfg, Adagrad(0.01))
+    grads = np.full((BATCH, dim), 0.01, np.float32)
+    longest = 0.0
+
+    def grow() -> int:
+        nonlocal longest
+        for i in range(0, n, GROW_BATCH):
+            t0 = time.perf_counter()
+            table.pull(keys[i:i + GROW_BATCH])
+            longest = max(longest, time.perf_counter() - t0)
+        return n
+
+    def lookup() -> int:
+        for b in batches:
+            table.pull(b)
+        return len(batches) * BATCH
+
+    def update() -> int:
+        for b in batches[:len(batches) // 2]:
+            table.pull(b)
+            table.push(b, grads)
+        return len(batches) // 2 * BATCH
+
+    out: dict[str, float] = {}
+    for name, fn in (("insert", grow), ("lookup", lookup), ("lookup_update", update)):
+        out[f"{name}_per_cpu_s"], out[f"{name}_per_s"] = _timed(fn)
+    out["insert_longest_batch_s"] = longest
+    return out
+
+
+def main() -> None:
+    """Alternate before and after; print each pair, the medians and the ratios."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--before", default="main", help="git revision of the before side")
+    ap.add_argument("--pairs", type=int, default=5)
+    ap.add_argument("--keys", type=int, default=1_000_000)
+    ap.add_argument("--dim", type=int, default=64)
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    keys = rng.integers(-(2**63), 2**63 - 1, args.keys, dtype=np.int64, endpoint=True)
+    batches = [keys[rng.integers(0, args.keys, BATCH)] for _ in range(64)]
+    runs: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
+    with tempfile.TemporaryDirectory(prefix="pscluster-ab-") as tmp:
+        sides = {"before": before_module(args.before, pathlib.Path(tmp)), "after": after_table}
+        for pair in range(args.pairs):
+            for side, module in sides.items():
+                r = measure(module, keys, args.dim, batches)
+                runs[side].append(r)
+                print(json.dumps({"pair": pair, "side": side, **{k: round(v, 4) for k, v in r.items()}}), flush=True)
+    med = {side: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for side, rs in runs.items()}
+    ratio = {k: med["after"][k] / med["before"][k] for k in med["after"]}
+    print(json.dumps({"median": med, "after_over_before": {k: round(v, 3) for k, v in ratio.items()},
+                      "before": args.before, "keys": args.keys, "dim": args.dim}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
