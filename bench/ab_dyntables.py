@@ -2,11 +2,13 @@
 
     python bench/ab_dyntables.py --before main --pairs 5 --keys 1000000 --dim 64
 
-The "before" side is server/hash_index.py and server/dynamic_table.py as they were at git revision
-BEFORE (read with `git show`, loaded under other module names); the "after" side is this checkout. Both
-use this checkout's optimizers and the same keys. Each pair runs before then after, each on a fresh
-table: inserts (growing from empty, batches of 65,536 new keys), lookups and lookup + Adagrad update of
-batches of 4,096 live keys. Figures are per second of the process's CPU time (time.thread_time) as well
+The "before" side is server/hash_index.py, dynamic_table.py and table_state.py as they were at git
+revision BEFORE (read with `git show`, loaded under other module names), saving with
+safetensors.numpy and reading with safe_open plus a writable copy (what server/checkpoint.py did); the
+"after" side is this checkout with server/tensor_files.py. Both use this checkout's optimizers and the
+same keys. Each pair runs before then after, each on a fresh table: inserts (growing from empty,
+batches of 65,536 new keys), lookups and lookup + Adagrad update of batches of 4,096 live keys, then
+a checkpoint save and a restore into 2 shards (s/GiB of state, wall and CPU). Figures are per second of the process's CPU time (time.thread_time) as well
 as wall time: on a shared machine CPU time moves far less with the load. Prints every pair and the
 medians, and the after/before ratio of each median.
 """
@@ -33,6 +35,8 @@ sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != ROOT /
 sys.path.insert(0, str(ROOT))
 
 from pscluster.server import dynamic_table as after_table  # noqa: E402
+from pscluster.server import table_state as after_state  # noqa: E402
+from pscluster.server import tensor_files  # noqa: E402
 
 from pscluster.optimizers import Adagrad  # noqa: E402
 from pscluster.tables import Eviction, TableConfig  # noqa: E402
@@ -51,15 +55,36 @@ def _load(name: str, path: pathlib.Path) -> types.ModuleType:
 
 
 def before_module(rev: str, tmp: pathlib.Path) -> types.ModuleType:
-    """dynamic_table at `rev`, wired to hash_index at `rev`."""
-    for name in ("hash_index", "dynamic_table"):
+    """dynamic_table at `rev`, wired to hash_index at `rev`, with table_state at `rev` as its `state`."""
+    for name in ("hash_index", "dynamic_table", "table_state"):
         text = subprocess.run(["git", "show", f"{rev}:server/{name}.py"], cwd=ROOT, check=True,
                               capture_output=True, text=True).stdout
         (tmp / f"{name}.py").write_text(text)
     index = _load("ab_before_hash_index", tmp / "hash_index.py")
     table = _load("ab_before_dynamic_table", tmp / "dynamic_table.py")
     table.HashIndex = index.HashIndex  # type: ignore[attr-defined]
+    state = _load("ab_before_table_state", tmp / "table_state.py")
+    state.DynamicTable, state.TableStats = table.DynamicTable, table.TableStats  # type: ignore[attr-defined]
+    table.state = state  # type: ignore[attr-defined]
     return table
+
+
+def _save_before(path: pathlib.Path, tensors: dict[str, np.ndarray]) -> None:
+    from safetensors.numpy import save_file
+
+    save_file(tensors, str(path))
+
+
+def _read_before(path: pathlib.Path) -> dict[str, np.ndarray]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="numpy") as fh:
+        return {k: np.array(fh.get_tensor(k), copy=True, order="C") for k in fh.keys()}
+
+
+def _read_after(path: pathlib.Path) -> dict[str, np.ndarray]:
+    with tensor_files.TensorFile(path) as fh:
+        return {k: fh.get(k) for k in fh.keys()}
 
 
 def _timed(fn: Callable[[], int]) -> tuple[float, float]:
@@ -69,8 +94,8 @@ def _timed(fn: Callable[[], int]) -> tuple[float, float]:
     return done / (time.thread_time() - cpu), done / (time.perf_counter() - wall)
 
 
-def measure(module: Any, keys: np.ndarray, dim: int, batches: list[np.ndarray]) -> dict[str, float]:
-    """Insert, lookup and lookup + update figures of one fresh table."""
+def measure(module: Any, keys: np.ndarray, dim: int, batches: list[np.ndarray], tmp: pathlib.Path) -> dict[str, float]:
+    """Insert, lookup, lookup + update and checkpoint figures of one fresh table."""
     n = keys.size
     cfg = TableConfig(dim=dim, capacity=n + GROW_BATCH, eviction=Eviction("steps", max_idle=1e15))
     table = module.DynamicTable(cfg, Adagrad(0.01))
@@ -100,6 +125,22 @@ def measure(module: Any, keys: np.ndarray, dim: int, batches: list[np.ndarray]) 
     for name, fn in (("insert", grow), ("lookup", lookup), ("lookup_update", update)):
         out[f"{name}_per_cpu_s"], out[f"{name}_per_s"] = _timed(fn)
     out["insert_longest_batch_s"] = longest
+    before = module is not after_table
+    ts = module.state if before else after_state
+    path = tmp / "shard.safetensors"
+    cpu, wall = time.thread_time(), time.perf_counter()
+    state = ts.snapshot(table)
+    gib = sum(a.nbytes for a in state.values()) / 2**30
+    _save_before(path, state) if before else tensor_files.write(path, state, {})
+    out["save_s_per_gib"], out["save_cpu_s_per_gib"] = (time.perf_counter() - wall) / gib, (time.thread_time() - cpu) / gib
+    del state
+    cpu, wall = time.thread_time(), time.perf_counter()
+    loaded = _read_before(path) if before else _read_after(path)
+    cfg = TableConfig(dim=dim, capacity=n + GROW_BATCH, eviction=Eviction("steps", max_idle=1e15))
+    parts = [ts.load(module.DynamicTable(cfg, Adagrad(0.01)), part) for part in ts.reshard([loaded], 2)]
+    out["restore_s_per_gib"], out["restore_cpu_s_per_gib"] = (time.perf_counter() - wall) / gib, (time.thread_time() - cpu) / gib
+    assert sum(p.live for p in parts) == n
+    path.unlink()
     return out
 
 
@@ -119,7 +160,7 @@ def main() -> None:
         sides = {"before": before_module(args.before, pathlib.Path(tmp)), "after": after_table}
         for pair in range(args.pairs):
             for side, module in sides.items():
-                r = measure(module, keys, args.dim, batches)
+                r = measure(module, keys, args.dim, batches, pathlib.Path(tmp))
                 runs[side].append(r)
                 print(json.dumps({"pair": pair, "side": side, **{k: round(v, 4) for k, v in r.items()}}), flush=True)
     med = {side: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for side, rs in runs.items()}

@@ -7,8 +7,9 @@
 Prints one JSON line per figure (median of --runs, with every run): inserts/s and the longest single
 insert batch while growing from empty; lookups/s of batches of 4,096 live keys; lookup + Adagrad update
 of such batches (keys/s, each key pulled once and pushed once); resident bytes per key beyond its row
-and slot bytes; checkpoint save (snapshot + safetensors file) and restore into 2 shards, s/GiB of
-state; an eviction sweep over every live key (keys scanned/s, none evicted).
+and slot bytes; checkpoint save (snapshot + safetensors file, as server/checkpoint.py writes it) and
+restore (read, re-shard, load) into 2 shards, s/GiB of state; an eviction sweep over every live key
+(keys scanned/s, none evicted).
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ from typing import Any
 import numpy as np
 from pscluster.server import table_state as ts
 from pscluster.server.dynamic_table import DynamicTable
-from safetensors import safe_open
-from safetensors.numpy import save_file
+from pscluster.server.tensor_files import TensorFile, write
 
 from pscluster.optimizers import Adagrad, OptimizerConfig
 from pscluster.tables import Eviction, TableConfig
@@ -133,13 +133,13 @@ def bench(n: int, dim: int, runs: int, checkpoint: bool) -> None:
             for _ in range(runs):
                 start = time.perf_counter()
                 state = ts.snapshot(table)
-                save_file(state, str(path))
+                write(path, state, {})
                 gib = sum(a.nbytes for a in state.values()) / 2**30
                 saves.append((time.perf_counter() - start) / gib)
                 del state
                 start = time.perf_counter()
-                with safe_open(str(path), framework="numpy") as fh:
-                    loaded = {k: fh.get_tensor(k) for k in fh.keys()}
+                with TensorFile(path) as fh:
+                    loaded = {k: fh.get(k) for k in fh.keys()}
                 parts = ts.reshard([loaded], 2)
                 del loaded
                 for part in parts:

@@ -33,12 +33,11 @@ from pscluster.server import table_state
 from pscluster.server.dynamic_table import DynamicTable
 from pscluster.server.push_record import PushRecord
 from pscluster.server.store import Shard, ShardSpec, VariableStore, shard_name
-from safetensors import safe_open
-from safetensors.numpy import save_file
+from pscluster.server.tensor_files import TensorFile, write
 
 from pscluster.checkpoint_files import STEP_DIR as _STEP
 from pscluster.checkpoint_files import complete_steps as complete_steps
-from pscluster.errors import FailedPreconditionError
+from pscluster.errors import FailedPreconditionError, InvalidArgumentError
 from pscluster.optimizer_config import config_from_dict
 from pscluster.placement import PLACEMENT_VERSION, ps_for_ordinal
 from pscluster.tables import TableConfig
@@ -61,10 +60,6 @@ def _fsync_dir(path: pathlib.Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _writable(arr: np.ndarray) -> np.ndarray:
-    return arr if arr.flags.writeable and arr.flags.c_contiguous else np.array(arr, copy=True, order="C")
 
 
 def save(store: VariableStore, root: pathlib.Path, step: int, ps_index: int, num_ps: int,
@@ -100,7 +95,7 @@ def save(store: VariableStore, root: pathlib.Path, step: int, ps_index: int, num
                       "shards": json.dumps(meta), "extra": json.dumps(extra or {})}
             if needs:
                 header["needs"] = json.dumps(sorted(needs))
-            save_file(tensors, str(tmp), metadata=header)
+            write(tmp, tensors, header)
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, final)
@@ -163,9 +158,9 @@ def prune(root: pathlib.Path, keep: int, ps_index: int, num_ps: int) -> None:
 def _needs(path: pathlib.Path) -> list[int]:
     """The earlier steps a task file's table increments build on (its header's `needs`)."""
     try:
-        with safe_open(str(path), framework="numpy") as fh:
+        with TensorFile(path) as fh:
             return [int(x) for x in json.loads(fh.metadata().get("needs", "[]"))]
-    except (OSError, ValueError):
+    except (OSError, ValueError, InvalidArgumentError):
         return []  # a file removed meanwhile (another task's prune) or unreadable: it protects nothing
 
 
@@ -173,10 +168,10 @@ def _table_part(files: list[pathlib.Path], base: str) -> tuple[table_state.State
     """A table shard's saved state in one step's files (`base` = variable/shard) and its chain."""
     prefix = f"{base}/table/"
     for path in files:
-        with safe_open(str(path), framework="numpy") as fh:
+        with TensorFile(path) as fh:
             for entry in json.loads(fh.metadata()["shards"]):
                 if f"{entry['spec']['variable']}/{entry['spec']['shard_index']}" == base:
-                    state = {k[len(prefix):]: _writable(fh.get_tensor(k)) for k in fh.keys() if k.startswith(prefix)}
+                    state = {k[len(prefix):]: fh.get(k) for k in fh.keys() if k.startswith(prefix)}
                     return state, [int(x) for x in entry.get("table_chain", [])]
     raise FailedPreconditionError(f"checkpoint step files {[str(p) for p in files]} lack {base}, which a later "
                                   "increment builds on; restore an older complete step or a full one")
@@ -208,7 +203,7 @@ def restore(store: VariableStore, root: pathlib.Path, ps_index: int, num_ps: int
     loaded = 0
     extra: dict[str, object] = {}
     for path in files:
-        with safe_open(str(path), framework="numpy") as fh:
+        with TensorFile(path) as fh:
             header = fh.metadata()
             if path.name.startswith("ps-0-of-"):
                 extra = json.loads(header.get("extra", "{}"))
@@ -219,15 +214,15 @@ def restore(store: VariableStore, root: pathlib.Path, ps_index: int, num_ps: int
                 if ps_for_ordinal(spec.ordinal, num_ps) != ps_index:
                     continue
                 base = f"{spec.variable}/{spec.shard_index}"
-                value = _writable(fh.get_tensor(f"{base}/value"))
-                slots = {name: _writable(fh.get_tensor(f"{base}/slot/{name}"))
+                value = fh.get(f"{base}/value")
+                slots = {name: fh.get(f"{base}/slot/{name}")
                          for name in ([] if spec.table else spec.optimizer.slot_names())}
                 record = PushRecord.from_state(entry["applied"], store.dedup_window, version=entry["version"])
                 table = None
                 if spec.table:
                     table = DynamicTable(TableConfig.from_json(spec.table), spec.optimizer, shard_name(spec))
                     prefix = f"{base}/table/"
-                    state = {k[len(prefix):]: _writable(fh.get_tensor(k)) for k in fh.keys() if k.startswith(prefix)}
+                    state = {k[len(prefix):]: fh.get(k) for k in fh.keys() if k.startswith(prefix)}
                     table_state.load(table, _table_state(root, state, entry.get("table_chain", []), base))
                 store.install(Shard(spec, value, slots, entry["version"], entry["version"], record, table=table))
                 loaded += 1

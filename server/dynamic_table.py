@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from pscluster.server import optimizers as opt
 from pscluster.server.hash_index import HashIndex
-from pscluster.server.rows import take_rows
+from pscluster.server.rows import as_run, take_rows
 from pscluster.server.table_filters import initial_rows, make_filter
 
 from pscluster.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
@@ -346,10 +346,7 @@ class DynamicTable:
 
     def _create(self, keys: np.ndarray, step: int) -> np.ndarray:
         rows = self.index.insert(keys)
-        # fresh rows usually come as one run of row ids: slices write at memset speed, no index arrays
-        at: slice | np.ndarray = rows
-        if rows.size and rows[-1] - rows[0] + 1 == rows.size and rows.size == np.count_nonzero(np.diff(rows) == 1) + 1:
-            at = slice(int(rows[0]), int(rows[-1]) + 1)
+        at = as_run(rows)  # fresh rows usually are one run of row ids: slices write at memset speed
         if self.cfg.initializer in ("zeros", "ones", "constant"):
             self.values[at] = {"zeros": 0.0, "ones": 1.0}.get(self.cfg.initializer, self.cfg.init_value)
         else:

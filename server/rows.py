@@ -48,3 +48,11 @@ def put_rows(table: np.ndarray, rows: np.ndarray, values: np.ndarray) -> None:
         table.reshape(table.shape[0], -1).view(item)[:, 0][rows] = values.reshape(rows.size, -1).view(item)[:, 0]
         return
     table[rows] = values
+
+
+def as_run(rows: np.ndarray) -> slice | np.ndarray:
+    """A slice for rows that are one ascending run (start, start + 1, ...), else rows: a slice writes
+    whole rows at memcpy speed, with no index array (fresh rows of a dynamic table usually are one)."""
+    if rows.size and int(rows[-1]) - int(rows[0]) + 1 == rows.size and (rows.size == 1 or bool(np.all(np.diff(rows) == 1))):
+        return slice(int(rows[0]), int(rows[-1]) + 1)
+    return rows

@@ -21,6 +21,7 @@ import pathlib
 import numpy as np
 from pscluster.server.dynamic_table import DynamicTable, TableStats
 from pscluster.server.hash_index import shard_of
+from pscluster.server.rows import as_run, take_rows
 
 from pscluster.errors import FailedPreconditionError, InvalidArgumentError
 from pscluster.tables import write_export
@@ -49,7 +50,7 @@ def _rows_state(table: DynamicTable, rows: np.ndarray) -> State:
     rows = rows[order]
     state: State = {"keys": keys[order]}
     for name, arr in _row_arrays(table).items():
-        state[name] = arr[rows]
+        state[name] = take_rows(arr, rows)
     for name, arr in table.filter.state().items():
         state[_FILTER + name] = arr
     s = table.stats
@@ -154,7 +155,7 @@ def reshard(states: list[State], num_shards: int) -> list[State]:
         elif name == _FILTER + "pending_forgotten":
             merged[name] = np.array([sum(int(p.sum()) for p in parts)], np.int64)
         else:
-            merged[name] = np.concatenate(parts)
+            merged[name] = parts[0] if len(parts) == 1 else np.concatenate(parts)
     out: list[State] = []
     row_shard = shard_of(merged["keys"], num_shards)
     pend_shard = shard_of(merged.get(_FILTER + "pending_keys", np.zeros(0, np.int64)), num_shards)
@@ -178,7 +179,9 @@ def reshard(states: list[State], num_shards: int) -> list[State]:
 
 def _sorted_take(keys: np.ndarray, arr: np.ndarray, idx: np.ndarray) -> np.ndarray:
     sub = keys[idx]
-    return np.asarray(arr[idx[np.argsort(sub, kind="stable")]])
+    if sub.size > 1 and not np.logical_and.reduce(sub[:-1] <= sub[1:]):  # one state's keys come sorted
+        idx = idx[np.argsort(sub, kind="stable")]
+    return take_rows(arr, idx)
 
 
 def load(table: DynamicTable, state: State) -> DynamicTable:
@@ -204,7 +207,7 @@ def load(table: DynamicTable, state: State) -> DynamicTable:
         what = ", ".join(repr(n) for n in sorted(set(arrays) - saved)) or "nothing"
         raise InvalidArgumentError(f"{table.name}: saved state lacks {what} and has {sorted(saved - set(arrays))} "
                                    "(saved under another optimizer or eviction policy?)")
-    rows = table.index.insert(keys)
+    rows = as_run(table.index.insert(keys))  # an empty table hands out one run: whole-array copies
     for name, arr in arrays.items():
         arr[rows] = state[name]
     table.filter.load({k[len(_FILTER):]: v for k, v in state.items() if k.startswith(_FILTER)})

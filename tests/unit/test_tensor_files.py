@@ -1,0 +1,53 @@
+"""Safetensors files written from and read into whole arrays (server/tensor_files.py)."""
+
+import pathlib
+
+import numpy as np
+import pytest
+from pscluster.server.tensor_files import TensorFile, write
+from safetensors import safe_open
+
+from pscluster.errors import InvalidArgumentError
+
+
+def arrays() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {"scalar": np.array(7, np.int64), "empty": np.zeros((0, 4), np.float32),
+            "rows": rng.standard_normal((50, 3)).astype(np.float32), "flags": rng.random(9) > 0.5,
+            "strided": np.arange(40, dtype=np.int32).reshape(8, 5)[:, ::2],
+            "big_endian": np.arange(6, dtype=">f8"), "u8": np.arange(5, dtype=np.uint8)}
+
+
+def test_round_trip_is_exact_writable_and_keeps_shapes_including_0d(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "a.safetensors"
+    write(path, arrays(), {"step": "12"})
+    with TensorFile(path) as f:
+        assert f.metadata() == {"step": "12"} and f.keys() == list(arrays())
+        for name, want in arrays().items():
+            got = f.get(name)
+            assert got.shape == want.shape and got.flags.writeable and got.flags.c_contiguous
+            np.testing.assert_array_equal(got, want)
+            assert got.dtype == want.dtype.newbyteorder("<")
+
+
+def test_files_are_the_standard_format_safetensors_itself_reads(tmp_path: pathlib.Path) -> None:
+    """Checkpoints stay readable by any safetensors reader (pscluster.checkpoint_files uses one)."""
+    path = tmp_path / "a.safetensors"
+    write(path, arrays(), {"k": "v"})
+    with safe_open(str(path), framework="numpy") as f:
+        assert f.metadata() == {"k": "v"}
+        for name, want in arrays().items():
+            np.testing.assert_array_equal(f.get_tensor(name), want)
+
+
+def test_unknown_dtype_and_truncated_files_are_refused_precisely(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(InvalidArgumentError, match="has no safetensors code"):
+        write(tmp_path / "b", {"s": np.array(["x"])}, {})
+    path = tmp_path / "a.safetensors"
+    write(path, {"rows": np.ones((100, 8), np.float32)}, {})
+    path.write_bytes(path.read_bytes()[:-10])
+    with TensorFile(path) as f, pytest.raises(InvalidArgumentError, match="cut short"):
+        f.get("rows")
+    (tmp_path / "junk").write_bytes(b"\x01")
+    with pytest.raises(InvalidArgumentError, match="not a safetensors file"):
+        TensorFile(tmp_path / "junk")
