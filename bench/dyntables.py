@@ -42,9 +42,14 @@ def _rss_bytes() -> int:
     return 0
 
 
+FIGURES: dict[str, dict[str, Any]] = {}  # the last bench()'s figures by name (bench/run.py reads them)
+
+
 def _emit(name: str, runs: list[float], unit: str, **extra: Any) -> None:
-    print(json.dumps({"figure": name, "median": statistics.median(runs), "unit": unit,
-                      "runs": [round(r, 4) for r in runs], **extra}), flush=True)
+    figure = {"figure": name, "median": statistics.median(runs), "unit": unit, "runs": [round(r, 4) for r in runs],
+              **extra}
+    FIGURES[name] = figure
+    print(json.dumps(figure), flush=True)
 
 
 def _table(n: int, dim: int, optimizer: OptimizerConfig) -> DynamicTable:
@@ -73,8 +78,9 @@ def per_second(fn: Callable[[int], int], iters: int) -> float:
     return done / (time.perf_counter() - start)
 
 
-def bench(n: int, dim: int, runs: int, checkpoint: bool) -> None:
-    """Every B16 figure at n live keys of dim floats."""
+def bench(n: int, dim: int, runs: int, checkpoint: bool) -> dict[str, dict[str, Any]]:
+    """Every B16 figure at n live keys of dim floats (printed, and returned by name)."""
+    FIGURES.clear()
     rng = np.random.default_rng(0)
     keys = rng.integers(-(2**63), 2**63 - 1, n, dtype=np.int64, endpoint=True)
     optimizer = Adagrad(0.01)
@@ -148,6 +154,7 @@ def bench(n: int, dim: int, runs: int, checkpoint: bool) -> None:
                 del parts
         _emit("checkpoint_save", saves, "s/GiB", state_gib=round(gib, 3))
         _emit("restore_into_2_shards", restores, "s/GiB")
+    return dict(FIGURES)
 
 
 def check(ops: int) -> None:

@@ -283,6 +283,37 @@ def bench_b13(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
                 f"{r['ps_max_rss_mib']:.0f} MiB", verdict)]
 
 
+def bench_b16(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
+    from bench import dyntables
+
+    out: dict[str, Any] = {}
+    rows: list[Row] = []
+    goals = {1_000_000: 8e6, 10_000_000: 5e6}
+    for keys, dim in ((1_000_000, 64), (10_000_000, 8)):
+        f = dyntables.bench(keys, dim, args.runs, checkpoint=True)
+        out[f"{keys}x{dim}"] = f
+
+        def m(name: str) -> float:
+            return float(f[name]["median"])
+
+        met = {"lookups": m("lookup") >= goals[keys], "update": m("lookup_adagrad_update") >= 2e6 or keys < 10_000_000,
+               "inserts": m("insert") >= 2e6 and m("insert_longest_batch") <= 0.2,
+               "memory": m("bytes_per_key_beyond_row_and_slots") <= 32, "save": m("checkpoint_save") <= 1,
+               "restore": m("restore_into_2_shards") <= 3, "sweep": m("eviction_sweep") >= 50e6}
+        rows.append((
+            "B16", f"dynamic table in process, one shard, {keys / 1e6:.0f} M live keys x {dim} float32, Adagrad; batches "
+            f"of 4,096 keys; median of {args.runs}; `python bench/dyntables.py --keys {keys} --dim {dim} --runs "
+            f"{args.runs}`",
+            f"lookups {m('lookup') / 1e6:.2f} M keys/s (numpy gather of as many rows {m('numpy_gather_floor') / 1e6:.2f} M); "
+            f"lookup + Adagrad update {m('lookup_adagrad_update') / 1e6:.2f} M/s; inserts {m('insert') / 1e6:.2f} M "
+            f"keys/s, longest batch of 65,536 {m('insert_longest_batch') * 1e3:.0f} ms (first writes of as many rows "
+            f"{m('numpy_first_write_floor') / 1e6:.2f} M/s); {m('bytes_per_key_beyond_row_and_slots'):.1f} B/key beyond "
+            f"row and slots (RSS); save {m('checkpoint_save'):.2f} s/GiB, restore into 2 shards "
+            f"{m('restore_into_2_shards'):.2f} s/GiB; eviction sweep {m('eviction_sweep') / 1e6:.0f} M keys/s",
+            "goals " + ", ".join(f"{k} {'met' if v else 'NOT met'}" for k, v in met.items())))
+    return out, rows
+
+
 def bench_b14(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
     from bench import optimizers
 
@@ -347,7 +378,7 @@ def bench_profile(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
 BENCHES = {"B1": bench_b1, "B1TLS": bench_b1tls, "B9": bench_b9, "B2": bench_b2, "FLOOR": bench_floor, "B3": bench_b3, "B4": bench_b4, "B5": bench_b5,
            "B6": bench_b6, "B7": bench_b7, "B8": bench_b8,
            "B10": bench_b10, "B11": bench_b11, "B12": bench_b12, "B13": bench_b13, "B14": bench_b14, "B15": bench_b15,
-           "B15SCALE": bench_b15scale,
+           "B15SCALE": bench_b15scale, "B16": bench_b16,
            "B14MP": bench_b14_precision, "FIT": bench_fit, "PROFILE": bench_profile}
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 

@@ -257,7 +257,8 @@ class DynamicTable:
         new = missing[admitted]
         self.filter.commit(uniq[missing], counts[missing], admitted, step)
         evicted = [self._remove(plan.victims)]
-        rows[new] = self._create(uniq[new], step)
+        if new.size:
+            rows[new] = self._create(uniq[new], step)
         hit = rows >= 0
         every = bool(hit.all())
         live_rows = rows if every else rows[hit]

@@ -33,6 +33,9 @@ _TOMB = -1
 MIN_SLOTS = 1024
 MOVE_PER_KEY = 16  # old slots moved per inserted key: the old table (<= 2 x need) is gone after need/8 inserts
 MOVE_MIN = 1 << 16
+TAIL = 64  # keys left in a batch's probing below which each round reads WINDOW slots per key
+WINDOW = 32
+_STEPS = np.arange(WINDOW, dtype=np.intp)
 
 
 class HashIndex:
@@ -72,21 +75,23 @@ class HashIndex:
     def _find(self, keys: np.ndarray, slots: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(slot position of each key in `slots` (default: the current table), its row id), -1 where absent.
 
-        Probing stays one slot per numpy round: random reads of the slot and key arrays are what a
-        lookup costs (each a cache miss at a million keys), and wider windows read more of them."""
+        Rounds probe one slot per key while many keys are left: random reads of the slot and key arrays
+        are what those rounds cost (cache misses at a million keys), and wider windows read more of
+        them. The few keys left after that (at most TAIL) probe WINDOW slots a round, so a batch takes a
+        handful of numpy rounds instead of one per slot of its longest chain (37 at 1 M keys here).
+        """
         slots = self._slots if slots is None else slots
         row_keys = self.row_keys
-        mask = np.int64(slots.size - 1)
-        pos = (mix64(keys) & np.uint64(mask)).astype(np.int64)
+        mask = slots.size - 1
+        pos = (mix64(keys) & np.uint64(mask)).astype(np.intp)
         # the first probe, for every key at once and without index arrays: most keys end here
         s = slots[pos]
         hit = (row_keys[s - 1] == keys) & (s > 0)  # an empty / deleted slot reads a spare entry, ignored
         out = np.where(hit, pos, -1)
         rows = np.where(hit, s, 0).astype(np.int64) - 1
-        go_on = ~hit & (s != _EMPTY)
-        active = np.flatnonzero(go_on)
+        active = np.flatnonzero(~hit & (s != _EMPTY))
         pos, want = (pos[active] + 1) & mask, keys[active]
-        while active.size:
+        while active.size > TAIL:
             s = slots[pos]
             occupied = s > 0
             hit = occupied.copy()
@@ -95,6 +100,17 @@ class HashIndex:
             rows[active[hit]] = s[hit].astype(np.int64) - 1
             go_on = ~hit & (s != _EMPTY)
             active, pos, want = active[go_on], (pos[go_on] + 1) & mask, want[go_on]
+        while active.size:
+            win = (pos[:, None] + _STEPS) & mask
+            sw = slots[win]
+            match = (row_keys[sw - 1] == want[:, None]) & (sw > 0)
+            found = match.any(axis=1)
+            j = match.argmax(axis=1)[found]
+            out[active[found]] = win[found, j]
+            rows[active[found]] = sw[found, j].astype(np.int64) - 1
+            # no empty slot in the window: the chain goes on (deletion leaves tombstones, never holes)
+            go_on = ~found & (sw != _EMPTY).all(axis=1)
+            active, pos, want = active[go_on], (pos[go_on] + WINDOW) & mask, want[go_on]
         return out, rows
 
     def lookup(self, keys: np.ndarray) -> np.ndarray:
@@ -153,21 +169,30 @@ class HashIndex:
         return np.asarray(keys)
 
     def _place(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        """Put absent keys' rows into the first free (empty or deleted) slot of their chains: one slot
+        per key a round while many are left, then WINDOW slots a round for the last TAIL (as _find)."""
         slots = self._slots
-        mask = np.int64(slots.size - 1)
-        pos = (mix64(keys) & np.uint64(mask)).astype(np.int64)
+        mask = slots.size - 1
+        pos = (mix64(keys) & np.uint64(mask)).astype(np.intp)
         tag = (rows + 1).astype(np.int32)
         while pos.size:
-            before = slots[pos]
+            if pos.size > TAIL:
+                cand, skip = pos, None
+            else:  # the first free slot of each key's window; a window with none is skipped whole
+                win = (pos[:, None] + _STEPS) & mask
+                free_w = slots[win] <= 0
+                cand, skip = win[np.arange(pos.size), free_w.argmax(axis=1)], ~free_w.any(axis=1)
+            before = slots[cand]
             free = before <= 0
             # keys of one batch may want the same free slot: scatter all, then read back who won
-            cand = pos[free]
-            slots[cand] = tag[free]
+            at = cand[free]
+            slots[at] = tag[free]
             won = np.zeros(pos.size, np.bool_)
-            won[free] = slots[cand] == tag[free]
+            won[free] = slots[at] == tag[free]
             self._tombs -= int(np.count_nonzero(before[won] == _TOMB))
             lost = ~won
-            pos, tag = (pos[lost] + 1) & mask, tag[lost]
+            nxt = cand + 1 if skip is None else np.where(skip, pos + WINDOW, cand + 1)
+            pos, tag = nxt[lost] & mask, tag[lost]
 
     def _rebuild(self, need: int) -> None:
         """Start moving into a fresh slot table for `need` live keys (a load of 1/5 to 2/5, no tombstones)."""

@@ -74,3 +74,29 @@ def test_a_one_row_index_probes_empty_and_deleted_slots_safely() -> None:
     index.remove(row)
     assert index.lookup(EDGE).tolist() == [-1] * EDGE.size
     assert index.insert(EDGE[1:2]).tolist() == row.tolist()
+
+
+def test_long_collision_chains_that_wrap_the_table_end_are_found_placed_and_freed() -> None:
+    """Chains far longer than a probe window, starting 4 slots before the end of the slot table: the
+    windowed rounds of the last keys must wrap, skip tombstones and stop at the first empty slot."""
+    ids = np.arange(-3_000_000, 3_000_000, dtype=np.int64)
+    home = (mix64(ids) & np.uint64(1023)).astype(np.int64)
+    same = ids[home == 1020][:300]
+    assert same.size == 300
+    index = HashIndex(capacity=1_000)
+    ref: dict[int, int] = {}
+    for part in np.array_split(same[:200], [1, 7, 70, 100]):  # batches below and above the windowed tail
+        assert (index.lookup(part) == -1).all()
+        ref.update(zip(part.tolist(), index.insert(part).tolist()))
+    assert index.rebuilds == 0  # still the 1,024-slot table: every key in one chain
+    np.testing.assert_array_equal(index.lookup(same[:200]), [ref[int(k)] for k in same[:200]])
+    gone = same[:200][::3]
+    index.remove(index.lookup(gone))
+    for k in gone.tolist():
+        del ref[k]
+    assert (index.lookup(gone) == -1).all()
+    fresh = same[200:260]
+    ref.update(zip(fresh.tolist(), index.insert(fresh).tolist()))  # fills tombstones along the chain
+    keys = np.array(list(ref), np.int64)
+    np.testing.assert_array_equal(index.lookup(keys), list(ref.values()))
+    assert (index.lookup(same[260:]) == -1).all()
