@@ -54,7 +54,9 @@ def main() -> None:
     for pair in range(args.pairs):
         for s in order(pair):
             if "W2" in only:
-                record("w2_steps_per_s", s, training.w2(inflight=s)["steps_per_s"])
+                w = training.w2(inflight=s)
+                record("w2_steps_per_s", s, w["steps_per_s"])
+                record("w2_accuracy", s, w["accuracy"])
             if "B4" in only:
                 b = closures.b4(inflight=s)
                 record("b4_closures_per_s", s, b["closures_per_s"])

@@ -159,8 +159,8 @@ class VariableStore:
             table = None
             if spec.table:
                 table = DynamicTable(TableConfig.from_json(spec.table), spec.optimizer, shard_name(spec))
-            shard = Shard(spec, arr, {} if table else opt.init_slots(spec.optimizer, spec.shape, arr.dtype),
-                          record=PushRecord(self.dedup_window), table=table)
+            slots = {} if table else opt.init_slots(spec.optimizer, spec.shape, arr.dtype, resident=spec.sparse)
+            shard = Shard(spec, arr, slots, record=PushRecord(self.dedup_window), table=table)
             self._shards[spec.key] = shard
             return shard, True
 
