@@ -118,24 +118,28 @@ def group_keys(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np
 
 
 def sum_duplicates(keys: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(unique sorted keys, their occurrence counts, their summed gradients).
+    """(unique keys, their occurrence counts, their summed gradients).
 
-    Keys that arrive strictly increasing (a client pushes np.unique of its batch) come back as they are,
-    with no sort and no copy. Duplicates are summed in float64 in key order: exact for any arrival
-    order unless a key's parts span 2**29.
+    Keys that arrive unique come back as they are, with no copy of the gradients (one pass when they
+    are strictly increasing, as a client's np.unique sends them; else a sort of the keys alone).
+    Otherwise the keys that occur once keep their order and their gradient rows, and the repeated keys
+    follow, sorted, each with its parts summed in float64 in arrival order: exact for any arrival order
+    unless a key's parts span 2**29. Random batches repeat a few keys: only those are regrouped.
     """
+    ones = np.ones(keys.size, np.int64)
     if keys.size < 2 or np.logical_and.reduce(keys[:-1] < keys[1:]):
-        return keys, np.ones(keys.size, np.int64), grads
-    uniq, counts, order, starts = group_keys(keys)
-    summed = grads[order[starts]]
-    dup = counts > 1
-    if dup.any():
-        in_dup = np.repeat(dup, counts)
-        part_counts = counts[dup]
-        part_starts = np.concatenate(([0], np.cumsum(part_counts)[:-1]))
-        parts = grads[order[in_dup]].astype(np.float64)
-        summed[dup] = np.add.reduceat(parts, part_starts, axis=0).astype(grads.dtype)
-    return uniq, counts, summed
+        return keys, ones, grads
+    ordered = np.sort(keys)
+    repeated = ordered[1:] == ordered[:-1]
+    if not repeated.any():
+        return keys, ones, grads
+    in_dup = np.isin(keys, ordered[1:][repeated])
+    single = ~in_dup
+    dup_keys, dup_counts, order, starts = group_keys(keys[in_dup])
+    parts = grads[in_dup][order].astype(np.float64)
+    dup_sums = np.add.reduceat(parts, starts, axis=0).astype(grads.dtype)
+    return (np.concatenate([keys[single], dup_keys]), np.concatenate([ones[single], dup_counts]),
+            np.concatenate([grads[single], dup_sums]))
 
 
 class DynamicTable:

@@ -269,3 +269,24 @@ def run_against_dict(total_ops: int, seed: int) -> None:
         assert t.live == len(ref) <= 300
     live = t.index.live_rows()
     assert dict(zip(t.index.row_keys[live].tolist(), t.values[live, 0].tolist())) == ref
+
+
+@pytest.mark.parametrize("draw", ["unique_sorted", "unique_shuffled", "few_repeats", "all_repeats", "one"])
+def test_sum_duplicates_matches_a_float64_dict_sum_and_never_writes_the_gradients(draw: str) -> None:
+    from pscluster.server.dynamic_table import sum_duplicates
+
+    rng = np.random.default_rng(9)
+    keys = {"unique_sorted": np.arange(-20, 20), "unique_shuffled": rng.permutation(40) - 20,
+            "few_repeats": rng.integers(-1000, 1000, 300), "all_repeats": np.repeat([3, -3, 0], 7),
+            "one": np.array([5])}[draw].astype(np.int64)
+    grads = rng.standard_normal((keys.size, 3)).astype(np.float32)
+    kept = grads.copy()
+    uniq, counts, summed = sum_duplicates(keys, grads)
+    ref: dict[int, np.ndarray] = {}
+    seen: dict[int, int] = {}
+    for key, g in zip(keys.tolist(), grads.astype(np.float64)):
+        ref[key] = ref.get(key, 0.0) + g
+        seen[key] = seen.get(key, 0) + 1
+    assert np.array_equal(grads, kept) and uniq.size == len(ref) == np.unique(uniq).size
+    for key, n, row in zip(uniq.tolist(), counts.tolist(), summed):
+        assert n == seen[key] and np.array_equal(row, ref[key].astype(np.float32))
