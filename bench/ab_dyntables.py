@@ -1,6 +1,7 @@
 """B16's in-process figures for two revisions of the dynamic table, alternating in one process.
 
     python bench/ab_dyntables.py --before main --pairs 5 --keys 1000000 --dim 64
+    python bench/ab_dyntables.py --files --pairs 5       # checkpoint files alone: safetensors.numpy vs ours
 
 The "before" side is server/hash_index.py, dynamic_table.py and table_state.py as they were at git
 revision BEFORE (read with `git show`, loaded under other module names), saving with
@@ -144,6 +145,33 @@ def measure(module: Any, keys: np.ndarray, dim: int, batches: list[np.ndarray], 
     return out
 
 
+def files(keys: np.ndarray, dim: int, pairs: int, tmp: pathlib.Path) -> None:
+    """One table's snapshot written and read back by safetensors.numpy (+ the writable copy the PS made)
+    and by server/tensor_files.py, alternating: s/GiB, wall and CPU."""
+    cfg = TableConfig(dim=dim, capacity=keys.size + GROW_BATCH, eviction=Eviction("steps", max_idle=1e15))
+    table = after_table.DynamicTable(cfg, Adagrad(0.01))
+    for i in range(0, keys.size, GROW_BATCH):
+        table.pull(keys[i:i + GROW_BATCH])
+    state = after_state.snapshot(table)
+    del table
+    gib = sum(a.nbytes for a in state.values()) / 2**30
+    path = tmp / "file.safetensors"
+    runs: dict[str, list[float]] = {}
+    for _ in range(pairs):
+        for side in ("before", "after"):
+            for what, fn in (("write", lambda: _save_before(path, state) if side == "before"
+                              else tensor_files.write(path, state, {})),
+                             ("read", lambda: _read_before(path) if side == "before" else _read_after(path))):
+                cpu, wall = time.thread_time(), time.perf_counter()
+                fn()
+                runs.setdefault(f"{side}_{what}_s_per_gib", []).append((time.perf_counter() - wall) / gib)
+                runs.setdefault(f"{side}_{what}_cpu_s_per_gib", []).append((time.thread_time() - cpu) / gib)
+            path.unlink()
+    med = {k: round(statistics.median(v), 3) for k, v in runs.items()}
+    print(json.dumps({"figure": "checkpoint_files", "state_gib": round(gib, 3), "median": med,
+                      "runs": {k: [round(x, 3) for x in v] for k, v in runs.items()}}), flush=True)
+
+
 def main() -> None:
     """Alternate before and after; print each pair, the medians and the ratios."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -151,9 +179,15 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("--keys", type=int, default=1_000_000)
     ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--files", action="store_true", help="only the checkpoint files: write and read one "
+                    "snapshot with safetensors.numpy and with server/tensor_files.py, alternating")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     keys = rng.integers(-(2**63), 2**63 - 1, args.keys, dtype=np.int64, endpoint=True)
+    if args.files:
+        with tempfile.TemporaryDirectory(prefix="pscluster-ab-") as tmp:
+            files(keys, args.dim, args.pairs, pathlib.Path(tmp))
+        return
     batches = [keys[rng.integers(0, args.keys, BATCH)] for _ in range(64)]
     runs: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
     with tempfile.TemporaryDirectory(prefix="pscluster-ab-") as tmp:
