@@ -296,10 +296,13 @@ def bench_b16(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
         def m(name: str) -> float:
             return float(f[name]["median"])
 
-        met = {"lookups": m("lookup") >= goals[keys], "update": m("lookup_adagrad_update") >= 2e6 or keys < 10_000_000,
-               "inserts": m("insert") >= 2e6 and m("insert_longest_batch") <= 0.2,
-               "memory": m("bytes_per_key_beyond_row_and_slots") <= 32, "save": m("checkpoint_save") <= 1,
-               "restore": m("restore_into_2_shards") <= 3, "sweep": m("eviction_sweep") >= 50e6}
+        met = {f"lookups >= {goals[keys] / 1e6:.0f} M/s": m("lookup") >= goals[keys],
+               "inserts >= 2 M/s, pause <= 200 ms": m("insert") >= 2e6 and m("insert_longest_batch") <= 0.2,
+               "save <= 1 s/GiB": m("checkpoint_save") <= 1, "restore <= 3 s/GiB": m("restore_into_2_shards") <= 3,
+               "sweep >= 50 M/s": m("eviction_sweep") >= 50e6}
+        if keys >= 10_000_000:  # the issue sets these at 10 M keys (memory at 8 floats a row)
+            met["update >= 2 M/s"] = m("lookup_adagrad_update") >= 2e6
+            met["<= 32 B/key"] = m("bytes_per_key_beyond_row_and_slots") <= 32
         rows.append((
             "B16", f"dynamic table in process, one shard, {keys / 1e6:.0f} M live keys x {dim} float32, Adagrad; batches "
             f"of 4,096 keys; median of {args.runs}; `python bench/dyntables.py --keys {keys} --dim {dim} --runs "
