@@ -56,3 +56,34 @@ def as_run(rows: np.ndarray) -> slice | np.ndarray:
     if rows.size and int(rows[-1]) - int(rows[0]) + 1 == rows.size and (rows.size == 1 or bool(np.all(np.diff(rows) == 1))):
         return slice(int(rows[0]), int(rows[-1]) + 1)
     return rows
+
+
+def argsort_unique(keys: np.ndarray) -> np.ndarray:
+    """np.argsort of distinct int64 keys, through numpy's vectorized sort of uint64 values.
+
+    Why: np.argsort of 10 M int64 took 1.9-2.3 s of CPU here and np.sort 0.2 s. Each key's offset from
+    the smallest is packed above its position (the key's high bits where both do not fit in 64), the
+    packed values are sorted, and the positions read back; keys that share their kept high bits (a
+    few dozen pairs in 10 M random int64 keys) are then put in key order by a lexsort of those alone.
+    """
+    n = keys.size
+    if n < 2:
+        return np.arange(n, dtype=np.intp)
+    lo, hi = int(keys.min()), int(keys.max())
+    idx_bits = (n - 1).bit_length()
+    shift = max(0, (hi - lo).bit_length() + idx_bits - 64)
+    offset = keys.view(np.uint64) - np.uint64(lo % 2**64)  # k - lo in [0, hi - lo], wrapping in uint64
+    packed = ((offset >> np.uint64(shift)) << np.uint64(idx_bits)) | np.arange(n, dtype=np.uint64)
+    packed.sort()
+    order = (packed & np.uint64((1 << idx_bits) - 1)).astype(np.intp)
+    if shift:
+        prefix = packed >> np.uint64(idx_bits)
+        tie = np.zeros(n, np.bool_)
+        same = prefix[1:] == prefix[:-1]
+        tie[1:] |= same
+        tie[:-1] |= same
+        at = np.flatnonzero(tie)
+        if at.size:  # runs of equal prefixes are contiguous: sorting by (prefix, key) orders each run
+            sub = order[at]
+            order[at] = sub[np.lexsort((keys[sub], prefix[at]))]
+    return order

@@ -21,7 +21,7 @@ import pathlib
 import numpy as np
 from pscluster.server.dynamic_table import DynamicTable, TableStats
 from pscluster.server.hash_index import shard_of
-from pscluster.server.rows import as_run, take_rows
+from pscluster.server.rows import argsort_unique, as_run, take_rows
 
 from pscluster.errors import FailedPreconditionError, InvalidArgumentError
 from pscluster.tables import write_export
@@ -46,7 +46,7 @@ def _row_arrays(table: DynamicTable) -> dict[str, np.ndarray]:
 
 def _rows_state(table: DynamicTable, rows: np.ndarray) -> State:
     keys = table.index.row_keys[rows]
-    order = np.argsort(keys, kind="stable")
+    order = argsort_unique(keys)  # live keys are distinct
     rows = rows[order]
     state: State = {"keys": keys[order]}
     for name, arr in _row_arrays(table).items():

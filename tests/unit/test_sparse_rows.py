@@ -86,3 +86,19 @@ def test_put_rows_of_no_rows_changes_nothing() -> None:
     table = np.ones((3, 2), np.float32)
     put_rows(table, np.array([], np.int64), np.zeros((0, 2), np.float32))
     assert (table == 1).all()
+
+
+@pytest.mark.parametrize("draw", ["random_int64", "small_ints", "extremes", "clustered_with_outlier", "two", "one"])
+def test_argsort_unique_orders_distinct_keys_as_argsort_does(draw: str) -> None:
+    """Packed sorting must give np.argsort's order for any distinct int64 keys, including spans that
+    need all 64 bits (where keys sharing their high bits are ordered afterwards)."""
+    from pscluster.server.rows import argsort_unique
+
+    rng = np.random.default_rng(4)
+    keys = {"random_int64": rng.integers(-2**63, 2**63 - 1, 50_000, dtype=np.int64, endpoint=True),
+            "small_ints": rng.permutation(70_000)[:50_000] - 10,
+            "extremes": np.array([2**63 - 1, -2**63, 0, -1, 1, 2**62, -2**62]),
+            "clustered_with_outlier": np.concatenate([rng.permutation(40_000) + 2**40, [-2**63, 2**63 - 1]]),
+            "two": np.array([5, -5]), "one": np.array([3])}[draw]
+    keys = np.unique(keys.astype(np.int64))[rng.permutation(np.unique(keys).size)]
+    np.testing.assert_array_equal(keys[argsort_unique(keys)], np.sort(keys))
