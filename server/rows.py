@@ -59,7 +59,8 @@ def as_run(rows: np.ndarray) -> slice | np.ndarray:
 
 
 def argsort_unique(keys: np.ndarray) -> np.ndarray:
-    """np.argsort of distinct int64 keys, through numpy's vectorized sort of uint64 values.
+    """np.argsort(keys, kind="stable") of int64 keys (made for distinct keys; repeats keep their order),
+    through numpy's vectorized sort of uint64 values.
 
     Why: np.argsort of 10 M int64 took 1.9-2.3 s of CPU here and np.sort 0.2 s. Each key's offset from
     the smallest is packed above its position (the key's high bits where both do not fit in 64), the

@@ -120,7 +120,7 @@ def apply_delta(base: State, change: State) -> State:
     keep = ~np.isin(base["keys"], gone)
     out: State = {}
     keys = np.concatenate([base["keys"][keep], change["keys"]])
-    order = np.argsort(keys, kind="stable")
+    order = argsort_unique(keys)
     out["keys"] = keys[order]
     for name in base:
         if name in ("keys", "removed") or name.startswith(_FILTER) or name == "meta":
@@ -180,7 +180,7 @@ def reshard(states: list[State], num_shards: int) -> list[State]:
 def _sorted_take(keys: np.ndarray, arr: np.ndarray, idx: np.ndarray) -> np.ndarray:
     sub = keys[idx]
     if sub.size > 1 and not np.logical_and.reduce(sub[:-1] <= sub[1:]):  # one state's keys come sorted
-        idx = idx[np.argsort(sub, kind="stable")]
+        idx = idx[argsort_unique(sub)]
     return take_rows(arr, idx)
 
 

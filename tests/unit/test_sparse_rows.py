@@ -102,3 +102,5 @@ def test_argsort_unique_orders_distinct_keys_as_argsort_does(draw: str) -> None:
             "two": np.array([5, -5]), "one": np.array([3])}[draw]
     keys = np.unique(keys.astype(np.int64))[rng.permutation(np.unique(keys).size)]
     np.testing.assert_array_equal(keys[argsort_unique(keys)], np.sort(keys))
+    repeated = np.concatenate([keys, keys[::2]])  # repeats come back in their order, as a stable argsort's
+    np.testing.assert_array_equal(argsort_unique(repeated), np.argsort(repeated, kind="stable"))
