@@ -100,3 +100,24 @@ def test_long_collision_chains_that_wrap_the_table_end_are_found_placed_and_free
     keys = np.array(list(ref), np.int64)
     np.testing.assert_array_equal(index.lookup(keys), list(ref.values()))
     assert (index.lookup(same[260:]) == -1).all()
+
+
+def test_a_first_batch_into_an_empty_index_is_placed_without_probing_and_wraps_the_table_end() -> None:
+    """The empty-index path sorts keys by home slot: 120 keys homed 4 slots before the end of the
+    1,024-slot table fill those 4 and wrap to the start, among keys homed at the start."""
+    ids = np.arange(-3_000_000, 3_000_000, dtype=np.int64)
+    home = (mix64(ids) & np.uint64(1023)).astype(np.int64)
+    keys = np.concatenate([ids[home == 1020][:120], ids[home == 0][:20], ids[home == 3][:20], ids[home == 500][:5]])
+    keys = keys[np.random.default_rng(2).permutation(keys.size)]
+    index = HashIndex(capacity=1_000)
+    rows = index.insert(keys)
+    assert index.rebuilds == 0 and index.live == keys.size
+    np.testing.assert_array_equal(index.lookup(keys), rows)
+    assert (index.lookup(ids[home == 1020][120:160]) == -1).all()
+    index.remove(rows[::2])
+    np.testing.assert_array_equal(index.lookup(keys), np.where(np.arange(keys.size) % 2 == 0, -1, rows))
+    more = ids[home == 1021][:30]
+    np.testing.assert_array_equal(index.lookup(more), -1)
+    np.testing.assert_array_equal(index.lookup(more[:0]), [])
+    placed = index.insert(more)
+    np.testing.assert_array_equal(index.lookup(more), placed)
