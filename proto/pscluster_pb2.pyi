@@ -99,6 +99,8 @@ class OptimizerSpec(_message.Message):
     CLIP_VALUE_FIELD_NUMBER: _builtins.int
     CLIP_NORM_FIELD_NUMBER: _builtins.int
     SCHEDULE_FIELD_NUMBER: _builtins.int
+    LR_IN_MOMENTUM_FIELD_NUMBER: _builtins.int
+    MOMENTUM_SCHEDULE_FIELD_NUMBER: _builtins.int
     kind: _builtins.str
     """sgd | momentum | adagrad | adam | rmsprop | ftrl | lion"""
     learning_rate: _builtins.float
@@ -134,6 +136,10 @@ class OptimizerSpec(_message.Message):
     """0: off"""
     schedule: _builtins.str
     """JSON of a pscluster.schedules value; "": the constant learning_rate"""
+    lr_in_momentum: _builtins.bool
+    """momentum/RMSprop buffer holds lr * step (Keras, optax rmsprop) instead of the step (torch)"""
+    momentum_schedule: _builtins.str
+    """JSON schedule of momentum (SGD, RMSprop) or beta1 (Adam); "": constant"""
     def __init__(
         self,
         *,
@@ -162,10 +168,12 @@ class OptimizerSpec(_message.Message):
         clip_value: _builtins.float = ...,
         clip_norm: _builtins.float = ...,
         schedule: _builtins.str = ...,
+        lr_in_momentum: _builtins.bool = ...,
+        momentum_schedule: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["amsgrad", b"amsgrad", "beta", b"beta", "beta1", b"beta1", "beta2", b"beta2", "centered", b"centered", "clip_norm", b"clip_norm", "clip_value", b"clip_value", "dampening", b"dampening", "decoupled_weight_decay", b"decoupled_weight_decay", "eps_in_sqrt", b"eps_in_sqrt", "epsilon", b"epsilon", "epsilon_hat", b"epsilon_hat", "initial_accumulator_value", b"initial_accumulator_value", "kind", b"kind", "l1", b"l1", "l2", b"l2", "l2_shrinkage", b"l2_shrinkage", "learning_rate", b"learning_rate", "learning_rate_power", b"learning_rate_power", "lr_decay", b"lr_decay", "momentum", b"momentum", "nesterov", b"nesterov", "rho", b"rho", "schedule", b"schedule", "weight_decay", b"weight_decay"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["amsgrad", b"amsgrad", "beta", b"beta", "beta1", b"beta1", "beta2", b"beta2", "centered", b"centered", "clip_norm", b"clip_norm", "clip_value", b"clip_value", "dampening", b"dampening", "decoupled_weight_decay", b"decoupled_weight_decay", "eps_in_sqrt", b"eps_in_sqrt", "epsilon", b"epsilon", "epsilon_hat", b"epsilon_hat", "initial_accumulator_value", b"initial_accumulator_value", "kind", b"kind", "l1", b"l1", "l2", b"l2", "l2_shrinkage", b"l2_shrinkage", "learning_rate", b"learning_rate", "learning_rate_power", b"learning_rate_power", "lr_decay", b"lr_decay", "lr_in_momentum", b"lr_in_momentum", "momentum", b"momentum", "momentum_schedule", b"momentum_schedule", "nesterov", b"nesterov", "rho", b"rho", "schedule", b"schedule", "weight_decay", b"weight_decay"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -7,7 +7,7 @@
 Formulas are optax's: adam and adamw put eps after the bias correction (sqrt(nu_hat) + eps), adagrad
 and rmsprop (eps_in_sqrt=True) take sqrt(acc + eps), adamw and lion decay weights by lr * wd * w. A
 schedule is evaluated at the variable's update count, as optax's at its `count`. rmsprop's momentum
-trace holds lr * update (optax's order): equal to torch's form at a constant rate. Options optax has
+trace holds lr * update (optax's order, `lr_in_momentum`), exact under a schedule too. Options optax has
 and the PS does not (eps_root, masks, nesterov rmsprop) are refused by name. No jax import here.
 """
 
@@ -69,7 +69,7 @@ def rmsprop(learning_rate: Rate, decay: float = 0.9, eps: float = 1e-8, initial_
     _no("rmsprop(initial_scale", initial_scale, 0.0, "the PS starts nu at 0")
     _no("rmsprop(nesterov", nesterov, False, "use momentum without nesterov")
     return _cfg("rmsprop", learning_rate, rho=decay, epsilon=eps, eps_in_sqrt=eps_in_sqrt, centered=centered,
-                momentum=float(momentum or 0.0))
+                momentum=float(momentum or 0.0), lr_in_momentum=bool(momentum))
 
 
 def lion(learning_rate: Rate, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 1e-3) -> OptimizerConfig:

@@ -51,6 +51,9 @@ class OptimizerConfig:
     clip_value: float = 0.0  # 0: off; else each gradient element is clipped to [-clip_value, clip_value]
     clip_norm: float = 0.0  # 0: off; else the variable's gradient is scaled to an L2 norm <= clip_norm
     schedule: Schedule | None = None
+    # Momentum/RMSprop buffer: False keeps the step (torch: buf = mu * buf + g; w -= lr * buf), True keeps the
+    # rate inside (Keras, optax's rmsprop: buf = mu * buf + lr * g; w -= buf). Equal at a constant rate only.
+    lr_in_momentum: bool = False
 
     def slot_names(self) -> tuple[str, ...]:
         """Names of the slot variables this optimizer keeps per shard."""
@@ -98,6 +101,9 @@ class OptimizerConfig:
         if self.nesterov and self.kind == "momentum" and (self.momentum <= 0 or self.dampening != 0):
             raise InvalidArgumentError(f"momentum: nesterov needs momentum > 0 and dampening 0, got "
                                        f"momentum={self.momentum}, dampening={self.dampening}")
+        if self.lr_in_momentum and self.dampening:
+            raise InvalidArgumentError(f"{self.kind}: dampening has no meaning with lr_in_momentum (Keras's "
+                                       f"momentum form), got dampening={self.dampening}")
         if self.kind == "ftrl" and self.weight_decay:
             raise InvalidArgumentError("ftrl: weight_decay is not defined for FTRL; use l2 or l2_shrinkage")
         if self.schedule is not None:

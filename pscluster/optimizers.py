@@ -4,13 +4,15 @@
 
 Defaults and formulas are Keras's (keras.optimizers): Adam puts epsilon before the bias correction
 (`epsilon_hat`), Adagrad and RMSprop add epsilon inside the square root, `weight_decay` is decoupled
-(w -= lr * weight_decay * w, as Keras applies it). `learning_rate` is a number or a schedule
+(w -= lr * weight_decay * w, as Keras applies it), SGD's and RMSprop's momentum buffers hold the rate
+(`lr_in_momentum`: Keras's form, which differs from torch's once the rate changes). `learning_rate` is a number or a schedule
 (pscluster.schedules). `clipnorm`/`clipvalue` clip each variable's gradient on the PS (clipnorm needs
 the variable in one shard). torch's and optax's spellings are in pscluster.torch and pscluster.jax.
 """
 
 from __future__ import annotations
 
+from pscluster.errors import InvalidArgumentError
 from pscluster.optimizer_config import OptimizerConfig as OptimizerConfig  # re-exported for adapters
 from pscluster.schedules import Schedule, as_schedule
 
@@ -25,16 +27,24 @@ def _cfg(kind: str, learning_rate: Rate, weight_decay: float | None, clipnorm: f
                            clip_value=float(clipvalue or 0.0), **hp).validate()  # type: ignore[arg-type]
 
 
-def SGD(learning_rate: Rate = 0.01, weight_decay: float | None = None, clipnorm: float | None = None,
+def SGD(learning_rate: Rate = 0.01, momentum: float = 0.0, nesterov: bool = False,
+        weight_decay: float | None = None, clipnorm: float | None = None,
         clipvalue: float | None = None) -> OptimizerConfig:
-    """Plain SGD: w -= lr * g."""
-    return _cfg("sgd", learning_rate, weight_decay, clipnorm, clipvalue)
+    """keras.optimizers.SGD: w -= lr * g; with momentum m = momentum * m - lr * g, w += m (nesterov:
+    w += momentum * m - lr * g), the rate inside the buffer as Keras keeps it."""
+    if not momentum:
+        if nesterov:
+            raise InvalidArgumentError("SGD: nesterov needs momentum > 0")
+        return _cfg("sgd", learning_rate, weight_decay, clipnorm, clipvalue)
+    return _cfg("momentum", learning_rate, weight_decay, clipnorm, clipvalue, momentum=float(momentum),
+                nesterov=nesterov, lr_in_momentum=True)
 
 
 def Momentum(learning_rate: Rate = 0.01, momentum: float = 0.9, nesterov: bool = False,
              weight_decay: float | None = None, clipnorm: float | None = None,
              clipvalue: float | None = None) -> OptimizerConfig:
-    """Momentum SGD (TF's MomentumOptimizer, torch's SGD(momentum)): buf = mu * buf + g; w -= lr * buf."""
+    """Momentum SGD (TF1's MomentumOptimizer, torch's SGD(momentum)): buf = mu * buf + g; w -= lr * buf
+    (Keras's SGD(momentum=...) keeps the rate in the buffer instead)."""
     return _cfg("momentum", learning_rate, weight_decay, clipnorm, clipvalue, momentum=momentum, nesterov=nesterov)
 
 
@@ -64,9 +74,10 @@ def AdamW(learning_rate: Rate = 0.001, weight_decay: float = 0.004, beta1: float
 def RMSprop(learning_rate: Rate = 0.001, rho: float = 0.9, momentum: float = 0.0, epsilon: float = 1e-7,
             centered: bool = False, weight_decay: float | None = None, clipnorm: float | None = None,
             clipvalue: float | None = None) -> OptimizerConfig:
-    """keras.optimizers.RMSprop: w -= lr * g / sqrt(v + epsilon) (centered: v minus the mean gradient squared)."""
+    """keras.optimizers.RMSprop: w -= lr * g / sqrt(v + epsilon) (centered: v minus the mean gradient squared);
+    with momentum m = momentum * m + lr * g / sqrt(...), w -= m (the rate inside the buffer, as Keras)."""
     return _cfg("rmsprop", learning_rate, weight_decay, clipnorm, clipvalue, rho=rho, momentum=momentum,
-                epsilon=epsilon, centered=centered, eps_in_sqrt=True)
+                epsilon=epsilon, centered=centered, eps_in_sqrt=True, lr_in_momentum=momentum > 0)
 
 
 def Ftrl(learning_rate: Rate = 0.001, learning_rate_power: float = -0.5,

@@ -44,17 +44,30 @@ def sgd(cfg: OptimizerConfig, w: np.ndarray, g: np.ndarray, s: Slots, t: int, lr
 
 
 def momentum(cfg: OptimizerConfig, w: np.ndarray, g: np.ndarray, s: Slots, t: int, lr: float) -> None:
-    """torch.optim.SGD with momentum: buf = g at the first update, else mu * buf + (1 - dampening) * g."""
+    """torch.optim.SGD with momentum: buf = g at the first update, else mu * buf + (1 - dampening) * g;
+    w -= lr * buf. With lr_in_momentum (Keras's SGD: m = mu * m - lr * g; w += m), buf = -m = mu * buf + lr * g
+    from a zero buffer; w -= buf (nesterov: w -= mu * buf + lr * g)."""
     dt = w.dtype.type
     buf = s["momentum"]
+    mu = dt(cfg.momentum)
+    step = scratch(w)
+    if cfg.lr_in_momentum:
+        np.multiply(g, dt(lr), out=step)
+        buf *= mu
+        buf += step
+        if cfg.nesterov:
+            step += np.multiply(buf, mu, out=scratch(w, 1))
+            w -= step
+        else:
+            w -= buf
+        return
     if t == 1:
         np.copyto(buf, g)  # torch starts the buffer at the gradient itself, dampening or not
     else:
-        buf *= dt(cfg.momentum)
-        buf += g if cfg.dampening == 0 else np.multiply(g, dt(1 - cfg.dampening), out=scratch(w))
-    step = scratch(w)
+        buf *= mu
+        buf += g if cfg.dampening == 0 else np.multiply(g, dt(1 - cfg.dampening), out=step)
     if cfg.nesterov:
-        np.multiply(buf, dt(cfg.momentum), out=step)
+        np.multiply(buf, mu, out=step)
         step += g
         step *= dt(lr)
     else:
@@ -111,28 +124,44 @@ def adam(cfg: OptimizerConfig, w: np.ndarray, g: np.ndarray, s: Slots, t: int, l
 
 def rmsprop(cfg: OptimizerConfig, w: np.ndarray, g: np.ndarray, s: Slots, t: int, lr: float) -> None:
     """torch.optim.RMSprop: sq = rho * sq + (1 - rho) g^2 (centered: minus the mean gradient squared),
-    step g / (sqrt(.) + eps), through a momentum buffer when momentum > 0."""
+    step g / (sqrt(.) + eps), through a momentum buffer when momentum > 0: buf = mu * buf + step;
+    w -= lr * buf. With lr_in_momentum (Keras, optax): buf = mu * buf + lr * step; w -= buf.
+    In place, one scratch block: the same operations in the same order as the plain numpy formula."""
     dt = w.dtype.type
     sq = s["square_avg"]
+    a = scratch(w)
+    np.multiply(g, g, out=a)
+    a *= dt(1 - cfg.rho)
     sq *= dt(cfg.rho)
-    sq += dt(1 - cfg.rho) * (g * g)
+    sq += a
     avg = sq
     if cfg.centered:
         ga = s["grad_avg"]
-        ga += dt(1 - cfg.rho) * (g - ga)
-        avg = sq - ga * ga
+        np.subtract(g, ga, out=a)
+        a *= dt(1 - cfg.rho)
+        ga += a
+        np.multiply(ga, ga, out=a)
+        avg = np.subtract(sq, a, out=a)
     if cfg.eps_in_sqrt:
-        denom = np.sqrt(avg + dt(cfg.epsilon))
+        np.add(avg, dt(cfg.epsilon), out=a)
+        np.sqrt(a, out=a)
     else:
-        denom = np.sqrt(avg)
-        denom += dt(cfg.epsilon)
-    step = g / denom
+        np.sqrt(avg, out=a)
+        a += dt(cfg.epsilon)
+    np.divide(g, a, out=a)  # the step
     if cfg.momentum > 0:
         buf = s["momentum"]
         buf *= dt(cfg.momentum)
-        buf += step
-        step = buf
-    w -= dt(lr) * step
+        if cfg.lr_in_momentum:
+            a *= dt(lr)
+            buf += a
+            w -= buf
+            return
+        buf += a
+        np.multiply(buf, dt(lr), out=a)
+    else:
+        a *= dt(lr)
+    w -= a
 
 
 def ftrl(cfg: OptimizerConfig, w: np.ndarray, g: np.ndarray, s: Slots, t: int, lr: float) -> None:

@@ -173,6 +173,7 @@ OPTAX = {
     "adamw": (lambda lr: optax.adamw(lr, weight_decay=0.1), lambda lr: ps_jax.adamw(lr, weight_decay=0.1)),
     "adagrad": (lambda lr: optax.adagrad(lr), lambda lr: ps_jax.adagrad(lr)),
     "rmsprop-centered": (lambda lr: optax.rmsprop(lr, centered=True), lambda lr: ps_jax.rmsprop(lr, centered=True)),
+    "rmsprop-momentum": (lambda lr: optax.rmsprop(lr, momentum=0.9), lambda lr: ps_jax.rmsprop(lr, momentum=0.9)),
     "lion": (lambda lr: optax.lion(lr, weight_decay=0.01), lambda lr: ps_jax.lion(lr, weight_decay=0.01)),
 }
 
