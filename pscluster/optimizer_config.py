@@ -18,7 +18,7 @@ from pscluster.schedules import Schedule, schedule_from_dict, schedule_from_json
 
 KINDS = ("sgd", "momentum", "adagrad", "adam", "rmsprop", "ftrl", "lion")
 # What a driver may change while training runs (coord.set_hyperparameters): the rest shapes the slots.
-MUTABLE = ("learning_rate", "schedule", "momentum", "beta1", "beta2", "epsilon", "weight_decay", "dampening",
+MUTABLE = ("learning_rate", "schedule", "momentum_schedule", "momentum", "beta1", "beta2", "epsilon", "weight_decay", "dampening",
            "rho", "lr_decay", "l1", "l2", "l2_shrinkage", "beta", "clip_value", "clip_norm")
 
 
@@ -54,6 +54,9 @@ class OptimizerConfig:
     # Momentum/RMSprop buffer: False keeps the step (torch: buf = mu * buf + g; w -= lr * buf), True keeps the
     # rate inside (Keras, optax's rmsprop: buf = mu * buf + lr * g; w -= buf). Equal at a constant rate only.
     lr_in_momentum: bool = False
+    # The momentum (momentum, rmsprop) or beta1 (adam) of update t is momentum_schedule(t - 1) when set
+    # (torch's OneCycleLR/CyclicLR with cycle_momentum); Adam's bias correction uses that update's beta1.
+    momentum_schedule: Schedule | None = None
 
     def slot_names(self) -> tuple[str, ...]:
         """Names of the slot variables this optimizer keeps per shard."""
@@ -65,7 +68,7 @@ class OptimizerConfig:
             return ("m", "v", "v_max") if self.amsgrad else ("m", "v")
         if self.kind == "rmsprop":
             return ("square_avg",) + (("grad_avg",) if self.centered else ()) + \
-                (("momentum",) if self.momentum > 0 else ())
+                (("momentum",) if self.momentum > 0 or self.momentum_schedule is not None else ())
         if self.kind == "ftrl":
             return ("accumulator", "linear")
         if self.kind == "lion":
@@ -75,6 +78,13 @@ class OptimizerConfig:
     def lr_at(self, t: int) -> float:
         """The learning rate of update t (1-based): the schedule's value after t - 1 updates."""
         return self.learning_rate if self.schedule is None else self.schedule(t - 1)
+
+    def at(self, t: int) -> OptimizerConfig:
+        """Self with the momentum (or Adam's beta1) of update t from momentum_schedule; self when there is none."""
+        if self.momentum_schedule is None:
+            return self
+        value = self.momentum_schedule(t - 1)
+        return replace(self, beta1=value) if self.kind == "adam" else replace(self, momentum=value)
 
     def validate(self) -> OptimizerConfig:
         """Self, or InvalidArgumentError naming the bad hyper-parameter and its value."""
@@ -108,6 +118,11 @@ class OptimizerConfig:
             raise InvalidArgumentError("ftrl: weight_decay is not defined for FTRL; use l2 or l2_shrinkage")
         if self.schedule is not None:
             self.schedule.validate()
+        if self.momentum_schedule is not None:
+            if self.kind not in ("momentum", "rmsprop", "adam"):
+                raise InvalidArgumentError(f"{self.kind}: momentum_schedule needs a momentum (momentum, rmsprop) or "
+                                           "beta1 (adam) to schedule")
+            self.momentum_schedule.validate()
         return self
 
     def changed(self, changes: dict[str, Any]) -> OptimizerConfig:
@@ -117,9 +132,11 @@ class OptimizerConfig:
             raise InvalidArgumentError(f"{self.kind}: cannot change {', '.join(bad)} while training; "
                                        f"changeable: {', '.join(MUTABLE)}")
         try:
-            values: dict[str, Any] = {k: (v if k == "schedule" else float(v)) for k, v in changes.items()}
+            values: dict[str, Any] = {k: (v if k in _SCHEDULES else float(v)) for k, v in changes.items()}
             if "learning_rate" in values and "schedule" not in values:
                 values["schedule"] = None
+            if ("momentum" in values or "beta1" in values) and "momentum_schedule" not in values:
+                values["momentum_schedule"] = None  # a value set by the driver ends the momentum schedule
             new = replace(self, **values).validate()
         except (TypeError, ValueError) as exc:
             raise InvalidArgumentError(f"{self.kind}: bad hyper-parameter change {changes!r}: {exc}") from exc
@@ -136,34 +153,40 @@ class OptimizerConfig:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (checkpoints); inverse of `config_from_dict`."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
-        out["schedule"] = None if self.schedule is None else self.schedule.to_dict()
+        for name in _SCHEDULES:
+            out[name] = None if getattr(self, name) is None else getattr(self, name).to_dict()
         return out
 
 
 _DEFAULT = OptimizerConfig()
+_SCHEDULES = ("schedule", "momentum_schedule")  # the fields holding a Schedule
 
 
 def config_from_dict(d: dict[str, Any]) -> OptimizerConfig:
     """An OptimizerConfig from `to_dict()` output (keys it lacks take their defaults)."""
     known = {f.name for f in fields(OptimizerConfig)}
     args = {k: v for k, v in d.items() if k in known}
-    if args.get("schedule") is not None:
-        args["schedule"] = schedule_from_dict(args["schedule"])
+    for name in _SCHEDULES:
+        if args.get(name) is not None:
+            args[name] = schedule_from_dict(args[name])
     return OptimizerConfig(**args).validate()
 
 
 def optimizer_to_pb(cfg: OptimizerConfig) -> pb.OptimizerSpec:
     """OptimizerConfig -> OptimizerSpec message."""
     d = cfg.to_dict()
-    d["schedule"] = schedule_to_json(cfg.schedule)
+    for name in _SCHEDULES:
+        d[name] = schedule_to_json(getattr(cfg, name))
     return pb.OptimizerSpec(**d)
 
 
 def optimizer_from_pb(msg: pb.OptimizerSpec) -> OptimizerConfig:
     """OptimizerSpec message -> validated OptimizerConfig (empty kind means sgd)."""
-    args: dict[str, Any] = {f.name: getattr(msg, f.name) for f in fields(OptimizerConfig) if f.name != "schedule"}
+    args: dict[str, Any] = {f.name: getattr(msg, f.name) for f in fields(OptimizerConfig)}
+    for name in _SCHEDULES:
+        args[name] = schedule_from_json(getattr(msg, name))
     args["kind"] = msg.kind or "sgd"
-    return OptimizerConfig(**args, schedule=schedule_from_json(msg.schedule)).validate()
+    return OptimizerConfig(**args).validate()
 
 
 def changes_to_json(changes: dict[str, Any]) -> str:
@@ -182,6 +205,7 @@ def changes_from_json(text: str) -> dict[str, Any]:
         raise InvalidArgumentError(f"malformed hyper-parameter changes {text[:80]!r}: {exc}") from exc
     if not isinstance(changes, dict) or not changes:
         raise InvalidArgumentError(f"hyper-parameter changes must be a non-empty JSON object, got {text[:80]!r}")
-    if changes.get("schedule") is not None:
-        changes["schedule"] = schedule_from_dict(changes["schedule"])
+    for name in _SCHEDULES:
+        if changes.get(name) is not None:
+            changes[name] = schedule_from_dict(changes[name])
     return changes

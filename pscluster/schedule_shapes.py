@@ -308,6 +308,40 @@ class OneCycle(Schedule):
 
 
 @dataclass(frozen=True)
+class Cyclic(Schedule):
+    """torch's CyclicLR: triangular cycles of total_size steps between low and high (mode 'triangular',
+    'triangular2' or 'exp_range'); `inverse` runs high -> low -> high (its momentum, high - height)."""
+
+    kind: ClassVar[str] = "cyclic"
+    low: float
+    high: float
+    total_size: float
+    step_ratio: float
+    mode: str = "triangular"
+    gamma: float = 1.0
+    inverse: bool = False
+
+    def __call__(self, count: int) -> float:
+        cycle = math.floor(1 + count / self.total_size)
+        x = 1.0 + count / self.total_size - cycle
+        factor = x / self.step_ratio if x <= self.step_ratio else (x - 1) / (self.step_ratio - 1)
+        scale = 1.0 if self.mode == "triangular" else 1 / (2.0 ** (cycle - 1)) if self.mode == "triangular2" \
+            else self.gamma ** count
+        if self.inverse:
+            return self.high - (self.high - self.low) * factor * scale
+        return self.low + (self.high - self.low) * factor * scale
+
+    def validate(self) -> Schedule:
+        if self.mode not in ("triangular", "triangular2", "exp_range") or not 0 < self.step_ratio < 1:
+            raise InvalidArgumentError(f"schedule: cyclic needs mode triangular, triangular2 or exp_range and "
+                                       f"0 < step_ratio < 1, got {self.mode!r}, {self.step_ratio}")
+        _positive("total_size", self.total_size)
+        for name in ("low", "high", "gamma"):
+            _finite(name, getattr(self, name))
+        return self
+
+
+@dataclass(frozen=True)
 class Sequence(Schedule):
     """schedules[i] from boundaries[i - 1] on, counting from there (optax's join_schedules, torch's SequentialLR)."""
 
@@ -332,7 +366,7 @@ class Sequence(Schedule):
 
 _KINDS: dict[str, type[Schedule]] = {c.kind: c for c in (
     Constant, Piecewise, Exponential, InverseTime, Polynomial, Linear, Cosine, CosineRestarts, WarmRestarts,
-    OneCycle, Sequence)}
+    OneCycle, Cyclic, Sequence)}
 
 
 def schedule_from_dict(d: dict[str, Any]) -> Schedule:

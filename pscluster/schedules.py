@@ -14,7 +14,7 @@ any number of PS tasks continues the schedule (the count is checkpointed with th
 torch schedulers map through `pscluster.torch.from_torch(optimizer, scheduler)`, optax schedules
 through `pscluster.jax` (`warmup_cosine_decay_schedule`, ...). Shapes: `Constant`, `Piecewise`,
 `Exponential`, `InverseTime`, `Polynomial`, `Linear`, `Cosine`, `CosineRestarts` (Keras's),
-`WarmRestarts` (torch's, in integer steps), `OneCycle` (torch's), `Sequence` (one after another).
+`WarmRestarts` (torch's, in integer steps), `OneCycle` and `Cyclic` (torch's), `Sequence` (one after another).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pscluster.schedule_shapes import (
     Constant,
     Cosine,
     CosineRestarts,
+    Cyclic,
     Exponential,
     InverseTime,
     Linear,
@@ -43,6 +44,7 @@ __all__ = [
     "CosineDecay",
     "CosineDecayRestarts",
     "CosineRestarts",
+    "Cyclic",
     "Exponential",
     "ExponentialDecay",
     "InverseTime",

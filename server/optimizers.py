@@ -6,7 +6,8 @@ sparse variant is the "lazy" one (TF's LazyAdam, torch's SparseAdam): slots of u
 decay, weight decay reaches only touched rows, and a momentum buffer starts at (1 - dampening) * g on
 a row's first touch after the variable's first update.
 
-Per update, in order: the rate of update t comes from the schedule (`cfg.lr_at(t)`); the gradient is
+Per update, in order: the rate of update t comes from the schedule (`cfg.lr_at(t)`), its momentum or
+beta1 from the momentum schedule when there is one (`cfg.at(t)`); the gradient is
 clipped by norm then by value (Keras's order); coupled weight decay adds wd * w to it (torch's
 `weight_decay`) or decoupled decay scales w by 1 - lr * wd (AdamW, Lion, Keras); then the kernel
 (server/optimizer_kernels.py).
@@ -92,7 +93,7 @@ def _plain(cfg: OptimizerConfig) -> bool:
 def apply_dense(cfg: OptimizerConfig, value: np.ndarray, grad: np.ndarray,
                 slots: dict[str, np.ndarray], t: int) -> None:
     """Apply a dense gradient to value in place; t is the update's 1-based count of the variable."""
-    lr = cfg.lr_at(t)
+    lr, cfg = cfg.lr_at(t), cfg.at(t)
     if _plain(cfg) and value.dtype.kind == "f" and value.nbytes <= BLOCK_BYTES:
         # the common small case in one ufunc call, without the block loop (a W2 push: 3 shards per request)
         np.subtract(value, value.dtype.type(lr) * grad, out=value)
@@ -119,7 +120,7 @@ def apply_rows(cfg: OptimizerConfig, value: np.ndarray, unique: np.ndarray, summ
     """Apply one gradient per row to rows `unique` (no repeats: a caller that sums duplicates itself)."""
     w = take_rows(value, unique)
     sub = {k: take_rows(s, unique) for k, s in slots.items()}
-    _update(cfg, w, summed, sub, t, cfg.lr_at(t), _clip_scale(cfg, summed))
+    _update(cfg.at(t), w, summed, sub, t, cfg.lr_at(t), _clip_scale(cfg, summed))
     put_rows(value, unique, w)
     for k, s in slots.items():
         put_rows(s, unique, sub[k])

@@ -20,7 +20,7 @@ from typing import Any
 
 from pscluster.errors import InvalidArgumentError
 from pscluster.optimizers import OptimizerConfig
-from pscluster.torch.schedulers import from_torch_scheduler
+from pscluster.torch.schedulers import from_torch_momentum, from_torch_scheduler
 
 
 def SGD(lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,  # noqa: N802
@@ -135,7 +135,8 @@ def from_torch(optimizer: Any, scheduler: Any = None) -> OptimizerConfig | Param
     for i, group in enumerate(groups):
         cfg = _group_config(kind, group)
         if scheduler is not None:
-            cfg = replace(cfg, schedule=from_torch_scheduler(scheduler, i)).validate()
+            cfg = replace(cfg, schedule=from_torch_scheduler(scheduler, i),
+                          momentum_schedule=from_torch_momentum(scheduler, i)).validate()
         configs.append(cfg)
     if all(c == configs[0] for c in configs[1:]):
         return configs[0]

@@ -1,8 +1,9 @@
 """`torch.optim.lr_scheduler` instances as PS schedules (pscluster.schedules), one per parameter group.
 
 The PS advances the rate once per update, as `scheduler.step()` after each `optimizer.step()`; each
-scheduler maps to the closed form of the rate it produces after k steps. What has no closed form the
-PS can evaluate (a Python function, a metric) is refused with the alternative.
+scheduler maps to the closed form of the rate it produces after k steps; OneCycleLR and CyclicLR with
+cycle_momentum also give the momentum (or Adam's beta1) schedule. What has no closed form the PS can
+evaluate (a Python function, a metric) is refused with the alternative.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ _REFUSED = {
                          "coord.set_learning_rate",
     "ChainedScheduler": "chain the shapes yourself with pscluster.schedules (a product is not supported); "
                         "SequentialLR is",
-    "CyclicLR": "use OneCycleLR, CosineAnnealingWarmRestarts or pscluster.schedules shapes",
 }
 
 
@@ -51,20 +51,51 @@ def _one(s: Any, base: float, group: dict[str, Any]) -> sch.Schedule:
     if kind == "PolynomialLR":
         return sch.Polynomial(base, 0.0, int(s.total_iters), float(s.power))
     if kind == "OneCycleLR":
-        if s.cycle_momentum:
-            raise InvalidArgumentError("from_torch: OneCycleLR(cycle_momentum=True) changes momentum every step, "
-                                       "which the PS does not schedule; pass cycle_momentum=False")
-        phases = tuple((float(p["end_step"]), float(group[p["start_lr"]]), float(group[p["end_lr"]]))
-                       for p in s._schedule_phases)
-        return sch.OneCycle(phases, str(getattr(s, "_anneal_func_type", "cos")))
+        return _one_cycle(s, group, "lr")
+    if kind == "CyclicLR":
+        return _cyclic(s, group, momentum=False)
     if kind == "SequentialLR":
+        cycling = [type(sub).__name__ for sub in s._schedulers if getattr(sub, "cycle_momentum", False)]
+        if cycling:
+            raise InvalidArgumentError(f"from_torch: {cycling[0]}(cycle_momentum=True) inside SequentialLR: the PS "
+                                       "schedules momentum from the top-level scheduler only; pass "
+                                       "cycle_momentum=False, or use it alone")
         subs = tuple(_one(sub, base, group) for sub in s._schedulers)
         return sch.Sequence(subs, tuple(int(m) for m in s._milestones))
     if kind in _REFUSED:
         raise InvalidArgumentError(f"from_torch: {kind} cannot run on the PS: {_REFUSED[kind]}")
     raise InvalidArgumentError(f"from_torch: {kind} has no PS equivalent; use StepLR, MultiStepLR, ExponentialLR, "
                                "CosineAnnealingLR, CosineAnnealingWarmRestarts, LinearLR, ConstantLR, PolynomialLR, "
-                               "OneCycleLR or SequentialLR, or pscluster.schedules")
+                               "OneCycleLR, CyclicLR or SequentialLR, or pscluster.schedules")
+
+
+def _one_cycle(s: Any, group: dict[str, Any], what: str) -> sch.Schedule:
+    """OneCycleLR's rate (what="lr") or momentum (what="momentum") of one group: the same phases and anneal."""
+    phases = tuple((float(p["end_step"]), float(group[p[f"start_{what}"]]), float(group[p[f"end_{what}"]]))
+                   for p in s._schedule_phases)
+    return sch.OneCycle(phases, str(getattr(s, "_anneal_func_type", "cos")))
+
+
+def _cyclic(s: Any, group: dict[str, Any], momentum: bool) -> sch.Schedule:
+    """CyclicLR's rate, or its momentum (max_momentum - height: the cycle inverted), for one group."""
+    if getattr(s, "_scale_fn_custom", None) is not None:
+        raise InvalidArgumentError("from_torch: CyclicLR(scale_fn=...) cannot run on the PS: a Python function; use "
+                                   "mode='triangular', 'triangular2' or 'exp_range', or pscluster.schedules shapes")
+    i = next(k for k, g in enumerate(s.optimizer.param_groups) if g is group)
+    low, high = (s.base_momentums[i], s.max_momentums[i]) if momentum else (s.base_lrs[i], s.max_lrs[i])
+    return sch.Cyclic(float(low), float(high), float(s.total_size), float(s.step_ratio), str(s.mode),
+                      float(s.gamma), inverse=momentum)
+
+
+def from_torch_momentum(scheduler: Any, group: int) -> sch.Schedule | None:
+    """The momentum (SGD, RMSprop) or beta1 (Adam, AdamW) schedule of a OneCycleLR or CyclicLR with
+    cycle_momentum=True, for parameter group `group`; None when the scheduler leaves momentum alone."""
+    if not getattr(scheduler, "cycle_momentum", False) or type(scheduler).__name__ not in ("OneCycleLR", "CyclicLR"):
+        return None
+    g = scheduler.optimizer.param_groups[group]
+    if type(scheduler).__name__ == "OneCycleLR":
+        return _one_cycle(scheduler, g, "momentum").validate()
+    return _cyclic(scheduler, g, momentum=True).validate()
 
 
 def from_torch_scheduler(scheduler: Any, group: int) -> sch.Schedule:

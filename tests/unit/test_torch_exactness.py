@@ -160,8 +160,10 @@ def test_parameter_groups_keep_their_own_settings_and_schedules():
 @pytest.mark.parametrize("make, message", [
     (lambda o: L.LambdaLR(o, lambda k: 0.9 ** k), "LambdaLR cannot run on the PS: a Python function"),
     (lambda o: L.ReduceLROnPlateau(o), "use pscluster.ReduceLROnPlateau"),
-    (lambda o: L.CyclicLR(o, 0.01, 0.1), "CyclicLR cannot run on the PS"),
-    (lambda o: L.OneCycleLR(o, max_lr=0.1, total_steps=10), r"cycle_momentum=False"),
+    (lambda o: L.CyclicLR(o, 0.01, 0.1, scale_fn=lambda x: 0.5, scale_mode="cycle"),
+     r"CyclicLR\(scale_fn=...\) cannot run on the PS: a Python function; use mode="),
+    (lambda o: L.SequentialLR(o, [L.OneCycleLR(o, max_lr=0.1, total_steps=10), L.StepLR(o, 2)], milestones=[5]),
+     r"OneCycleLR\(cycle_momentum=True\) inside SequentialLR.*pass cycle_momentum=False"),
 ])
 def test_schedulers_without_a_ps_form_are_refused_by_name(make, message):
     p = torch.nn.Parameter(torch.zeros(1))
