@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from jax import tree_util
 
-from pscluster import jax_optim, optimizers
+from pscluster import gradients, jax_optim, optimizers
 from pscluster.client import context
 from pscluster.client.variables import Variable, check_table_ids, unique_rows
 from pscluster.errors import InvalidArgumentError
@@ -135,7 +135,8 @@ class PSParams:
 
     def __init__(self, coord: Any, params: Any, optimizer: OptimizerConfig | None = None, *,
                  sparse: Iterable[str] = (), partitioner: Partitioner | None = None, prefix: str = "",
-                 table_init: float = 1.0, seed: int = 0) -> None:
+                 table_init: float = 1.0, seed: int = 0, nonfinite: str | None = None,
+                 max_norm: float | None = None, norm_type: float = 2.0) -> None:
         """Create one variable per leaf (idempotent: the same call again reuses them).
 
         Args:
@@ -148,12 +149,20 @@ class PSParams:
             sparse: names of leaves (see leaf_name) that are embedding tables, pulled and pushed by rows.
             partitioner: applied to every leaf with at least one axis.
             prefix: prepended to every variable name (two models on one cluster).
+            nonfinite: what push() does with a gradient holding NaN or Inf, checked on the worker before
+                anything is sent: "reject" raises NonFiniteGradientError naming the leaves, "skip" skips
+                the step (and counts it), "allow" sends it; default: the client's ("reject").
+            max_norm, norm_type: clip all gradients (tables' rows included) to this global norm before
+                the push, as optax.clip_by_global_norm (norm_type 2) and torch's clip_grad_norm_.
 
         Raises:
-            InvalidArgumentError: a non-numeric leaf, two leaves with one name, an unknown or scalar table.
+            InvalidArgumentError: a non-numeric leaf, two leaves with one name, an unknown or scalar table,
+                an unknown nonfinite policy, a bad max_norm or norm_type.
             AlreadyExistsError: a variable of the same name exists with another shape or dtype.
         """
         optimizer = optimizer or optimizers.SGD(1e-3)
+        gradients.check_policy(nonfinite or "reject", max_norm, norm_type)
+        self.nonfinite, self.max_norm, self.norm_type = nonfinite, max_norm, norm_type
         self.optimizer = optimizer
         flat, self.treedef = tree_util.tree_flatten_with_path(params)
         self.names = [leaf_name(path) for path, _ in flat]
@@ -211,10 +220,15 @@ class PSParams:
         return Pulled(params, positions)
 
     def push(self, grads: Any) -> list[int]:
-        """Push a gradient pytree shaped like `pull().params` under one push id (one request per PS task).
+        """Push a gradient pytree shaped like `pull().params` under one push id (one request per PS task);
+        the new shard versions, [] when the step was skipped for a NaN or Inf under nonfinite="skip".
+
+        Gradients are clipped (max_norm) and checked for NaN and Inf before anything is sent: under
+        "reject" a bad one raises NonFiniteGradientError and no PS applies any part of the step.
 
         Raises:
             InvalidArgumentError: grads with another structure, or push() before pull() in this closure.
+            NonFiniteGradientError: a gradient holding NaN or Inf under nonfinite="reject".
         """
         leaves, treedef = tree_util.tree_flatten(grads)
         if treedef != self.treedef:  # type: ignore[operator]  # PyTreeDef compares by structure
@@ -230,7 +244,8 @@ class PSParams:
                 rows.append((var, wanted[name], arr))  # type: ignore[index]
             else:
                 dense.append((var, arr))
-        return context.current_client().push(dense, rows=rows)
+        return context.current_client().push(dense, rows=rows, nonfinite=self.nonfinite, max_norm=self.max_norm,
+                                             norm_type=self.norm_type)
 
     # -- driver side ------------------------------------------------------------------------------
     def state(self) -> Any:

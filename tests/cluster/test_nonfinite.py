@@ -76,6 +76,44 @@ def test_psmodule_clips_its_gradients_by_global_norm_as_torch_and_leaves_buffers
         np.testing.assert_allclose(got[key].numpy(), value.numpy(), rtol=1e-9, atol=1e-12, err_msg=key)
 
 
+def test_jax_params_refuse_or_skip_a_nan_and_clip_by_global_norm_as_optax(two_ps):
+    import jax.numpy as jnp
+    import optax
+
+    import pscluster.jax as ps_jax
+
+    params = {"w": np.ones((4, 3)), "emb": np.ones((6, 2))}
+    grads = {"w": np.full((4, 3), 2.0), "emb": np.full((2, 2), 3.0)}  # emb: the rows of ids [1, 4]
+    dense_grads = {"w": grads["w"], "emb": np.zeros((6, 2))}
+    dense_grads["emb"][[1, 4]] = grads["emb"]
+    tx = optax.chain(optax.clip_by_global_norm(0.5), optax.sgd(0.1))
+    updates, _ = tx.update(jax_tree(dense_grads, jnp), tx.init(jax_tree(params, jnp)))
+    want = {k: params[k] + np.asarray(updates[k]) for k in params}
+    with ps.PSClient(two_ps.settings()) as client:
+        variables.set_default_client(client)
+        try:
+            model = ps_jax.PSParams(client, params, ps_jax.sgd(0.1), sparse=["emb"], prefix="jaxclip/", max_norm=0.5,
+                                    partitioner=ps.FixedShardsPartitioner(2))
+            model.pull(ids={"emb": np.array([1, 4])})
+            bad = {"w": grads["w"].copy(), "emb": grads["emb"]}
+            bad["w"][0, 0] = np.inf
+            with pytest.raises(NonFiniteGradientError, match=r"'jaxclip/w' \(1 of 12 values\)"):
+                model.push(bad)
+            model.nonfinite = "skip"
+            assert model.push(bad) == []
+            np.testing.assert_array_equal(model.state()["w"], params["w"])  # neither PS applied anything
+            assert model.push(grads)
+            got = model.state()
+        finally:
+            variables.set_default_client(None)
+    for key in want:  # the table's norm counts only the pushed rows, as their zero elsewhere adds nothing
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-6, err_msg=key)
+
+
+def jax_tree(tree, jnp):
+    return {k: jnp.asarray(v, dtype=jnp.float32) for k, v in tree.items()}
+
+
 def poisoned_sync_step(model, bad_step):
     token = ps.sync_token()
     x, y = batch(token.step, token.replica)

@@ -55,3 +55,15 @@ def test_bad_definitions_are_refused_before_any_variable_is_created(params, spar
     with pytest.raises(InvalidArgumentError, match=match):
         ps_jax.PSParams(rec, params, sparse=sparse)
     assert rec.created == {}
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"nonfinite": "ignore"}, r"nonfinite='ignore': use one of \('reject', 'skip', 'allow'\)"),
+    ({"max_norm": 0.0}, "max_norm=0.0: must be a finite number > 0"),
+    ({"max_norm": 1.0, "norm_type": -1.0}, "norm_type=-1.0: must be > 0 or math.inf"),
+])
+def test_bad_nonfinite_or_clipping_options_are_refused_before_any_variable_is_created(kwargs, match):
+    rec = Recorder()
+    with pytest.raises(InvalidArgumentError, match=match):
+        ps_jax.PSParams(rec, PARAMS, **kwargs)
+    assert rec.created == {}
