@@ -76,11 +76,12 @@ class CoordinatorAPI:
         """
         names = None if variables is None else [v if isinstance(v, str) else v.name for v in variables]
         shards = self.client.set_hyperparameters(dict(changes), names)
-        self._record_hyperparameters({k: float(v) for k, v in changes.items() if isinstance(v, (int, float))}, names)
+        self.record_hyperparameters({k: float(v) for k, v in changes.items() if isinstance(v, (int, float))}, names)
         return shards
 
-    def _record_hyperparameters(self, values: dict[str, float], variables: list[str] | None) -> None:
-        """Hook: the embedded coordinator shows driver-set values in its metrics and training curves."""
+    def record_hyperparameters(self, values: dict[str, float], variables: list[str] | None) -> None:
+        """Show values the driver set (set_hyperparameters calls this) in the coordinator's metrics
+        (`pscluster_coordinator_hyperparameter`) and training curves (`hparams/<name>`)."""
 
     def sync_stats(self) -> dict[str, float]:
         """Global step, stale gradients dropped (all PS), and bounded mode's widest admitted spread."""

@@ -287,7 +287,7 @@ class ClusterCoordinator(CoordinatorAPI):
                 "failed": snap.failed, "workers_alive": snap.alive, "lost_updates": self.lost_updates,
                 "rates": {w.wid: w.steps_per_s for w in snap.workers}, "hyperparameters": self._hyperparameters}
 
-    def _record_hyperparameters(self, values: dict[str, float], variables: list[str] | None) -> None:
+    def record_hyperparameters(self, values: dict[str, float], variables: list[str] | None) -> None:
         scope = "" if variables is None else "[" + ",".join(variables) + "]"
         named = {f"{k}{scope}": v for k, v in values.items()}
         self._hyperparameters = {**self._hyperparameters, **named}  # a new dict: scrapes read it unlocked

@@ -222,6 +222,12 @@ class RemoteCoordinator(CoordinatorAPI):
                 raise DeadlineExceededError(f"only {alive} of {n} workers registered after {timeout} s")
             time.sleep(0.05)
 
+    def record_hyperparameters(self, values: dict[str, float], variables: list[str] | None) -> None:
+        """Show values the driver set in the daemon's metrics and training curves (set_hyperparameters calls this)."""
+        if values:
+            self._call("NoteHyperparameters", pb.HyperparametersNote(values=values, variables=variables or [],
+                                                                     all_variables=variables is None))
+
     def close(self) -> None:
         """Detach: stop the keepalive and close connections; the job lives on for job_idle_timeout_s."""
         self._stop.set()

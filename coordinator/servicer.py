@@ -7,6 +7,7 @@ and Status always find a free thread.
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import grpc
@@ -56,6 +57,9 @@ class CoordinatorCore(Protocol):
 
     def remove_ps(self, task: int) -> ScaleReport:
         """Drain a PS task."""
+
+    def record_hyperparameters(self, values: dict[str, float], variables: list[str] | None) -> None:
+        ...
 
     def register(self, worker_id: str, address: str, closure_port: int = 0, timeout: float = 5.0) -> int:
         """Register a worker; its index."""
@@ -158,6 +162,17 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         report = scale(getattr(request, change))
         return pb.ScaleReply(active=report.active, moves=report.moved,
                              freezes_ms=[1e3 * f for f in report.freezes_s])
+
+    def NoteHyperparameters(self, request: pb.HyperparametersNote,
+                            context: grpc.ServicerContext) -> pb.HyperparametersNoted:
+        values = dict(request.values)
+        bad = sorted(name for name, value in values.items() if not name or not math.isfinite(value))
+        if bad or not values or (request.all_variables and request.variables):
+            raise InvalidArgumentError(f"NoteHyperparameters: needs named finite values and either variables or "
+                                       f"all_variables; got values {values}, variables {list(request.variables)}, "
+                                       f"all_variables={request.all_variables}")
+        self.coordinator.record_hyperparameters(values, None if request.all_variables else list(request.variables))
+        return pb.HyperparametersNoted()
 
     def Status(self, request: pb.CoordinatorStatusRequest, context: grpc.ServicerContext) -> pb.CoordinatorStatus:
         return self.coordinator.status()

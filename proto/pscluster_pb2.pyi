@@ -2257,6 +2257,74 @@ class ScaleReply(_message.Message):
 Global___ScaleReply: _TypeAlias = ScaleReply  # noqa: Y015
 
 @_typing.final
+class HyperparametersNote(_message.Message):
+    """Hyper-parameters a RemoteCoordinator's driver set on the PS tasks, for the daemon's metrics and curves."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ValuesEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    VALUES_FIELD_NUMBER: _builtins.int
+    VARIABLES_FIELD_NUMBER: _builtins.int
+    ALL_VARIABLES_FIELD_NUMBER: _builtins.int
+    all_variables: _builtins.bool
+    @_builtins.property
+    def values(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """name -> value (learning_rate, momentum, ...)"""
+
+    @_builtins.property
+    def variables(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """the variables changed; empty with all_variables"""
+
+    def __init__(
+        self,
+        *,
+        values: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        variables: _abc.Iterable[_builtins.str] | None = ...,
+        all_variables: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["all_variables", b"all_variables", "values", b"values", "variables", b"variables"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HyperparametersNote: _TypeAlias = HyperparametersNote  # noqa: Y015
+
+@_typing.final
+class HyperparametersNoted(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HyperparametersNoted: _TypeAlias = HyperparametersNoted  # noqa: Y015
+
+@_typing.final
 class JobState(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

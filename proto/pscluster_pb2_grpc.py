@@ -1105,6 +1105,11 @@ class CoordinatorStub:
                 request_serializer=pscluster_dot_proto_dot_pscluster__pb2.ScaleRequest.SerializeToString,
                 response_deserializer=pscluster_dot_proto_dot_pscluster__pb2.ScaleReply.FromString,
                 _registered_method=True)
+        self.NoteHyperparameters = channel.unary_unary(
+                '/pscluster.Coordinator/NoteHyperparameters',
+                request_serializer=pscluster_dot_proto_dot_pscluster__pb2.HyperparametersNote.SerializeToString,
+                response_deserializer=pscluster_dot_proto_dot_pscluster__pb2.HyperparametersNoted.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -1183,6 +1188,12 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def NoteHyperparameters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1245,6 +1256,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ScalePs,
                     request_deserializer=pscluster_dot_proto_dot_pscluster__pb2.ScaleRequest.FromString,
                     response_serializer=pscluster_dot_proto_dot_pscluster__pb2.ScaleReply.SerializeToString,
+            ),
+            'NoteHyperparameters': grpc.unary_unary_rpc_method_handler(
+                    servicer.NoteHyperparameters,
+                    request_deserializer=pscluster_dot_proto_dot_pscluster__pb2.HyperparametersNote.FromString,
+                    response_serializer=pscluster_dot_proto_dot_pscluster__pb2.HyperparametersNoted.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1571,6 +1587,33 @@ class Coordinator:
             '/pscluster.Coordinator/ScalePs',
             pscluster_dot_proto_dot_pscluster__pb2.ScaleRequest.SerializeToString,
             pscluster_dot_proto_dot_pscluster__pb2.ScaleReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def NoteHyperparameters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pscluster.Coordinator/NoteHyperparameters',
+            pscluster_dot_proto_dot_pscluster__pb2.HyperparametersNote.SerializeToString,
+            pscluster_dot_proto_dot_pscluster__pb2.HyperparametersNoted.FromString,
             options,
             channel_credentials,
             insecure,

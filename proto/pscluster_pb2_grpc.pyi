@@ -289,6 +289,7 @@ class CoordinatorStub:
     Checkpoint: _grpc.UnaryUnaryMultiCallable[_pscluster_pb2.CoordinatorCheckpointRequest, _pscluster_pb2.CoordinatorCheckpointReply]
     ScalePs: _grpc.UnaryUnaryMultiCallable[_pscluster_pb2.ScaleRequest, _pscluster_pb2.ScaleReply]
     """elastic PS (replicas: 2): `pscluster scale --ps N`"""
+    NoteHyperparameters: _grpc.UnaryUnaryMultiCallable[_pscluster_pb2.HyperparametersNote, _pscluster_pb2.HyperparametersNoted]
 
 @_typing.type_check_only
 class CoordinatorAsyncStub(CoordinatorStub):
@@ -306,6 +307,7 @@ class CoordinatorAsyncStub(CoordinatorStub):
     Checkpoint: _aio.UnaryUnaryMultiCallable[_pscluster_pb2.CoordinatorCheckpointRequest, _pscluster_pb2.CoordinatorCheckpointReply]  # type: ignore[assignment]
     ScalePs: _aio.UnaryUnaryMultiCallable[_pscluster_pb2.ScaleRequest, _pscluster_pb2.ScaleReply]  # type: ignore[assignment]
     """elastic PS (replicas: 2): `pscluster scale --ps N`"""
+    NoteHyperparameters: _aio.UnaryUnaryMultiCallable[_pscluster_pb2.HyperparametersNote, _pscluster_pb2.HyperparametersNoted]  # type: ignore[assignment]
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -392,5 +394,12 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_pscluster_pb2.ScaleReply, _abc.Awaitable[_pscluster_pb2.ScaleReply]]:
         """elastic PS (replicas: 2): `pscluster scale --ps N`"""
+
+    @_abc_1.abstractmethod
+    def NoteHyperparameters(
+        self,
+        request: _pscluster_pb2.HyperparametersNote,
+        context: _ServicerContext,
+    ) -> _typing.Union[_pscluster_pb2.HyperparametersNoted, _abc.Awaitable[_pscluster_pb2.HyperparametersNoted]]: ...
 
 def add_CoordinatorServicer_to_server(servicer: CoordinatorServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import pscluster as ps
-from tests.cluster.procs import Procs, read_until
+from tests.cluster.procs import Procs, make_coord, read_until  # noqa: F401 - make_coord: a fixture
 from tests.events import scalars
 
 pytestmark = pytest.mark.cluster
@@ -38,6 +38,33 @@ def test_the_coordinator_writes_a_falling_loss_curve_and_closures_per_s(fresh_cl
     assert len(loss) >= 2 and loss[-1][0] == 300  # x axis: closures completed
     assert loss[0][1] > 4 * loss[-1][1] and loss[-1][1] < 1.0
     assert all(rate > 0 for _, rate in got["train/closures_per_s"])
+
+
+@pytest.mark.parametrize("make_coord", ["remote"], indirect=True)
+def test_a_remote_drivers_hyperparameter_changes_show_in_the_daemons_curves(fresh_cluster, make_coord, tmp_path):
+    from pscluster.proto import pscluster_pb2 as pb
+
+    from pscluster.errors import InvalidArgumentError
+
+    cluster = fresh_cluster(1, 0, supervise=False)
+    coord = make_coord(cluster, logdir=str(tmp_path / "logs"), curve_interval_s=0.2)
+    try:
+        coord.create_variable("w", initial_value=np.zeros(3, np.float32), optimizer=ps.Momentum(0.1, 0.9))
+        coord.set_learning_rate(0.02)
+        coord.set_hyperparameters(["w"], momentum=0.5)
+        with pytest.raises(InvalidArgumentError, match="needs named finite values"):  # a bad note changes nothing
+            coord._call("NoteHyperparameters", pb.HyperparametersNote(values={"momentum": float("nan")},
+                                                                      all_variables=True))
+        want = {"hparams/learning_rate": 0.02, "hparams/momentum_w_": 0.5}  # tensorboardX's spelling of momentum[w]
+        deadline = time.monotonic() + 15
+        while not want.keys() <= (got := scalars(tmp_path / "logs" / "train")).keys():
+            assert time.monotonic() < deadline, f"no hparams curves after 15 s: {sorted(got)}"
+            time.sleep(0.1)
+    finally:
+        coord.shutdown()
+    for tag, value in want.items():
+        assert got[tag][-1][1] == pytest.approx(value), tag
+    assert [tag for tag in got if tag.startswith("hparams/")] == list(want)
 
 
 EVAL_MODULE = '''
