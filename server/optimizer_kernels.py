@@ -25,15 +25,17 @@ SCRATCH_MAX_BYTES = 8 << 20  # a dense block's size (server/optimizers.BLOCK_BYT
 _local = threading.local()
 
 
-def scratch(like: np.ndarray, n: int = 0) -> np.ndarray:
-    """This thread's n-th temporary shaped like `like`, reused across blocks and updates: an update
-    allocates (and page-faults) nothing per block. Blocks above SCRATCH_MAX_BYTES get a fresh array."""
-    if like.nbytes > SCRATCH_MAX_BYTES:
-        return np.empty_like(like)
+def scratch(like: np.ndarray, n: int = 0, dtype: type | None = None) -> np.ndarray:
+    """This thread's n-th temporary shaped like `like` (of `dtype`, default like's), reused across blocks and
+    updates: an update allocates (and page-faults) nothing per block. Blocks above SCRATCH_MAX_BYTES get a
+    fresh array."""
+    dt = np.dtype(dtype or like.dtype)
+    if like.size * dt.itemsize > SCRATCH_MAX_BYTES:
+        return np.empty(like.shape, dt)
     bufs: dict[tuple[str, int], np.ndarray] = _local.__dict__.setdefault("bufs", {})
-    buf = bufs.get((like.dtype.str, n))
+    buf = bufs.get((dt.str, n))
     if buf is None or buf.size < like.size:
-        buf = bufs[(like.dtype.str, n)] = np.empty(max(like.size, SCRATCH_MAX_BYTES // like.itemsize), like.dtype)
+        buf = bufs[(dt.str, n)] = np.empty(max(like.size, SCRATCH_MAX_BYTES // dt.itemsize), dt)
     return buf[:like.size].reshape(like.shape)
 
 
@@ -165,27 +167,42 @@ def rmsprop(cfg: OptimizerConfig, w: np.ndarray, g: np.ndarray, s: Slots, t: int
 
 
 def ftrl(cfg: OptimizerConfig, w: np.ndarray, g: np.ndarray, s: Slots, t: int, lr: float) -> None:
-    """FTRL-proximal as TF's ApplyFtrlV2 (l1, l2, l2_shrinkage, learning_rate_power) with Keras's beta."""
+    """FTRL-proximal as TF's ApplyFtrlV2 (l1, l2, l2_shrinkage, learning_rate_power) with Keras's beta.
+    In place over three scratch blocks and a mask: the plain numpy formula's operations, in its order."""
     if lr <= 0:
         return  # FTRL divides by the rate: a zero rate (e.g. a schedule's end) leaves everything as it is
     dt = w.dtype.type
     acc, lin = s["accumulator"], s["linear"]
-    shrunk = g + dt(2 * cfg.l2_shrinkage) * w if cfg.l2_shrinkage else g
-    new_acc = acc + g * g
+    new_acc, new_pow, sigma = scratch(w), scratch(w, 1), scratch(w, 2)
+    np.multiply(g, g, out=new_acc)
+    new_acc += acc
     p = -cfg.learning_rate_power
     if p == 0.5:  # TF's kernel takes sqrt for the default power (not pow: the rounding differs)
-        new_pow, old_pow = np.sqrt(new_acc), np.sqrt(acc)
+        np.sqrt(new_acc, out=new_pow)
+        np.sqrt(acc, out=sigma)
     else:
-        new_pow, old_pow = new_acc ** dt(p), acc ** dt(p)
-    sigma = new_pow - old_pow
+        np.power(new_acc, dt(p), out=new_pow)
+        np.power(acc, dt(p), out=sigma)
+    np.copyto(acc, new_acc)
+    np.subtract(new_pow, sigma, out=sigma)  # new_pow - old_pow
     sigma /= dt(lr)
     sigma *= w
-    lin += shrunk
+    if cfg.l2_shrinkage:
+        shrunk = np.multiply(w, dt(2 * cfg.l2_shrinkage), out=new_acc)
+        shrunk += g
+        lin += shrunk
+    else:
+        lin += g
     lin -= sigma
-    quadratic = new_pow / dt(lr)
+    quadratic = np.divide(new_pow, dt(lr), out=new_pow)
     quadratic += dt(2 * (cfg.l2 + cfg.beta / (2 * lr)))
-    w[...] = np.where(np.abs(lin) > dt(cfg.l1), (np.sign(lin) * dt(cfg.l1) - lin) / quadratic, dt(0))
-    acc[...] = new_acc
+    value = np.sign(lin, out=new_acc)
+    value *= dt(cfg.l1)
+    value -= lin
+    value /= quadratic
+    keep = np.greater(np.abs(lin, out=sigma), dt(cfg.l1), out=scratch(w, 3, np.bool_))
+    w.fill(0)
+    np.copyto(w, value, where=keep)
 
 
 def lion(cfg: OptimizerConfig, w: np.ndarray, g: np.ndarray, s: Slots, t: int, lr: float) -> None:

@@ -26,7 +26,7 @@ import math
 from collections.abc import Iterator
 
 import numpy as np
-from pscluster.server.optimizer_kernels import KERNELS
+from pscluster.server.optimizer_kernels import KERNELS, scratch
 from pscluster.server.rows import put_rows, take_rows, unique_sum
 
 from pscluster.optimizer_config import OptimizerConfig as OptimizerConfig  # the PS applies what the spec says
@@ -72,17 +72,25 @@ def _update(cfg: OptimizerConfig, w: np.ndarray, g: np.ndarray, slots: dict[str,
         # Integer variables take SGD steps rounded toward zero (counters, step variables).
         np.subtract(w, (lr * g.astype(np.float64)).astype(w.dtype), out=w, casting="unsafe")
         return
-    dt = w.dtype.type
-    if scale != 1.0:
-        g = g * dt(scale)
-    if cfg.clip_value:
-        g = np.clip(g, dt(-cfg.clip_value), dt(cfg.clip_value))
-    if cfg.weight_decay:
-        if cfg.decoupled_weight_decay:
-            w *= dt(1 - lr * cfg.weight_decay)
-        else:
-            g = g + dt(cfg.weight_decay) * w
+    if scale != 1.0 or cfg.clip_value or (cfg.weight_decay and not cfg.decoupled_weight_decay):
+        g = _prepared(cfg, w, g, scale)
+    if cfg.weight_decay and cfg.decoupled_weight_decay:
+        w *= w.dtype.type(1 - lr * cfg.weight_decay)
     KERNELS[cfg.kind](cfg, w, g, slots, t, lr)
+
+
+def _prepared(cfg: OptimizerConfig, w: np.ndarray, g: np.ndarray, scale: float) -> np.ndarray:
+    """g scaled (clipnorm), clipped by value and with coupled weight decay, in one reused scratch block
+    (the caller's g is never written): g * scale, clip, + wd * w, in that order."""
+    dt = w.dtype.type
+    out = scratch(w, 6)
+    if scale != 1.0:
+        g = np.multiply(g, dt(scale), out=out)
+    if cfg.clip_value:
+        g = np.clip(g, dt(-cfg.clip_value), dt(cfg.clip_value), out=out)
+    if cfg.weight_decay and not cfg.decoupled_weight_decay:
+        g = np.add(g, np.multiply(w, dt(cfg.weight_decay), out=scratch(w, 7)), out=out)
+    return g
 
 
 def _plain(cfg: OptimizerConfig) -> bool:
