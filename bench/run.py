@@ -229,6 +229,21 @@ def bench_b12(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
                   f"{'met' if ps_['accuracy'] >= 0.95 else 'NOT met'})")]
 
 
+def bench_b14_cnn(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
+    from bench import torch_cnn  # torch is an optional extra: imported only here
+
+    one = _runs(lambda: torch_cnn.single(recipe="adamw-cosine"), args.runs)
+    ps_ = _runs(lambda: torch_cnn.cluster(recipe="adamw-cosine"), args.runs)
+    return {"single": one, "cluster": ps_}, [
+        ("B14CNN", "torch CNN of B12 with AdamW (2e-3, wd 0.01) + 100 linear warmup updates + cosine decay "
+         "(SequentialLR, from_torch on the PS), 100 + 1000 minibatches of 64; `python bench/run.py --only B14CNN`",
+         f"2 PS + 2 workers {ps_['steps_per_s']:.0f} steps/s, accuracy {ps_['accuracy']:.4f}; single-process torch "
+         f"{one['steps_per_s']:.0f} steps/s, {one['accuracy']:.4f}; cluster = "
+         f"{ps_['steps_per_s'] / one['steps_per_s']:.2f} x single",
+         "table, same run (second half of B14; accuracy within 1 point of single-process: "
+         f"{'met' if ps_['accuracy'] >= one['accuracy'] - 0.01 else 'NOT met'})")]
+
+
 def bench_b14_precision(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
     from bench import fit_bench, torch_cnn  # torch is an optional extra: imported only here
 
@@ -382,7 +397,7 @@ BENCHES = {"B1": bench_b1, "B1TLS": bench_b1tls, "B9": bench_b9, "B2": bench_b2,
            "B6": bench_b6, "B7": bench_b7, "B8": bench_b8,
            "B10": bench_b10, "B11": bench_b11, "B12": bench_b12, "B13": bench_b13, "B14": bench_b14, "B15": bench_b15,
            "B15SCALE": bench_b15scale, "B16": bench_b16,
-           "B14MP": bench_b14_precision, "FIT": bench_fit, "PROFILE": bench_profile}
+           "B14MP": bench_b14_precision, "B14CNN": bench_b14_cnn, "FIT": bench_fit, "PROFILE": bench_profile}
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 
