@@ -64,10 +64,11 @@ class CoordinatorAPI:
 
     def set_hyperparameters(self, variables: Sequence[str | Variable] | None = None,
                             **changes: float | Schedule | None) -> int:
-        """Change optimizer hyper-parameters (learning_rate, schedule, momentum, beta1, beta2, epsilon,
+        """Change optimizer hyper-parameters (learning_rate, schedule, momentum_schedule, momentum, beta1, beta2, epsilon,
         weight_decay, dampening, rho, lr_decay, l1, l2, l2_shrinkage, beta, clip_value, clip_norm) of
         `variables` (every variable when None) on every shard from its next update; checkpointed on the PS.
-        A new learning_rate without a schedule ends the schedule. Returns the number of shards changed.
+        A new learning_rate without a schedule ends the schedule (a new momentum or beta1 the momentum_schedule).
+        Returns the number of shards changed.
 
         Raises:
             NotFoundError: a named variable is on no PS task (nothing changed).
