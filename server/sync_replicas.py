@@ -60,7 +60,7 @@ class Accumulator:
     rows: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
     contributors: set[str] = field(default_factory=set)
     earlier: frozenset[str] = frozenset()  # who made the previous step (a repeat of theirs is not stale)
-    poisoned: bool = False  # a contributor's gradient was not finite: the step is skipped here
+    skips: int = 0  # replicas whose gradient of this step was not finite (not counted in `count`)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -157,14 +157,14 @@ class SyncReplicas:
         return [self._accumulate(shard, item, local, push_id, step) for shard, item, local in checked]
 
     def skip(self, push_id: str, step: int, shards: Sequence[Shard]) -> list[PushResult]:
-        """A replica whose gradient of `step` was not finite: it counts towards each shard's R
-        contributions (so the step completes and the token queue moves on, exactly as if it had
-        pushed) and that step's update is skipped on the shard: value, slots and version unchanged.
+        """A replica whose gradient of `step` was not finite. The step is skipped (value, slots and version
+        unchanged) on a shard once more than N - R replicas skipped it (N total_num_replicas, R
+        replicas_to_aggregate) and R replicas reported; otherwise its R-th finite gradient applies it.
 
-        Every replica that reports StepDone has pushed or skipped on every shard of the step, so
-        with total_num_replicas == replicas_to_aggregate a skipped step is skipped on every shard.
-        With backups, each shard averages the first R contributions it gets (as for gradients), so
-        a backup's gradient may complete a shard's step before the skip arrives there.
+        The rule is step-wide whatever the arrival order: a replica skips on every shard of the step or
+        pushes to all of them, so more than N - R skips leave every shard fewer than R finite gradients
+        (none can apply), and at most N - R let none of them skip. With N == R a single skip skips the
+        step once every replica reported; with backups (N > R) a skip is a backup's missing gradient.
         """
         return [self._accumulate(shard, None, None, push_id, step) for shard in shards]
 
@@ -190,18 +190,21 @@ class SyncReplicas:
                 return PushResult(shard.version, False)
             acc.contributors.add(push_id)
             if item is None:
-                acc.poisoned = True
-            elif local is None:
-                acc.dense = item.grad.copy() if acc.dense is None else acc.dense + item.grad
+                acc.skips += 1
             else:
-                acc.rows.append((local, item.grad.copy()))
-            acc.count += 1
-            if acc.count < self.replicas_to_aggregate:
+                acc.count += 1
+                if local is None:
+                    acc.dense = item.grad.copy() if acc.dense is None else acc.dense + item.grad
+                else:
+                    acc.rows.append((local, item.grad.copy()))
+            need = self.replicas_to_aggregate
+            skipped = acc.skips > self.total_num_replicas - need and acc.count + acc.skips >= need
+            if acc.count < need and not skipped:
                 return PushResult(shard.version, True)
-            r = shard.value.dtype.type(self.replicas_to_aggregate)
+            r = shard.value.dtype.type(need)
             step_key = push_key(f"sync:{acc.step}")
             refused: ResourceExhaustedError | None = None
-            if acc.poisoned:
+            if acc.count < need:  # skipped
                 result = PushResult(shard.version, False, shard.version)
                 with self._cond:
                     self.skipped += 1

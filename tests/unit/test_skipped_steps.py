@@ -65,6 +65,42 @@ def test_a_skip_that_arrives_first_also_skips_the_step():
     assert core.global_step == 1
 
 
+def backup_step(core, sync, orders, grads):
+    """One step of 3 replicas (R = 2): replica c's gradient grads[c] (None: a skip), pushed to each variable
+    in that variable's own order, as replicas reach different PS tasks at different times."""
+    for cid in grads:
+        assert sync.take_token(cid, "", 1.0)[0] == 0
+    for name, order in orders.items():
+        for cid in order:
+            grad = grads[cid]
+            core.push(f"c{cid}.0", 0, [PushItem((name, 0), EMPTY if grad is None else grad)], skip_step=grad is None)
+    for cid in grads:
+        sync.step_done(cid, 0, "")
+
+
+def test_with_backups_one_skip_is_a_missing_backup_gradient_on_every_shard_whatever_the_order():
+    core, sync = core_with_two_variables()
+    sync.configure("sync", 2, 3, 0)
+    want, _ = core_with_two_variables()
+    mean = (np.full((4, 3), 1.0) + np.full((4, 3), 3.0)) / 2
+    for name in ("w", "b"):  # what R = 2 finite gradients make: their mean, applied once
+        want.push("ref", 0, [PushItem((name, 0), mean)])
+    # on w both finite gradients come first, on b the skip does: the first-R rule applied w and skipped b
+    backup_step(core, sync, {"w": [1, 3, 2], "b": [2, 1, 3]}, {1: np.full((4, 3), 1.0), 2: None, 3: np.full((4, 3), 3.0)})
+    assert_same(state(want), state(core))
+    assert sync.skipped == 0 and core.global_step == 1
+
+
+def test_with_backups_more_than_n_minus_r_skips_skip_the_step_on_every_shard_whatever_the_order():
+    core, sync = core_with_two_variables()
+    sync.configure("sync", 2, 3, 0)
+    before = state(core)
+    backup_step(core, sync, {"w": [1, 2, 3], "b": [2, 3, 1]}, {1: np.full((4, 3), 1.0), 2: None, 3: None})
+    assert_same(before, state(core))
+    assert sync.skipped == 2 and core.global_step == 1
+    assert sync.dropped == 1  # on b both skips settled the step: the finite gradient came after it, stale
+
+
 def test_a_repeated_skip_is_counted_once():
     core, sync = core_with_two_variables()
     sync.configure("sync", 2, 2, 0)
