@@ -406,7 +406,7 @@ def _write_table(path: pathlib.Path, rows: list[Row], kept_ids: set[str]) -> Non
 
     A subset run (`--only B11`) so updates its own rows and says which command produced them,
     without wiping the figures of the full run. Rows of ids that bench/run.py does not measure
-    (B16, B13DYN: written by bench/dyntables.py) always stay.
+    (B13DYN, written by bench/dyntables.py) always stay.
     """
     command = "python bench/run.py " + " ".join(sys.argv[1:])
     text = path.read_text() if path.exists() else f"# Benchmarks\n\n{BEGIN}\n{END}\n"

@@ -23,10 +23,10 @@ def test_a_subset_run_replaces_only_its_own_rows(tmp_path, monkeypatch):
 
 def test_a_full_run_rewrites_the_table(tmp_path, monkeypatch):
     path = tmp_path / "B.md"
-    path.write_text(f"{run.BEGIN}\n| B1 | old | 1 | x |\n| B16 | dynamic table | 5 | y |\n{run.END}\n")
+    path.write_text(f"{run.BEGIN}\n| B1 | old | 1 | x |\n| B99 | a row of another script | 5 | y |\n{run.END}\n")
     monkeypatch.setattr(sys, "argv", ["run.py", "--write", str(path)])
     run._write_table(path, [("B1", "pull", "4", "met")], set())
-    assert _table(path) == ["| B1 | pull | 4 | met |", "| B16 | dynamic table | 5 | y |"]  # not run.py's: kept
+    assert _table(path) == ["| B1 | pull | 4 | met |", "| B99 | a row of another script | 5 | y |"]  # not run.py's: kept
 
 
 def test_a_sample_is_charged_to_its_innermost_known_frame():
