@@ -279,7 +279,7 @@ def bench_fit(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
 def bench_b13(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
     from bench import sparse
 
-    r = sparse.b13(reps=args.runs, tf_python=args.tf_python)
+    r = sparse.b13(reps=args.runs, tf_python=args.tf_python, dynamic=True)
     cpu = ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_ms_per_batch"].items())
     tf = ""
     verdict = "TF not run (--tf-python)"
@@ -295,7 +295,15 @@ def bench_b13(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
                 f"{r['pscluster'] / 1e6:.2f} M rows/s (CPU ms per batch: {cpu}){tf}; single-closure loop on one "
                 f"worker {r['loop'] / 1e6:.2f} M rows/s; worker peak RSS {r['worker_peak_rss_mib']:.0f} MiB = "
                 f"{r['worker_peak_rss_mib'] / r['table_mib']:.3f} x the table; largest PS RSS "
-                f"{r['ps_max_rss_mib']:.0f} MiB", verdict)]
+                f"{r['ps_max_rss_mib']:.0f} MiB", verdict),
+               ("B13", "the same workload on a hash-keyed dynamic table of the same cluster (empty at the start, ids "
+                "hashed into 10 M distinct int64 keys, capacity 6 M per shard), alternating with the fixed table and "
+                "TF in each repetition; same command",
+                f"{r['dynamic'] / 1e6:.2f} M rows/s, {r['dynamic_live_keys']:,} live keys at the end"
+                + (f"; {r['dynamic_ratio']:.2f} x TF's fixed table (per repetition "
+                   + ", ".join(f"{x:.2f}" for x in r["dynamic_ratios"]) + ")" if "dynamic_ratio" in r else ""),
+                "dynamic >= 1 x TF's fixed table: " + ("TF not run" if "dynamic_ratio" not in r
+                                                       else "met" if r["dynamic_ratio"] >= 1 else "NOT met"))]
 
 
 def bench_b16(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:

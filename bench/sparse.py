@@ -7,9 +7,11 @@ pushed (2 x 4,096 per batch). The table is created before timing; each repetitio
 closures (joined) and then `closures` timed ones (joined). Beside it, the single-closure loop: one
 closure on one worker runs `closures` batches in a loop (no per-closure cost). TF's version runs in
 its own environment (bench/peers.py `tf-sparse`, a separate Python given by --tf-python), alternating
-with pscluster repetition by repetition so both see the same machine.
+with pscluster repetition by repetition so both see the same machine. With --dynamic, each repetition
+also runs the same workload on a hash-keyed dynamic table of the same cluster (empty at the start; the
+ids are hashed into 10 M distinct int64 keys with pscluster.tables.mix64, so each first touch inserts).
 
-    python bench/sparse.py --tf-python /work/tfenv/bin/python --reps 5
+    python bench/sparse.py --tf-python /work/tfenv/bin/python --reps 5 --dynamic
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ if str(ROOT) not in sys.path:
 
 import pscluster as ps  # noqa: E402
 from bench.common import local_cluster, rss_kib  # noqa: E402
+from pscluster.tables import TableConfig  # noqa: E402
 
 ROWS, DIM, BATCH, LR, SCALE = 10_000_000, 64, 4096, 0.01, 0.05
 
@@ -45,6 +48,18 @@ def batch_step(table: ps.Variable, seed: int, batch: int = BATCH) -> int:
     rows *= (2 * counts).astype(rows.dtype)[:, None]  # d/drow of sum(rows^2) over the batch
     table.push_rows(ids, rows)
     return int(ids.size)
+
+
+def hashed_step(table: ps.Variable, seed: int, id_range: int, batch: int = BATCH) -> int:
+    """The same closure on a dynamic table: random ids hashed into int64 keys (rows created on first pull)."""
+    from pscluster.tables import mix64
+
+    rng = np.random.default_rng(seed)
+    keys, counts = np.unique(mix64(rng.integers(0, id_range, batch)).view(np.int64), return_counts=True)
+    rows = table.pull_rows(keys)
+    rows *= (2 * counts).astype(rows.dtype)[:, None]
+    table.push_rows(keys, rows)
+    return int(keys.size)
 
 
 def loop_steps(table: ps.Variable, seed: int, steps: int, batch: int = BATCH) -> dict[str, float]:
@@ -66,7 +81,8 @@ def _cpu_s(pid: int) -> float:
 class PsclusterRun:
     """A 2 PS + 2 worker cluster holding the table; each `rep()` times one repetition."""
 
-    def __init__(self, rows: int = ROWS, dim: int = DIM, workers: int = 2, inflight: int | None = None) -> None:
+    def __init__(self, rows: int = ROWS, dim: int = DIM, workers: int = 2, inflight: int | None = None,
+                 dynamic: bool = False) -> None:
         self._cluster_cm = local_cluster(2, workers)
         self.cluster = self._cluster_cm.__enter__()
         # no automatic checkpoints: TF's run takes none, and a 2.4 GiB save every 60 s would stall a repetition
@@ -78,23 +94,33 @@ class PsclusterRun:
             "emb", shape=(rows, dim), dtype="float32", sparse=True, partitioner=ps.FixedShardsPartitioner(2),
             optimizer=ps.SGD(LR), initializer="uniform", init_scale=SCALE)
         self.create_s = time.perf_counter() - made
+        self.rows = rows
+        self.dynamic = None
+        if dynamic:  # capacity for every key the repetitions can draw: nothing evicted, nothing refused
+            self.dynamic = self.coord.create_variable(
+                "emb_dyn", shape=(None, dim), sparse=True, optimizer=ps.SGD(LR),
+                table=TableConfig(dim=dim, capacity=rows // 2 + rows // 10))
         self._seed = 0
         self.cpu_ms: dict[str, float] = {}
 
-    def _schedule(self, n: int, batch: int) -> None:
+    def _schedule(self, n: int, batch: int, dynamic: bool = False) -> None:
         for _ in range(n):
             self._seed += 1
-            self.coord.schedule(batch_step, args=(self.table, self._seed, batch))
+            if dynamic:
+                self.coord.schedule(hashed_step, args=(self.dynamic, self._seed, self.rows, batch))
+            else:
+                self.coord.schedule(batch_step, args=(self.table, self._seed, batch))
         self.coord.join()
 
-    def rep(self, closures: int, warmup: int = 20, batch: int = BATCH) -> float:
-        """Rows/s of `closures` closures after `warmup` joined ones (CPU per batch by role in self.cpu_ms)."""
-        self._schedule(warmup, batch)
+    def rep(self, closures: int, warmup: int = 20, batch: int = BATCH, dynamic: bool = False) -> float:
+        """Rows/s of `closures` closures after `warmup` joined ones (CPU per batch by role in self.cpu_ms);
+        dynamic: on the dynamic table."""
+        self._schedule(warmup, batch, dynamic)
         pids = {"driver": os.getpid(), **{f"ps{i}": d.pid for i, d in enumerate(self.cluster.ps)},
                 **{f"worker{i}": d.pid for i, d in enumerate(self.cluster.workers)}}
         before = {k: _cpu_s(pid) for k, pid in pids.items()}
         start = time.perf_counter()
-        self._schedule(closures, batch)
+        self._schedule(closures, batch, dynamic)
         seconds = time.perf_counter() - start
         self.cpu_ms = {k: (_cpu_s(pid) - before[k]) / closures * 1e3 for k, pid in pids.items()}
         return 2 * batch * closures / seconds
@@ -156,11 +182,12 @@ class TfRun:
 
 
 def b13(reps: int = 5, closures: int = 400, tf_python: str | None = None, rows: int = ROWS,
-        dim: int = DIM) -> dict[str, Any]:
-    """Median rows/s of pscluster (closure per batch and single-closure loop) and, with tf_python, TF."""
+        dim: int = DIM, dynamic: bool = False) -> dict[str, Any]:
+    """Median rows/s of pscluster (closure per batch and single-closure loop), with dynamic the same on a
+    dynamic table, and with tf_python, TF."""
     tf = TfRun(tf_python, rows, dim) if tf_python else None
-    run = PsclusterRun(rows, dim)
-    per: dict[str, list[float]] = {"pscluster": [], "loop": [], "tf": []}
+    run = PsclusterRun(rows, dim, dynamic=dynamic)
+    per: dict[str, list[float]] = {"pscluster": [], "loop": [], "tf": [], "dynamic": []}
     rss = 0.0
     cpu: dict[str, list[float]] = {}
     tf_cpu: dict[str, list[float]] = {}
@@ -173,6 +200,8 @@ def b13(reps: int = 5, closures: int = 400, tf_python: str | None = None, rows: 
                 per["tf"].append(tf.rep(closures))
                 for role, ms in tf.cpu_ms.items():
                     tf_cpu.setdefault(role, []).append(ms)
+            if dynamic:
+                per["dynamic"].append(run.rep(closures, dynamic=True))
             lp = run.loop(closures)
             per["loop"].append(lp["rows_per_s"])
             rss = max(rss, lp["worker_peak_rss_mib"])
@@ -180,6 +209,11 @@ def b13(reps: int = 5, closures: int = 400, tf_python: str | None = None, rows: 
         out: dict[str, Any] = {k: statistics.median(v) for k, v in per.items() if v}
         out.update(runs=per, cpu_ms_per_batch={k: statistics.median(v) for k, v in cpu.items()}, create_s=run.create_s,
                    ps_max_rss_mib=run.ps_rss_mib(), worker_peak_rss_mib=rss, table_mib=rows * dim * 4 / 2**20)
+        if dynamic:
+            out.update(dynamic_live_keys=run.coord.client.table_stats(run.dynamic)["live_keys"])
+        if tf is not None and dynamic:
+            out.update(dynamic_ratio=out["dynamic"] / out["tf"],
+                       dynamic_ratios=[d / t for d, t in zip(per["dynamic"], per["tf"], strict=True)])
         if tf is not None:
             out.update(tf_create_s=tf.create_s, ratio=out["pscluster"] / out["tf"],
                        tf_cpu_ms_per_batch={k: statistics.median(v) for k, v in tf_cpu.items()})
@@ -196,5 +230,6 @@ if __name__ == "__main__":
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--closures", type=int, default=400)
     parser.add_argument("--rows", type=int, default=ROWS)
+    parser.add_argument("--dynamic", action="store_true", help="also the workload on a dynamic table, same run")
     a = parser.parse_args()
-    print(json.dumps(b13(a.reps, a.closures, a.tf_python, a.rows), indent=1))
+    print(json.dumps(b13(a.reps, a.closures, a.tf_python, a.rows, dynamic=a.dynamic), indent=1))
