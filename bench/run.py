@@ -291,7 +291,7 @@ def bench_b13(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
     return r, [("B13", "sparse workload of issue 26: 10 M x 64 float32 (2.4 GiB) in 2 shards on 2 PS, 2 workers, a "
                 "closure per batch of 4,096 random ids (pull the unique rows, push 2 x row x count, SGD 0.01); rows "
                 "pulled + pushed = 2 x 4,096 per batch; median of repetitions of 20 + 400 closures, alternating with "
-                "TF; `python bench/run.py --only B13 --tf-python /work/tfenv/bin/python`",
+                "TF; `python bench/run.py --only B13 --tf-python PATH/TO/tf-venv/bin/python`",
                 f"{r['pscluster'] / 1e6:.2f} M rows/s (CPU ms per batch: {cpu}){tf}; single-closure loop on one "
                 f"worker {r['loop'] / 1e6:.2f} M rows/s; worker peak RSS {r['worker_peak_rss_mib']:.0f} MiB = "
                 f"{r['worker_peak_rss_mib'] / r['table_mib']:.3f} x the table; largest PS RSS "
