@@ -755,6 +755,7 @@ class BulkRequest(_message.Message):
     TAKE_TOKEN_FIELD_NUMBER: _builtins.int
     STEP_DONE_FIELD_NUMBER: _builtins.int
     SHM_ATTACH_FIELD_NUMBER: _builtins.int
+    REPLICATE_FIELD_NUMBER: _builtins.int
     SHM_BYTES_FIELD_NUMBER: _builtins.int
     SHM_REPLY_FIELD_NUMBER: _builtins.int
     token: _builtins.str
@@ -781,6 +782,12 @@ class BulkRequest(_message.Message):
     def step_done(self) -> Global___StepDoneRequest: ...
     @_builtins.property
     def shm_attach(self) -> Global___ShmAttach: ...
+    @_builtins.property
+    def replicate(self) -> Global___ReplicateRequest:
+        """primary -> backup (replicas: 2): tensors carry dtype and shape only; their bytes are the payload,
+        forward by forward: an update's grad then rows (has_rows), an install's value then slots by name
+        """
+
     def __init__(
         self,
         *,
@@ -791,14 +798,15 @@ class BulkRequest(_message.Message):
         take_token: Global___TokenRequest | None = ...,
         step_done: Global___StepDoneRequest | None = ...,
         shm_attach: Global___ShmAttach | None = ...,
+        replicate: Global___ReplicateRequest | None = ...,
         shm_bytes: _builtins.int = ...,
         shm_reply: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["closure", b"closure", "op", b"op", "pull", b"pull", "push", b"push", "shm_attach", b"shm_attach", "step_done", b"step_done", "take_token", b"take_token"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["closure", b"closure", "op", b"op", "pull", b"pull", "push", b"push", "replicate", b"replicate", "shm_attach", b"shm_attach", "step_done", b"step_done", "take_token", b"take_token"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["closure", b"closure", "op", b"op", "pull", b"pull", "push", b"push", "shm_attach", b"shm_attach", "shm_bytes", b"shm_bytes", "shm_reply", b"shm_reply", "step_done", b"step_done", "take_token", b"take_token", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["closure", b"closure", "op", b"op", "pull", b"pull", "push", b"push", "replicate", b"replicate", "shm_attach", b"shm_attach", "shm_bytes", b"shm_bytes", "shm_reply", b"shm_reply", "step_done", b"step_done", "take_token", b"take_token", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["pull", "push", "closure", "take_token", "step_done", "shm_attach"]  # noqa: Y015
+    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["pull", "push", "closure", "take_token", "step_done", "shm_attach", "replicate"]  # noqa: Y015
     _WhichOneofArgType_op: _TypeAlias = _typing.Literal["op", b"op"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_op) -> _WhichOneofReturnType_op | None: ...
 
@@ -846,6 +854,7 @@ class BulkReply(_message.Message):
     TOKEN_FIELD_NUMBER: _builtins.int
     STEP_FIELD_NUMBER: _builtins.int
     SHM_BYTES_FIELD_NUMBER: _builtins.int
+    REPLICATE_FIELD_NUMBER: _builtins.int
     code: _builtins.int
     """a grpc.StatusCode value; 0 is OK"""
     message: _builtins.str
@@ -863,6 +872,8 @@ class BulkReply(_message.Message):
     def token(self) -> Global___TokenReply: ...
     @_builtins.property
     def step(self) -> Global___StepReply: ...
+    @_builtins.property
+    def replicate(self) -> Global___ReplicateReply: ...
     def __init__(
         self,
         *,
@@ -874,10 +885,11 @@ class BulkReply(_message.Message):
         token: Global___TokenReply | None = ...,
         step: Global___StepReply | None = ...,
         shm_bytes: _builtins.int = ...,
+        replicate: Global___ReplicateReply | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["closure", b"closure", "pull", b"pull", "push", b"push", "step", b"step", "token", b"token"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["closure", b"closure", "pull", b"pull", "push", b"push", "replicate", b"replicate", "step", b"step", "token", b"token"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["closure", b"closure", "code", b"code", "message", b"message", "pull", b"pull", "push", b"push", "shm_bytes", b"shm_bytes", "step", b"step", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["closure", b"closure", "code", b"code", "message", b"message", "pull", b"pull", "push", b"push", "replicate", b"replicate", "shm_bytes", b"shm_bytes", "step", b"step", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

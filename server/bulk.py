@@ -25,12 +25,13 @@ from typing import Any
 
 import numpy as np
 from pscluster.proto import pscluster_pb2 as pb
+from pscluster.server import replica_links
 from pscluster.server.ps import ParameterServerCore
 from pscluster.server.store import PushItem, Shard
 
 from pscluster import codec
-from pscluster.errors import FailedPreconditionError, InvalidArgumentError
-from pscluster.net import shm
+from pscluster.errors import FailedPreconditionError, InvalidArgumentError, PermissionDeniedError
+from pscluster.net import shm, tls
 from pscluster.net.frame_server import FrameServer
 from pscluster.net.framing import PREFIX, drain, recv_into, refuse_payload, send_buffer, send_frame
 
@@ -60,21 +61,24 @@ class BulkHandlers:
         """A FrameServer with this PS's handlers on port (0: any free port), not started; limits: framing.limits."""
         self._max_shared = min(self._max_shared, int(limits.get("max_payload_bytes", shm.MAX_BYTES)))
         return FrameServer(host, token, {"pull": self.pull, "push": self.push, "take_token": self.take_token,
-                                         "step_done": self.step_done, "shm_attach": self.shm_attach},
+                                         "step_done": self.step_done, "shm_attach": self.shm_attach,
+                                         "replicate": self.replicate},
                            max_header_bytes, name="bulk", port=port, inline=self.inline, **limits)
 
     def inline(self, request: pb.BulkRequest, state: dict[str, Any]) -> bool:
         """Whether request may be served on the frame server's loop thread: a dense push or pull whose
         bytes go through the connection's segment, at most INLINE_BYTES each way, answered at once."""
         segment: shm.Segment | None = state.get("shm")
-        if segment is None or state.get("takes_tokens"):
+        if segment is None or state.get("takes_tokens") or self.core.replication is not None:
+            # replicas: 2: a push's reply waits for the backup, which must not stall the loop's other peers;
+            # its connection keeps a thread of its own (served here, every pull would hand it back to the
+            # loop and every push to a new thread: a thread per step)
             # a token may wait for other workers, so it is never served by the loop; moving its connection
             # to a thread and back every step would cost a thread per step
             return False
         kind = request.WhichOneof("op")
         if kind == "push":
-            if request.shm_bytes > INLINE_BYTES or self.core.replication is not None:
-                # replicas: 2: a push's reply waits for the backup, which must not stall the loop's other peers
+            if request.shm_bytes > INLINE_BYTES:
                 return False
             if any(item.HasField("ids") for item in request.push.items):
                 # a table's pushes alternate with its row pulls, which stay on a thread (their ids are not
@@ -126,6 +130,33 @@ class BulkHandlers:
         req = request.step_done
         self.core.replicas().step_done(req.closure_id, req.step, req.worker)
         send_frame(conn, pb.BulkReply(step=pb.StepReply(global_step=self.core.global_step)).SerializeToString())
+
+    def replicate(self, conn: socket.socket, request: pb.BulkRequest, payload_len: int,
+                  state: dict[str, Any]) -> None:
+        """A primary's batch of forwards for this backup (replicas: 2), as the Replicate RPC; with mutual
+        TLS only a PS certificate may send one."""
+        buf = self._payload(conn, payload_len, state)
+        peer = conn.getpeercert() if isinstance(conn, ssl.SSLSocket) else None
+        if peer and tls.role_of_peercert(peer) != "ps":  # a verified certificate of another role
+            raise PermissionDeniedError("replicate: only a PS certificate may forward updates")
+        if self.core.replication is None:
+            raise FailedPreconditionError(f"replicate: ps {self.core.ps_index} runs with replicas: 1; "
+                                          "start the cluster with replicas: 2")
+        arrays = replica_links.payload_views(request.replicate, buf)
+        reply = self.core.replication.receive(request.replicate, arrays)
+        send_frame(conn, pb.BulkReply(replicate=reply).SerializeToString())
+
+    def _payload(self, conn: socket.socket, payload_len: int, state: dict[str, Any]) -> np.ndarray:
+        """Read a payload into the connection's reused buffer (one of its own above REUSE_BYTES)."""
+        if payload_len > REUSE_BYTES:
+            buf = np.empty(payload_len, np.uint8)
+        else:
+            scratch: np.ndarray | None = state.get("scratch")
+            if scratch is None or scratch.size < payload_len:
+                scratch = state["scratch"] = np.empty(payload_len, np.uint8)
+            buf = scratch[:payload_len]
+        recv_into(conn, buf.data)
+        return buf
 
     def _observe(self, op: str, nbytes: int, started: float) -> None:
         if self.core.metrics is not None:

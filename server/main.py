@@ -34,11 +34,12 @@ def start(settings: Settings) -> tuple[Listeners, int, ParameterServerCore]:
                              lambda: sync.dropped, core.learning_rates, lambda: sync.skipped,
                              lambda: core.store.rejected_nonfinite)
     if settings.replicas > 1:
+        from pscluster.server.replica_links import FrameLink, GrpcLink
         from pscluster.server.replication import Replication
-        from pscluster.server.replicator import GrpcLink
 
+        link = FrameLink if settings.bulk_transport else GrpcLink
         core.replication = Replication(core.store, settings.task_index,
-                                       lambda ps: GrpcLink(settings.cluster.ps[ps], settings),
+                                       lambda ps: link(settings.cluster.ps[ps], settings),
                                        timeout=settings.replication_timeout_s, step_timeout=settings.rpc_timeout_s)
     if settings.restore:
         core.restore()

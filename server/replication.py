@@ -35,11 +35,12 @@ from pscluster.proto import pscluster_pb2 as pb
 from pscluster.server import table_ops, table_state
 from pscluster.server.dynamic_table import DynamicTable
 from pscluster.server.push_record import PushKey, PushRecord, push_key
+from pscluster.server.replica_links import tensors_of
 from pscluster.server.replicator import MAX_QUEUED_BYTES, ReplicaLink, Replicator, name_of
 from pscluster.server.store import Key, Shard, VariableStore, shard_name
 
 from pscluster import codec
-from pscluster.errors import UnavailableError
+from pscluster.errors import InvalidArgumentError, UnavailableError
 from pscluster.specs import spec_from_pb, spec_to_pb
 from pscluster.tables import TableConfig
 
@@ -181,13 +182,17 @@ class Replication:
         role, rep = self._replicator_of(shard.spec.key)
         if role is None or rep is None:
             return
+        # copies: the gradient is a view of the connection's buffer, which the next push reuses
+        arrays = [np.array(grad, copy=True)]
         msg = pb.ReplicaForward(ref=pb.ShardRef(variable=shard.spec.variable, shard_index=shard.spec.shard_index),
                                 epoch=role.epoch, version=version, push_id=key[0] if key is not None else "",
-                                final_below=final_below, grad=codec.encode(grad))
+                                final_below=final_below, grad=codec.header(grad.dtype, grad.shape))
         if local is not None:
-            msg.rows.CopyFrom(codec.encode(np.asarray(local, np.int64)))
+            rows = np.array(local, np.int64, copy=True)
+            msg.rows.CopyFrom(codec.header(rows.dtype, rows.shape))
             msg.has_rows = True
-        rep.put(shard.spec.key, version, msg, grad.nbytes)
+            arrays.append(rows)
+        rep.put(shard.spec.key, version, msg, arrays)
 
     def on_pulled(self, shard: Shard, keys: np.ndarray) -> None:
         """The store's hook for a table pull that created rows (under the shard's lock): queue it, so the
@@ -207,18 +212,21 @@ class Replication:
         role, rep = self._replicator_of(key)
         if shard is None or role is None or rep is None:
             return
-        with shard.lock:
+        with shard.lock:  # a snapshot: the arrays are copied before any later update changes them
+            state = dict(shard.slots)
+            if shard.table is not None:  # a dynamic table's live rows, slots and admission state
+                state.update({_TABLE + name: arr for name, arr in table_state.snapshot(shard.table).items()})
             msg = pb.ReplicaForward(ref=pb.ShardRef(variable=key[0], shard_index=key[1]), epoch=role.epoch,
                                     version=shard.version, spec=spec_to_pb(shard.spec),
-                                    value=codec.encode(shard.value), record=json.dumps(shard.record.state()))
-            for name, slot in shard.slots.items():
-                msg.slots[name].CopyFrom(codec.encode(slot))
-            if shard.table is not None:  # a dynamic table's live rows, slots and admission state
-                for name, arr in table_state.snapshot(shard.table).items():
-                    msg.slots[_TABLE + name].CopyFrom(codec.encode(arr))
+                                    value=codec.header(shard.value.dtype, shard.value.shape),
+                                    record=json.dumps(shard.record.state()))
+            arrays = [np.array(shard.value, copy=True)]
+            for name in sorted(state):
+                msg.slots[name].CopyFrom(codec.header(state[name].dtype, state[name].shape))
+                arrays.append(np.array(state[name], copy=True))
             with self._lock:
                 self._install_at[key] = shard.version
-            rep.put(key, shard.version, msg, shard.value.nbytes * (1 + len(shard.slots)))
+            rep.put(key, shard.version, msg, arrays)
 
     def wait(self, versions: Sequence[tuple[Key, int]], timeout: float | None = None) -> None:
         """Return once every (shard, version) is held by the shard's backup (at once for a shard without one).
@@ -242,10 +250,14 @@ class Replication:
             rep.stop()
 
     # -- backup side --------------------------------------------------------------------------------
-    def receive(self, request: pb.ReplicateRequest) -> pb.ReplicateReply:
-        """Apply a primary's forwards in order (see the module docstring)."""
+    def receive(self, request: pb.ReplicateRequest, arrays: Sequence[np.ndarray] | None = None) -> pb.ReplicateReply:
+        """Apply a primary's forwards in order (see the module docstring); arrays: the tensors' contents in
+        `tensors_of` order (a framed batch), else they are decoded from the tensors' data."""
         reply = pb.ReplicateReply()
+        given = iter(arrays) if arrays is not None else None
         for f in request.forwards:
+            tensors = [next(given) for _ in tensors_of(f)] if given is not None else \
+                [codec.decode(t, name_of((f.ref.variable, f.ref.shard_index))) for t in tensors_of(f)]
             key = (f.ref.variable, f.ref.shard_index)
             with self._lock:
                 known = self._epochs.get(key, 0)
@@ -255,7 +267,7 @@ class Replication:
             if f.epoch < known:
                 outcome = pb.REPLICA_STALE
             elif f.HasField("spec"):
-                shard = self._install(f)
+                shard = self._install(f, tensors)
                 outcome = pb.REPLICA_APPLIED
             elif shard is None:
                 outcome = pb.REPLICA_GAP
@@ -263,8 +275,10 @@ class Replication:
                 done = table_ops.pull_at(shard, f.version, codec.decode_ids(f.rows, name_of(key)))
                 outcome = pb.REPLICA_GAP if done == "gap" else pb.REPLICA_APPLIED
             else:
-                grad = codec.decode(f.grad, name_of(key))
-                local = codec.decode_ids(f.rows, name_of(key)) if f.has_rows else None
+                grad = tensors[0]
+                local = tensors[1] if f.has_rows else None
+                if local is not None and (local.dtype != np.dtype("<i8") or local.ndim != 1):
+                    raise InvalidArgumentError(f"replicate {name_of(key)}: rows must be a 1-D int64 tensor")
                 done = self.store.apply_at(shard, f.version, grad, local, push_key(f.push_id) if f.push_id else None,
                                            f.final_below)
                 outcome = pb.REPLICA_GAP if done == "gap" else pb.REPLICA_APPLIED
@@ -272,11 +286,10 @@ class Replication:
             reply.versions.append(shard.version if shard is not None else -1)
         return reply
 
-    def _install(self, f: pb.ReplicaForward) -> Shard:
+    def _install(self, f: pb.ReplicaForward, tensors: list[np.ndarray]) -> Shard:
         spec = spec_from_pb(f.spec)
-        value = np.array(codec.decode(f.value, spec.variable), copy=True)
-        slots = {name: np.array(codec.decode(t, f"{spec.variable} slot {name}"), copy=True)
-                 for name, t in f.slots.items()}
+        value = np.array(tensors[0], copy=True)
+        slots = {name: np.array(t, copy=True) for name, t in zip(sorted(f.slots), tensors[1:])}
         record = PushRecord.from_state(json.loads(f.record) if f.record else {}, self.store.dedup_window, f.version)
         table = None
         if spec.table:

@@ -12,50 +12,33 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
+import numpy as np
 from pscluster.proto import pscluster_pb2 as pb
-from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 from pscluster.server.store import Key
 
-from pscluster.config import Settings
 from pscluster.errors import UnavailableError
-from pscluster.net import rpc
 
 log = logging.getLogger(__name__)
 
 MAX_QUEUED_BYTES = 256 << 20  # per backup; past it a shard's whole state is sent instead of its updates
 BATCH_BYTES = 16 << 20  # forwards per Replicate call (an install may exceed it alone)
+# a queued forward: shard, the version it made, its message (tensors: dtype and shape), bytes, its arrays
+Item = tuple[Key, int, pb.ReplicaForward, int, list[np.ndarray]]
 
 
 class ReplicaLink(Protocol):
-    """The Replicate call to one backup PS (gRPC in a daemon; tests may pass a core's `receive`)."""
+    """The Replicate call to one backup PS (server/replica_links.py; tests may pass a core's `receive`)."""
 
-    def replicate(self, request: pb.ReplicateRequest, timeout: float) -> pb.ReplicateReply:
-        """Send one batch; raise a PsclusterError when it did not get through."""
+    def replicate(self, request: pb.ReplicateRequest, arrays: Sequence[np.ndarray],
+                  timeout: float) -> pb.ReplicateReply:
+        """Send one batch (tensors carry dtype and shape; their bytes are arrays, in `tensors_of` order);
+        raise a PsclusterError when it did not get through."""
 
     def close(self) -> None:
         """Release the connection."""
-
-
-class GrpcLink:
-    """The Replicate RPC to one backup PS over gRPC, with the cluster's token and TLS."""
-
-    def __init__(self, address: str, settings: Settings) -> None:
-        self.address = address
-        self._channel = rpc.open_channel(address, settings)
-        self._stub = pb_grpc.ParameterServerStub(self._channel)
-
-    def replicate(self, request: pb.ReplicateRequest, timeout: float) -> pb.ReplicateReply:
-        """One batch, one deadline (the replicator resends on failure)."""
-        reply: pb.ReplicateReply = rpc.call(self._stub.Replicate, request, timeout=timeout,
-                                            what=f"replicate to {self.address}")
-        return reply
-
-    def close(self) -> None:
-        """Close the channel."""
-        self._channel.close()
 
 
 def name_of(key: Key) -> str:
@@ -75,7 +58,7 @@ class Replicator:
         self._resync = resync  # queue a shard's whole state (takes the shard's lock: never called under ours)
         self._max_queued = max_queued_bytes
         self._cond = threading.Condition()
-        self._queue: collections.deque[tuple[Key, int, pb.ReplicaForward, int]] = collections.deque()
+        self._queue: collections.deque[Item] = collections.deque()
         self._queued_bytes = 0
         self._dirty: set[Key] = set()  # shards whose forwards were skipped (queue full): resync them
         self.acked: dict[Key, int] = {}  # the highest version the backup confirmed, per shard
@@ -85,8 +68,9 @@ class Replicator:
         self._thread = threading.Thread(target=self._loop, name=f"replicate-{from_ps}-to-{backup}", daemon=True)
         self._thread.start()
 
-    def put(self, key: Key, version: int, msg: pb.ReplicaForward, nbytes: int) -> None:
-        """Queue a forward (called under the shard's lock: never waits)."""
+    def put(self, key: Key, version: int, msg: pb.ReplicaForward, arrays: list[np.ndarray]) -> None:
+        """Queue a forward and its arrays, owned from now on (called under the shard's lock: never waits)."""
+        nbytes = sum([a.nbytes for a in arrays])
         with self._cond:
             if key in self._dirty and not msg.HasField("spec"):
                 return  # its whole state is on the way; it includes this update
@@ -95,7 +79,7 @@ class Replicator:
             else:
                 if msg.HasField("spec"):
                     self._dirty.discard(key)
-                self._queue.append((key, version, msg, nbytes))
+                self._queue.append((key, version, msg, nbytes, arrays))
                 self._queued_bytes += nbytes
             self._cond.notify_all()
 
@@ -147,11 +131,11 @@ class Replicator:
         """Whether the thread has ended (a signalled replicator may still be inside one bounded RPC)."""
         return not self._thread.is_alive()
 
-    def _take(self) -> list[tuple[Key, int, pb.ReplicaForward, int]]:
+    def _take(self) -> list[Item]:
         with self._cond:
             while not self._queue and not self._dirty and not self._stop.is_set():
                 self._cond.wait()
-            batch: list[tuple[Key, int, pb.ReplicaForward, int]] = []
+            batch: list[Item] = []
             size = 0
             while self._queue and (not batch or size + self._queue[0][3] <= BATCH_BYTES):
                 item = self._queue.popleft()
@@ -169,9 +153,9 @@ class Replicator:
             batch = self._take()
             if not batch:
                 continue
-            request = pb.ReplicateRequest(forwards=[msg for _, _, msg, _ in batch], from_ps=self._from_ps)
+            request = pb.ReplicateRequest(forwards=[item[2] for item in batch], from_ps=self._from_ps)
             try:
-                reply = self._link.replicate(request, self._timeout)
+                reply = self._link.replicate(request, [a for item in batch for a in item[4]], self._timeout)
                 if len(reply.outcomes) != len(batch) or len(reply.versions) != len(batch):
                     raise UnavailableError(f"backup ps {self.backup} answered {len(reply.outcomes)} outcomes for "
                                            f"{len(batch)} forwards")
@@ -186,7 +170,7 @@ class Replicator:
             failures = 0
             gaps: set[Key] = set()
             with self._cond:
-                for (key, version, msg, nbytes), outcome in zip(batch, reply.outcomes):
+                for (key, version, msg, nbytes, _), outcome in zip(batch, reply.outcomes):
                     self._queued_bytes -= nbytes
                     if outcome == pb.REPLICA_APPLIED:
                         if version > self.acked.get(key, -1):

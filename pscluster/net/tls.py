@@ -36,7 +36,7 @@ ALLOWED: dict[str, dict[str, frozenset[str]]] = {
                               "Status": ANY_CLIENT, "*": frozenset({"coordinator", "client"})},
 }
 WORKER_NAME = "pscluster-worker"  # every worker certificate's DNS SAN: workers are verified by role, not address
-BULK_ROLES = ANY_CLIENT  # a PS's framed tensor port
+BULK_ROLES = ANY_CLIENT | {"ps"}  # a PS's framed tensor port (a PS forwards updates to its backups there)
 CLOSURE_ROLES = frozenset({"coordinator", "client"})  # a worker's framed closure port
 
 

@@ -1,8 +1,8 @@
 """PS-to-PS replication (server/replication.py) between two in-process PS cores.
 
-The link hands the serialized request to the other core's `receive` (what the Replicate servicer does);
-it can be cut to play a backup that does not answer. tests/integration/test_replication.py runs the
-same over real gRPC and the bulk port.
+The link hands the serialized request and its payload to the other core's `receive` (what the bulk
+port's replicate handler does); it can be cut to play a backup that does not answer.
+tests/cluster/test_replicated_ps.py runs replication between real daemons.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pscluster.proto import pscluster_pb2 as pb
 from pscluster.server import sync_replicas
 from pscluster.server.optimizers import OptimizerConfig
 from pscluster.server.ps import ParameterServerCore
+from pscluster.server.replica_links import payload_views
 from pscluster.server.replication import Replication, Role
 from pscluster.server.store import PushItem, ShardSpec
 
@@ -32,12 +33,15 @@ class Link:
         self.cut = threading.Event()
         self.batches = 0
 
-    def replicate(self, request: pb.ReplicateRequest, timeout: float) -> pb.ReplicateReply:
+    def replicate(self, request: pb.ReplicateRequest, arrays: list[np.ndarray], timeout: float) -> pb.ReplicateReply:
         if self.cut.is_set():
             raise UnavailableError("backup unreachable (cut by the test)")
         self.batches += 1
+        # the framed wire format: the header, then the arrays' bytes as one payload the backup cuts up
         parsed = pb.ReplicateRequest.FromString(request.SerializeToString())
-        reply = self.target.replication.receive(parsed)
+        payload = np.concatenate([np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays]) \
+            if arrays else np.empty(0, np.uint8)
+        reply = self.target.replication.receive(parsed, payload_views(parsed, payload))
         return pb.ReplicateReply.FromString(reply.SerializeToString())
 
     def close(self) -> None:
