@@ -1,9 +1,12 @@
 """The primary's side of PS-to-PS replication: one `Replicator` per backup PS (see server/replication.py).
 
-It owns a queue of forwards (filled under shard locks, in apply order) and a named thread that sends them
-in batches, one Replicate call with a deadline each; a batch that fails is sent again (the backup ignores
-versions it holds). Past MAX_QUEUED_BYTES a shard's updates are skipped and its whole state is sent
-instead, as for a backup that answers GAP. `wait` blocks a push's reply until its versions are confirmed.
+It owns a queue of forwards (filled under shard locks, in apply order), sent in batches, one Replicate
+call with a deadline each and one batch in flight at a time. Group commit: a push waiting for its
+confirmation (`wait`) sends the batch itself when none is in flight (its forward and whatever queued
+behind it), so the common path has no thread hop; the owned `replicate-<ps>-to-<backup>` thread sends
+catch-ups, resends a failed batch after a back-off (the backup ignores versions it holds) and sends
+forwards no push waits for. Past MAX_QUEUED_BYTES a shard's updates are skipped and its whole state is
+sent instead, as for a backup that answers GAP.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ log = logging.getLogger(__name__)
 
 MAX_QUEUED_BYTES = 256 << 20  # per backup; past it a shard's whole state is sent instead of its updates
 BATCH_BYTES = 16 << 20  # forwards per Replicate call (an install may exceed it alone)
+LINGER_S = 0.02  # forwards that no waiting push sent (it gave up) go after this long, by the thread
 # a queued forward: shard, the version it made, its message (tensors: dtype and shape), bytes, its arrays
 Item = tuple[Key, int, pb.ReplicaForward, int, list[np.ndarray]]
 
@@ -57,13 +61,19 @@ class Replicator:
         self._timeout = timeout
         self._resync = resync  # queue a shard's whole state (takes the shard's lock: never called under ours)
         self._max_queued = max_queued_bytes
-        self._cond = threading.Condition()
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)  # the sender waits here for forwards
+        # pushes wait here for confirmations: a put wakes the sender alone, not every waiting push
+        self._acks = threading.Condition(lock)
         self._queue: collections.deque[Item] = collections.deque()
         self._queued_bytes = 0
         self._dirty: set[Key] = set()  # shards whose forwards were skipped (queue full): resync them
         self.acked: dict[Key, int] = {}  # the highest version the backup confirmed, per shard
         self.stale: dict[Key, int] = {}  # shards the backup refused: it knows a newer epoch
         self.keys: set[Key] = set()  # shards this replicator serves now (the hub's roles)
+        self._sending = False  # a batch is in flight (one at a time: the backup applies in order)
+        self._failures = 0  # sends failed in a row (the thread resends after a back-off; pushes do not)
+        self._wake = False  # the thread has work now: a catch-up, a resync, a resend
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"replicate-{from_ps}-to-{backup}", daemon=True)
         self._thread.start()
@@ -76,12 +86,17 @@ class Replicator:
                 return  # its whole state is on the way; it includes this update
             if self._queued_bytes + nbytes > self._max_queued and self._queue:
                 self._dirty.add(key)
+                self._wake_sender()
             else:
                 if msg.HasField("spec"):
                     self._dirty.discard(key)
+                    self._wake_sender()  # a catch-up has no push waiting for it: the thread sends it
                 self._queue.append((key, version, msg, nbytes, arrays))
                 self._queued_bytes += nbytes
-            self._cond.notify_all()
+
+    def _wake_sender(self) -> None:
+        self._wake = True
+        self._cond.notify()
 
     def wait(self, key: Key, version: int, deadline: float) -> bool:
         """Block until the backup confirmed `version` of key; False when this replicator stopped serving key.
@@ -91,6 +106,16 @@ class Replicator:
         """
         with self._cond:
             while True:
+                if not self._sending and self._queue and not self._failures and not self._stop.is_set():
+                    # group commit: a waiting push sends what is queued itself (its own forward and any
+                    # queued behind it), one batch in flight at a time; no hop to the thread and back
+                    batch = self._pop()
+                    self._cond.release()
+                    try:
+                        self._send(batch)
+                    finally:
+                        self._cond.acquire()
+                    continue
                 if key in self.stale:
                     raise UnavailableError(f"{name_of(key)}: backup ps {self.backup} knows epoch {self.stale[key]}, "
                                            "newer than this PS's: it is no longer the primary; re-read placement")
@@ -102,7 +127,7 @@ class Replicator:
                 if left <= 0:
                     raise UnavailableError(f"{name_of(key)}: backup ps {self.backup} did not confirm version {version} "
                                            "in time; the push was not acknowledged (retry it with the same id)")
-                self._cond.wait(left)
+                self._acks.wait(left)
 
     def forget(self, key: Key) -> None:
         """Drop what the backup confirmed of key: its role changed, the next confirmation starts afresh."""
@@ -111,9 +136,10 @@ class Replicator:
             self.stale.pop(key, None)
 
     def poke(self) -> None:
-        """Wake waiters to look at the roles again."""
+        """Wake waiters (and the sender) to look at the roles again."""
         with self._cond:
             self._cond.notify_all()
+            self._acks.notify_all()
 
     def signal_stop(self) -> None:
         """Stop sending and wake every waiter (they look at the roles again); `stop` joins."""
@@ -131,55 +157,66 @@ class Replicator:
         """Whether the thread has ended (a signalled replicator may still be inside one bounded RPC)."""
         return not self._thread.is_alive()
 
-    def _take(self) -> list[Item]:
+    def _pop(self) -> list[Item]:
+        """Under the lock: the next batch from the queue, marked in flight (`_send` sends it)."""
+        batch: list[Item] = []
+        size = 0
+        while self._queue and (not batch or size + self._queue[0][3] <= BATCH_BYTES):
+            item = self._queue.popleft()
+            batch.append(item)
+            size += item[3]
+        self._sending = True
+        return batch
+
+    def _send(self, batch: list[Item]) -> None:
+        """Send a popped batch (not under the lock) and record its outcomes; a failure puts it back first in
+        the queue for the thread to resend after a back-off."""
+        request = pb.ReplicateRequest(forwards=[item[2] for item in batch], from_ps=self._from_ps)
+        try:
+            reply = self._link.replicate(request, [a for item in batch for a in item[4]], self._timeout)
+            if len(reply.outcomes) != len(batch) or len(reply.versions) != len(batch):
+                raise UnavailableError(f"backup ps {self.backup} answered {len(reply.outcomes)} outcomes for "
+                                       f"{len(batch)} forwards")
+        except Exception as exc:  # noqa: BLE001 - the sender must outlive any failure: resend, log, back off
+            with self._cond:
+                self._queue.extendleft(reversed(batch))
+                self._sending = False
+                self._failures += 1
+                failures = self._failures
+                self._wake_sender()
+            if failures == 1 or failures % 50 == 0:
+                log.warning("replication to ps %d failed (%d in a row), resending: %s", self.backup, failures, exc)
+            return
         with self._cond:
-            while not self._queue and not self._dirty and not self._stop.is_set():
-                self._cond.wait()
-            batch: list[Item] = []
-            size = 0
-            while self._queue and (not batch or size + self._queue[0][3] <= BATCH_BYTES):
-                item = self._queue.popleft()
-                batch.append(item)
-                size += item[3]
-            return batch
+            self._failures = 0
+            self._sending = False
+            for (key, version, msg, nbytes, _), outcome in zip(batch, reply.outcomes):
+                self._queued_bytes -= nbytes
+                if outcome == pb.REPLICA_APPLIED:
+                    if version > self.acked.get(key, -1):
+                        self.acked[key] = version
+                elif outcome == pb.REPLICA_GAP:
+                    self._dirty.add(key)
+                    self._wake_sender()
+                else:
+                    self.stale[key] = msg.epoch
+            self._acks.notify_all()  # a push still waiting sends the next batch
 
     def _loop(self) -> None:
-        failures = 0
+        """Catch-ups, resends after a back-off, and (after LINGER_S) forwards no waiting push has sent."""
         while not self._stop.is_set():
             with self._cond:
                 dirty, self._dirty = self._dirty, set()
+                failures = self._failures
             for key in sorted(dirty):
                 self._resync(key)
-            batch = self._take()
-            if not batch:
-                continue
-            request = pb.ReplicateRequest(forwards=[item[2] for item in batch], from_ps=self._from_ps)
-            try:
-                reply = self._link.replicate(request, [a for item in batch for a in item[4]], self._timeout)
-                if len(reply.outcomes) != len(batch) or len(reply.versions) != len(batch):
-                    raise UnavailableError(f"backup ps {self.backup} answered {len(reply.outcomes)} outcomes for "
-                                           f"{len(batch)} forwards")
-            except Exception as exc:  # noqa: BLE001 - the thread must outlive any failure: resend, log, back off
-                failures += 1
-                if failures == 1 or failures % 50 == 0:
-                    log.warning("replication to ps %d failed (%d in a row), resending: %s", self.backup, failures, exc)
-                with self._cond:
-                    self._queue.extendleft(reversed(batch))
+            if failures:
                 self._stop.wait(min(0.01 * 2 ** min(failures, 6), 0.5))
-                continue
-            failures = 0
-            gaps: set[Key] = set()
             with self._cond:
-                for (key, version, msg, nbytes, _), outcome in zip(batch, reply.outcomes):
-                    self._queued_bytes -= nbytes
-                    if outcome == pb.REPLICA_APPLIED:
-                        if version > self.acked.get(key, -1):
-                            self.acked[key] = version
-                    elif outcome == pb.REPLICA_GAP:
-                        gaps.add(key)
-                    else:
-                        self.stale[key] = msg.epoch
-                self._cond.notify_all()
-            for key in sorted(gaps):
-                with self._cond:
-                    self._dirty.add(key)
+                if not failures and not self._wake and not self._dirty:
+                    self._cond.wait(LINGER_S)
+                self._wake = False
+                if self._stop.is_set() or self._sending or not self._queue:
+                    continue
+                batch = self._pop()
+            self._send(batch)
