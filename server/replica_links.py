@@ -14,7 +14,7 @@ import math
 import socket
 import ssl
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from pscluster.proto import pscluster_pb2 as pb
@@ -95,10 +95,12 @@ class FrameLink:
     Used by one replicator thread at a time; `close` may come from another thread (the lock guards the socket).
     """
 
-    def __init__(self, address: str, settings: Settings) -> None:
+    def __init__(self, address: str, settings: Settings, port_of: Callable[[float], int] | None = None) -> None:
+        """port_of(timeout): the backup's bulk port (default: from its Status over gRPC)."""
         self.address = address
         self._host = address.rpartition(":")[0]
         self._grpc = GrpcLink(address, settings)
+        self._port_of = port_of or (lambda timeout: int(self._grpc.status(timeout).bulk_port))
         self._token = settings.token_value()
         files = tls.files(settings)
         self._tls: ssl.SSLContext | None = tls.client_context(files) if files else None
@@ -107,7 +109,7 @@ class FrameLink:
         self._closed = False
 
     def _connect(self, timeout: float) -> socket.socket:
-        port = int(self._grpc.status(timeout).bulk_port)
+        port = self._port_of(timeout)
         if not port:
             raise UnavailableError(f"backup ps {self.address} serves no bulk port")
         sock = framing.connect(self._host, port, timeout, self._tls)
@@ -122,22 +124,30 @@ class FrameLink:
 
     def replicate(self, request: pb.ReplicateRequest, arrays: Sequence[np.ndarray],
                   timeout: float) -> pb.ReplicateReply:
-        """Send one batch and read its reply; any failure drops the connection (the next batch reconnects)."""
-        sock = self._sock
-        try:
-            if sock is None:
-                sock = self._connect(timeout)
-            sock.settimeout(timeout)
-            views = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays]
-            framing.send_frame(sock, pb.BulkRequest(replicate=request).SerializeToString(),
-                               sum(v.size for v in views))
-            for v in views:
-                if v.size:
-                    framing.send_buffer(sock, v.data)
-            reply, payload_len = framing.read_reply(sock)
-        except OSError as exc:
-            self._drop(sock)
-            raise UnavailableError(f"replicate to {self.address} (bulk port): {exc}") from exc
+        """Send one batch and read its reply; any failure drops the connection (the next batch reconnects).
+
+        A kept connection that fails is replaced and the batch sent once more at once (the backup closed an
+        idle connection, or restarted); the backup ignores versions it holds already.
+        """
+        views = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays]
+        header = pb.BulkRequest(replicate=request).SerializeToString()
+        for attempt in (0, 1):
+            sock = self._sock
+            kept = sock is not None
+            try:
+                if sock is None:
+                    sock = self._connect(timeout)
+                sock.settimeout(timeout)
+                framing.send_frame(sock, header, sum(v.size for v in views))
+                for v in views:
+                    if v.size:
+                        framing.send_buffer(sock, v.data)
+                reply, payload_len = framing.read_reply(sock)
+                break
+            except OSError as exc:
+                self._drop(sock)
+                if not kept or attempt:
+                    raise UnavailableError(f"replicate to {self.address} (bulk port): {exc}") from exc
         if reply.code or payload_len:
             self._drop(sock)
             raise from_status(framing.STATUS_BY_VALUE.get(reply.code, framing.STATUS_BY_VALUE[13]),

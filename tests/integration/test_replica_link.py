@@ -1,0 +1,111 @@
+"""Replication over a backup's real framed bulk port (server/replica_links.py FrameLink -> server/bulk.py).
+
+Two in-process PS cores on 127.0.0.1: the primary's forwards reach the backup as a header plus the
+arrays' bytes; a catch-up of a shard whose state (value and Adam slots) is larger than max_message_bytes
+goes through; a connection the backup closed is replaced without losing the batch; a peer that is not
+a PS cannot send a replicate; a malformed batch is refused and changes nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from pscluster.proto import pscluster_pb2 as pb
+from pscluster.server import sync_replicas
+from pscluster.server.bulk import BulkHandlers
+from pscluster.server.optimizers import OptimizerConfig
+from pscluster.server.ps import ParameterServerCore
+from pscluster.server.push_record import push_key
+from pscluster.server.replica_links import FrameLink
+from pscluster.server.replication import Replication, Role
+from pscluster.server.store import PushItem, ShardSpec
+
+from pscluster import codec
+from pscluster.config import ClusterSpec, Settings
+from pscluster.errors import InvalidArgumentError
+from pscluster.net import framing
+
+KEY = ("w", 0)
+SHAPE = (512, 1024)  # 2 MiB of float32; with Adam's two slots, 6 MiB of state per catch-up
+HEADER_LIMIT = 1 << 20  # the backup's max header: a catch-up in one protobuf message would not fit
+
+
+@pytest.fixture
+def pair():
+    backup = ParameterServerCore(1, 2)
+    sync_replicas.attach(backup)
+    backup.replication = Replication(backup.store, 1, lambda ps: pytest.fail("the backup forwards nothing"))
+    frames = BulkHandlers(backup).server("127.0.0.1", "secret", HEADER_LIMIT).start()
+    settings = Settings(cluster=ClusterSpec(ps=["127.0.0.1:1", "127.0.0.1:2"]), token="secret")
+    links: list[FrameLink] = []
+
+    def connect(ps: int) -> FrameLink:
+        links.append(FrameLink(settings.cluster.ps[ps], settings, port_of=lambda timeout: frames.port))
+        return links[-1]
+
+    primary = ParameterServerCore(0, 2)
+    sync_replicas.attach(primary)
+    primary.replication = Replication(primary.store, 0, connect, timeout=10.0)
+    yield primary, backup, frames, links
+    primary.replication.stop()
+    backup.replication.stop()
+    frames.stop()
+
+
+def create_and_replicate(primary: ParameterServerCore, backup: ParameterServerCore) -> None:
+    spec = ShardSpec("w", 0, 1, SHAPE, SHAPE, 0, "<f4", OptimizerConfig("adam", 0.01))
+    primary.create(spec, np.arange(np.prod(SHAPE), dtype=np.float32).reshape(SHAPE), "zeros", 0, 0)
+    for core in (backup, primary):
+        core.replication.set_roles(1, [Role(KEY, 1, 0, 1)])
+    primary.replication.wait([(KEY, primary.store.get(KEY).version)])
+
+
+def same(a: ParameterServerCore, b: ParameterServerCore) -> None:
+    sa, sb = a.store.get(KEY), b.store.get(KEY)
+    assert sa.version == sb.version
+    np.testing.assert_array_equal(sa.value, sb.value)
+    for name in sa.slots:
+        np.testing.assert_array_equal(sa.slots[name], sb.slots[name])
+
+
+def test_a_catch_up_larger_than_a_message_and_every_push_reach_the_backup_over_the_bulk_port(pair):
+    primary, backup, _, _ = pair
+    create_and_replicate(primary, backup)
+    same(primary, backup)
+    rng = np.random.default_rng(0)
+    for i in range(5):
+        primary.push(f"p{i}", 0, [PushItem(KEY, rng.standard_normal(SHAPE).astype(np.float32))])
+    same(primary, backup)  # each push was answered only once the backup held it
+    assert backup.store.get(KEY).record.seen_key(push_key("p4"))
+
+
+def test_a_connection_the_backup_closed_is_replaced_and_the_push_is_acknowledged(pair):
+    primary, backup, frames, links = pair
+    create_and_replicate(primary, backup)
+    frames.stop()  # closes every connection, the link's included; a new server on the same port serves on
+    restarted = BulkHandlers(backup).server("127.0.0.1", "secret", HEADER_LIMIT, port=frames.port).start()
+    try:
+        primary.push("after", 0, [PushItem(KEY, np.ones(SHAPE, np.float32))])
+        same(primary, backup)
+    finally:
+        restarted.stop()
+
+
+def test_a_malformed_batch_is_refused_and_changes_nothing(pair):
+    primary, backup, frames, _ = pair
+    create_and_replicate(primary, backup)
+    before = backup.store.get(KEY).value.copy()
+    forward = pb.ReplicaForward(ref=pb.ShardRef(variable="w", shard_index=0), epoch=1,
+                                version=backup.store.get(KEY).version + 1, grad=codec.header(np.float32, SHAPE))
+    request = pb.BulkRequest(replicate=pb.ReplicateRequest(forwards=[forward], from_ps=0))
+    sock = framing.connect("127.0.0.1", frames.port, 5.0, None)
+    try:
+        framing.send_hello(sock, "secret")
+        framing.send_frame(sock, request.SerializeToString(), 8)  # 8 bytes for a 2 MiB gradient
+        framing.send_buffer(sock, b"\0" * 8)
+        reply, _ = framing.read_reply(sock)
+    finally:
+        sock.close()
+    assert reply.code == InvalidArgumentError("").code.value[0]
+    assert "fewer bytes than the shapes announce" in reply.message
+    np.testing.assert_array_equal(backup.store.get(KEY).value, before)
