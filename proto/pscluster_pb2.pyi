@@ -1359,6 +1359,7 @@ class ReplicaForward(_message.Message):
     SLOTS_FIELD_NUMBER: _builtins.int
     RECORD_FIELD_NUMBER: _builtins.int
     PULLED_FIELD_NUMBER: _builtins.int
+    OPTIMIZER_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     """of the shard's (primary, backup) configuration; an older one is refused"""
     version: _builtins.int
@@ -1391,6 +1392,12 @@ class ReplicaForward(_message.Message):
     def value(self) -> Global___Tensor: ...
     @_builtins.property
     def slots(self) -> _containers.MessageMap[_builtins.str, Global___Tensor]: ...
+    @_builtins.property
+    def optimizer(self) -> Global___OptimizerSpec:
+        """set (and no spec): a set_hyperparameters change, made right after update `version` on the primary; the
+        backup takes it at the same place in its sequence (updates up to `version` with the old config)
+        """
+
     def __init__(
         self,
         *,
@@ -1407,10 +1414,11 @@ class ReplicaForward(_message.Message):
         slots: _abc.Mapping[_builtins.str, Global___Tensor] | None = ...,
         record: _builtins.str = ...,
         pulled: _builtins.bool = ...,
+        optimizer: Global___OptimizerSpec | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["grad", b"grad", "ref", b"ref", "rows", b"rows", "spec", b"spec", "value", b"value"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["grad", b"grad", "optimizer", b"optimizer", "ref", b"ref", "rows", b"rows", "spec", b"spec", "value", b"value"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "final_below", b"final_below", "grad", b"grad", "has_rows", b"has_rows", "pulled", b"pulled", "push_id", b"push_id", "record", b"record", "ref", b"ref", "rows", b"rows", "slots", b"slots", "spec", b"spec", "value", b"value", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "final_below", b"final_below", "grad", b"grad", "has_rows", b"has_rows", "optimizer", b"optimizer", "pulled", b"pulled", "push_id", b"push_id", "record", b"record", "ref", b"ref", "rows", b"rows", "slots", b"slots", "spec", b"spec", "value", b"value", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -222,8 +222,18 @@ class ParameterServerCore:
         """A driver's change of hyper-parameters on this task's shards of `variables` (all when empty);
         returns (shards changed, their variables); dry_run only validates."""
         changes = changes_from_json(changes_json)
-        names = hyperparams.set_hyperparameters(self.store, variables, changes, dry_run)
-        count = sum(1 for s in self.store.shards() if s.spec.variable in names)
+        replication = self.replication
+        if replication is None:
+            shards = hyperparams.set_hyperparameters(self.store, variables, changes, dry_run)
+        else:
+            # replicas: 2: a primary changes its shards and forwards the change in order with their updates
+            # (the backups' copies change from that stream, not from this call), then waits for the backups
+            shards = hyperparams.set_hyperparameters(self.store, variables, changes, dry_run,
+                                                     keep=replication.changes_here, on_changed=replication.configured)
+            if not dry_run:
+                replication.wait_configured([s.spec.key for s in shards])
+        names = sorted({s.spec.variable for s in shards})
+        count = len(shards)
         if not dry_run:
             log.info("ps %d: %s set on %d shards of %s", self.ps_index, sorted(changes), count,
                      ", ".join(names) or "-")

@@ -27,9 +27,14 @@ from pscluster.net import framing, rpc, tls
 
 
 def tensors_of(f: pb.ReplicaForward) -> list[pb.Tensor]:
-    """A forward's tensors in payload order: an install's value then its slots by name, else grad then rows."""
+    """A forward's tensors in payload order: an install's value then its slots by name, none for a config
+    change, a table pull's keys, else grad then rows."""
     if f.HasField("spec"):
         return [f.value] + [f.slots[name] for name in sorted(f.slots)]
+    if f.HasField("optimizer"):
+        return []
+    if f.pulled:
+        return [f.rows]  # a table pull's distinct keys
     return [f.grad, f.rows] if f.has_rows else [f.grad]
 
 

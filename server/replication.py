@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from pscluster.proto import pscluster_pb2 as pb
@@ -41,6 +41,7 @@ from pscluster.server.store import Key, Shard, VariableStore, shard_name
 
 from pscluster import codec
 from pscluster.errors import InvalidArgumentError, UnavailableError
+from pscluster.optimizer_config import OptimizerConfig, optimizer_from_pb, optimizer_to_pb
 from pscluster.specs import spec_from_pb, spec_to_pb
 from pscluster.tables import TableConfig
 
@@ -80,6 +81,7 @@ class Replication:
         # that is inside an RPC to a stopped backup)
         self._retired: list[Replicator] = []
         self._install_at: dict[Key, int] = {}  # a resync's version, until the backup confirmed it
+        self._configs: dict[Key, int] = {}  # a config change's place in its replicator's queue, until waited for
         store.on_applied = self.on_applied
         store.on_pulled = self.on_pulled
 
@@ -200,11 +202,47 @@ class Replication:
         role, rep = self._replicator_of(shard.spec.key)
         if role is None or rep is None:
             return
-        uniq = np.unique(keys)  # what the pull's decisions depend on: its distinct keys
+        uniq = np.unique(np.asarray(keys, np.int64))  # what the pull's decisions depend on: its distinct keys
         msg = pb.ReplicaForward(ref=pb.ShardRef(variable=shard.spec.variable, shard_index=shard.spec.shard_index),
-                                epoch=role.epoch, version=shard.version, rows=codec.encode(uniq), has_rows=True,
-                                pulled=True)
-        rep.put(shard.spec.key, shard.version, msg, uniq.nbytes)
+                                epoch=role.epoch, version=shard.version, rows=codec.header(uniq.dtype, uniq.shape),
+                                has_rows=True, pulled=True)
+        rep.put(shard.spec.key, shard.version, msg, [uniq])
+
+    def changes_here(self, shard: Shard) -> bool:
+        """Whether a set_hyperparameters call changes this copy of shard: not on its backup, which takes
+        the change from its primary's stream, in order with the updates."""
+        role = self._roles.get(shard.spec.key)
+        return role is None or role.backup != self.ps_index
+
+    def configured(self, shard: Shard) -> None:
+        """set_hyperparameters' hook (under the shard's lock): queue the new optimizer config for the backup,
+        placed after the updates made so far."""
+        role, rep = self._replicator_of(shard.spec.key)
+        if role is None or rep is None:
+            return
+        msg = pb.ReplicaForward(ref=pb.ShardRef(variable=shard.spec.variable, shard_index=shard.spec.shard_index),
+                                epoch=role.epoch, version=shard.version,
+                                optimizer=optimizer_to_pb(shard.spec.optimizer))
+        rep.put(shard.spec.key, shard.version, msg, [])
+        with self._lock:
+            self._configs[shard.spec.key] = rep.queued
+
+    def wait_configured(self, keys: Sequence[Key], timeout: float | None = None) -> None:
+        """Return once the backups of keys hold the config changes queued for them (see `configured`).
+
+        Raises:
+            UnavailableError: not confirmed within timeout (the call may be retried: it is idempotent).
+        """
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        for key in keys:
+            with self._lock:
+                seq = self._configs.pop(key, None)
+            _, rep = self._replicator_of(key)
+            if seq is not None and rep is not None:
+                rep.wait_sent(seq, deadline)
+                if key in rep.stale:
+                    raise UnavailableError(f"{name_of(key)}: backup ps {rep.backup} knows a newer epoch: this PS is "
+                                           "no longer the primary; retry the call (it is idempotent)")
 
     def resync(self, key: Key) -> None:
         """Queue shard key's whole state for its backup (catch-up), in order with its updates."""
@@ -272,13 +310,14 @@ class Replication:
             elif shard is None:
                 outcome = pb.REPLICA_GAP
             elif f.pulled:
-                done = table_ops.pull_at(shard, f.version, codec.decode_ids(f.rows, name_of(key)))
+                done = table_ops.pull_at(shard, f.version, _ids(tensors[0], key))
                 outcome = pb.REPLICA_GAP if done == "gap" else pb.REPLICA_APPLIED
+            elif f.HasField("optimizer"):
+                outcome = pb.REPLICA_GAP if not _configure_at(shard, f.version, optimizer_from_pb(f.optimizer)) \
+                    else pb.REPLICA_APPLIED
             else:
                 grad = tensors[0]
-                local = tensors[1] if f.has_rows else None
-                if local is not None and (local.dtype != np.dtype("<i8") or local.ndim != 1):
-                    raise InvalidArgumentError(f"replicate {name_of(key)}: rows must be a 1-D int64 tensor")
+                local = _ids(tensors[1], key) if f.has_rows else None
                 done = self.store.apply_at(shard, f.version, grad, local, push_key(f.push_id) if f.push_id else None,
                                            f.final_below)
                 outcome = pb.REPLICA_GAP if done == "gap" else pb.REPLICA_APPLIED
@@ -304,3 +343,24 @@ class Replication:
         else:
             self.store.install(shard)
         return shard
+
+
+def _configure_at(shard: Shard, version: int, cfg: OptimizerConfig) -> bool:
+    """A backup's take of a config change made after update `version`; False: that update is missing (gap).
+
+    Past `version` the change is held already: a resend, or a catch-up that carried it in its spec.
+    """
+    with shard.lock:
+        if shard.version < version:
+            return False
+        if shard.version == version:
+            shard.spec = replace(shard.spec, optimizer=cfg)
+        return True
+
+
+def _ids(rows: np.ndarray, key: Key) -> np.ndarray:
+    """A forward's row numbers or keys, checked: a 1-D int64 array."""
+    if rows.dtype != np.dtype("<i8") or rows.ndim != 1:
+        raise InvalidArgumentError(f"replicate {name_of(key)}: rows must be a 1-D int64 tensor, got {rows.dtype} "
+                                   f"{rows.shape}")
+    return rows

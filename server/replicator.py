@@ -71,6 +71,8 @@ class Replicator:
         self.acked: dict[Key, int] = {}  # the highest version the backup confirmed, per shard
         self.stale: dict[Key, int] = {}  # shards the backup refused: it knows a newer epoch
         self.keys: set[Key] = set()  # shards this replicator serves now (the hub's roles)
+        self.queued = 0  # forwards queued so far: a forward's place in the queue (`wait_sent`)
+        self._sent = 0  # forwards the backup answered for so far (one batch at a time: in queue order)
         self._sending = False  # a batch is in flight (one at a time: the backup applies in order)
         self._failures = 0  # sends failed in a row (the thread resends after a back-off; pushes do not)
         self._wake = False  # the thread has work now: a catch-up, a resync, a resend
@@ -93,6 +95,7 @@ class Replicator:
                     self._wake_sender()  # a catch-up has no push waiting for it: the thread sends it
                 self._queue.append((key, version, msg, nbytes, arrays))
                 self._queued_bytes += nbytes
+                self.queued += 1
 
     def _wake_sender(self) -> None:
         self._wake = True
@@ -127,6 +130,28 @@ class Replicator:
                 if left <= 0:
                     raise UnavailableError(f"{name_of(key)}: backup ps {self.backup} did not confirm version {version} "
                                            "in time; the push was not acknowledged (retry it with the same id)")
+                self._acks.wait(left)
+
+    def wait_sent(self, seq: int, deadline: float) -> None:
+        """Block until the backup answered for the first `seq` forwards queued (`queued` after a put).
+
+        Raises:
+            UnavailableError: the deadline passed, or this replicator stopped.
+        """
+        with self._cond:
+            while self._sent < seq:
+                if not self._sending and self._queue and not self._failures and not self._stop.is_set():
+                    batch = self._pop()  # group commit, as in `wait`
+                    self._cond.release()
+                    try:
+                        self._send(batch)
+                    finally:
+                        self._cond.acquire()
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stop.is_set():
+                    raise UnavailableError(f"backup ps {self.backup} did not confirm a config change in time; "
+                                           "retry the call (it is idempotent)")
                 self._acks.wait(left)
 
     def forget(self, key: Key) -> None:
@@ -190,6 +215,7 @@ class Replicator:
         with self._cond:
             self._failures = 0
             self._sending = False
+            self._sent += len(batch)
             for (key, version, msg, nbytes, _), outcome in zip(batch, reply.outcomes):
                 self._queued_bytes -= nbytes
                 if outcome == pb.REPLICA_APPLIED:

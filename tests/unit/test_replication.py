@@ -247,3 +247,28 @@ def test_a_pull_from_the_backup_is_refused(pair):
     with pytest.raises(UnavailableError, match="not the primary"):
         b.pull([(KEY, None)])
     assert a.pull([(KEY, None)])[0][1] == 0
+
+
+def test_a_config_change_racing_a_forward_reaches_the_backup_in_the_primary_order(pair):
+    a, b, links = pair
+    create(a)
+    roles(a, b)
+    links[1].cut.set()  # the push's forward waits in the queue while the change is made
+    pushed = threading.Thread(target=a.push, args=("c1.0", 0, [PushItem(KEY, grad(1.0))]))
+    pushed.start()
+    while a.store.get(KEY).version < 1:
+        pass
+    changed: list[tuple[int, list[str]]] = []
+    change = threading.Thread(target=lambda: changed.append(a.set_hyperparameters(["w"], '{"learning_rate": 0.5}')))
+    change.start()
+    # the client's fan-out reaches the backup first: its copy changes only through the stream
+    assert b.set_hyperparameters(["w"], '{"learning_rate": 0.5}') == (0, [])
+    assert b.store.get(KEY).spec.optimizer.learning_rate == pytest.approx(0.1)
+    links[1].cut.clear()
+    pushed.join(timeout=10)
+    change.join(timeout=10)
+    assert changed == [(1, ["w"])]
+    assert b.store.get(KEY).spec.optimizer.learning_rate == pytest.approx(0.5)
+    same(a, b, KEY)  # the push applied with 0.1 on both
+    a.push("c2.0", 0, [PushItem(KEY, grad(1.0))])
+    same(a, b, KEY)  # and the next one with 0.5 on both
