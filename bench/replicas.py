@@ -99,3 +99,39 @@ def cost(runs: int = 3) -> dict[str, Any]:
         out[mode] = {"replicas_1": one, "replicas_2": two, "cost": 1 - two / one,
                      "accuracy_2": statistics.median(b["accuracy"] for _, b in pairs)}
     return out
+
+
+def _rss_mib(pid: int) -> tuple[float, float]:
+    """(peak, current) resident set of a process, MiB (VmHWM, VmRSS)."""
+    fields = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status").read().splitlines() if ":" in line)
+    return int(fields["VmHWM"].split()[0]) / 1024, int(fields["VmRSS"].split()[0]) / 1024
+
+
+def memory(mib: int = 64, pushes: int = 20) -> dict[str, Any]:
+    """Peak RSS per PS with replicas: 1 and 2: one `mib` MiB float32 Adam variable per PS (value + 2 slots:
+    3x mib of state per copy), `pushes` pushes of every variable; replicas: 2 also holds the other PS's copy."""
+    out: dict[str, Any] = {}
+    n = mib << 18  # float32 elements
+    for replicas in (1, 2):
+        with LocalCluster(2, 0, replicas=replicas) as cluster:
+            coord = ps.ClusterCoordinator(cluster.settings())
+            try:
+                base = [_rss_mib(d.pid)[1] for d in cluster.ps]  # the interpreter, numpy, grpc: before any state
+                variables = [coord.create_variable(f"m{i}", shape=(n,), dtype="float32", optimizer=ps.Adam(1e-3))
+                             for i in range(2)]  # ordinals 0 and 1: one primary on each PS
+                if replicas == 2:
+                    _wait(lambda: all(c.in_sync and c.backup is not None for c in coord.replica_table().values()),
+                          "both backups in sync")
+                grad = np.full(n, 1e-3, np.float32)
+                for _ in range(pushes):
+                    coord.client.push([(v, grad) for v in variables])
+                rss = [_rss_mib(d.pid) for d in cluster.ps]
+            finally:
+                coord.shutdown()
+        out[f"replicas_{replicas}"] = {"base_mib": base, "peak_mib": [p for p, _ in rss], "rss_mib": [r for _, r in rss]}
+    one, two = out["replicas_1"], out["replicas_2"]
+    out["peak_ratio"] = max(two["peak_mib"]) / max(one["peak_mib"])
+    out["state_ratio"] = max(p - b for p, b in zip(two["peak_mib"], two["base_mib"])) / \
+        max(p - b for p, b in zip(one["peak_mib"], one["base_mib"]))
+    out["mib"] = mib
+    return out

@@ -389,6 +389,17 @@ def bench_b15scale(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]
                 f"freeze <= 50 ms per shard, exact: {'met' if worst <= 50 and r['exact'] else 'NOT met'}")]
 
 
+def bench_b15_memory(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
+    m = replicas.memory()
+    one, two = m["replicas_1"], m["replicas_2"]
+    return m, [("B15MEM", f"replicas: 2 vs 1, 2 PS, one {m['mib']} MiB float32 Adam variable per PS (3x of state per "
+                "copy), 20 pushes each; peak RSS (VmHWM) per PS; `python bench/run.py --only B15MEM`",
+                f"peak {max(two['peak_mib']):.0f} vs {max(one['peak_mib']):.0f} MiB ({m['peak_ratio']:.2f}x), "
+                f"{m['state_ratio']:.2f}x above the bare daemon ({max(one['base_mib']):.0f} MiB); RSS at the end "
+                f"{max(two['rss_mib']):.0f} vs {max(one['rss_mib']):.0f} MiB",
+                f"<= 2.1x: {'met' if m['peak_ratio'] <= 2.1 else 'NOT met'}")]
+
+
 def bench_profile(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
     r = profile.profile_w2()
     cells = []
@@ -404,7 +415,7 @@ def bench_profile(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
 BENCHES = {"B1": bench_b1, "B1TLS": bench_b1tls, "B9": bench_b9, "B2": bench_b2, "FLOOR": bench_floor, "B3": bench_b3, "B4": bench_b4, "B5": bench_b5,
            "B6": bench_b6, "B7": bench_b7, "B8": bench_b8,
            "B10": bench_b10, "B11": bench_b11, "B12": bench_b12, "B13": bench_b13, "B14": bench_b14, "B15": bench_b15,
-           "B15SCALE": bench_b15scale, "B16": bench_b16,
+           "B15SCALE": bench_b15scale, "B15MEM": bench_b15_memory, "B16": bench_b16,
            "B14MP": bench_b14_precision, "B14CNN": bench_b14_cnn, "FIT": bench_fit, "PROFILE": bench_profile}
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 

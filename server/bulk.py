@@ -143,7 +143,8 @@ class BulkHandlers:
             raise FailedPreconditionError(f"replicate: ps {self.core.ps_index} runs with replicas: 1; "
                                           "start the cluster with replicas: 2")
         arrays = replica_links.payload_views(request.replicate, buf)
-        reply = self.core.replication.receive(request.replicate, arrays)
+        # a payload above REUSE_BYTES has a buffer of its own: an install may keep it as the shard's memory
+        reply = self.core.replication.receive(request.replicate, arrays, owned=payload_len > REUSE_BYTES)
         send_frame(conn, pb.BulkReply(replicate=reply).SerializeToString())
 
     def _payload(self, conn: socket.socket, payload_len: int, state: dict[str, Any]) -> np.ndarray:

@@ -121,9 +121,9 @@ class Replication:
             if rep.finished:
                 rep.stop()  # joined already: closes its channel
         for key in resync:
-            _, target = self._replicator_of(key)
-            if target is not None:
-                target.forget(key)
+            now, target = self._replicator_of(key)
+            if now is not None and target is not None:
+                target.forget(key, now.epoch)
             self.resync(key)
         for rep in self._current():
             rep.poke()
@@ -288,9 +288,11 @@ class Replication:
             rep.stop()
 
     # -- backup side --------------------------------------------------------------------------------
-    def receive(self, request: pb.ReplicateRequest, arrays: Sequence[np.ndarray] | None = None) -> pb.ReplicateReply:
+    def receive(self, request: pb.ReplicateRequest, arrays: Sequence[np.ndarray] | None = None,
+                owned: bool = False) -> pb.ReplicateReply:
         """Apply a primary's forwards in order (see the module docstring); arrays: the tensors' contents in
-        `tensors_of` order (a framed batch), else they are decoded from the tensors' data."""
+        `tensors_of` order (a framed batch), else they are decoded from the tensors' data; owned: the arrays
+        are writable and nothing else uses their memory, so an install keeps them instead of a copy."""
         reply = pb.ReplicateReply()
         given = iter(arrays) if arrays is not None else None
         for f in request.forwards:
@@ -305,7 +307,7 @@ class Replication:
             if f.epoch < known:
                 outcome = pb.REPLICA_STALE
             elif f.HasField("spec"):
-                shard = self._install(f, tensors)
+                shard = self._install(f, tensors, owned)
                 outcome = pb.REPLICA_APPLIED
             elif shard is None:
                 outcome = pb.REPLICA_GAP
@@ -325,10 +327,11 @@ class Replication:
             reply.versions.append(shard.version if shard is not None else -1)
         return reply
 
-    def _install(self, f: pb.ReplicaForward, tensors: list[np.ndarray]) -> Shard:
+    def _install(self, f: pb.ReplicaForward, tensors: list[np.ndarray], owned: bool = False) -> Shard:
         spec = spec_from_pb(f.spec)
-        value = np.array(tensors[0], copy=True)
-        slots = {name: np.array(t, copy=True) for name, t in zip(sorted(f.slots), tensors[1:])}
+        # owned: the received buffer becomes the shard (a catch-up costs the backup 1x its state, not 2x)
+        value = tensors[0] if owned else np.array(tensors[0], copy=True)
+        slots = {name: t if owned else np.array(t, copy=True) for name, t in zip(sorted(f.slots), tensors[1:])}
         record = PushRecord.from_state(json.loads(f.record) if f.record else {}, self.store.dedup_window, f.version)
         table = None
         if spec.table:

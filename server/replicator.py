@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 MAX_QUEUED_BYTES = 256 << 20  # per backup; past it a shard's whole state is sent instead of its updates
 BATCH_BYTES = 16 << 20  # forwards per Replicate call (an install may exceed it alone)
 LINGER_S = 0.02  # forwards that no waiting push sent (it gave up) go after this long, by the thread
-# a queued forward: shard, the version it made, its message (tensors: dtype and shape), bytes, its arrays
-Item = tuple[Key, int, pb.ReplicaForward, int, list[np.ndarray]]
+# a queued forward: shard, the version it made, its message (tensors: dtype and shape), bytes, its arrays,
+# its place in the queue (1, 2, ...: `queued` when it was put)
+Item = tuple[Key, int, pb.ReplicaForward, int, list[np.ndarray], int]
 
 
 class ReplicaLink(Protocol):
@@ -69,10 +70,11 @@ class Replicator:
         self._queued_bytes = 0
         self._dirty: set[Key] = set()  # shards whose forwards were skipped (queue full): resync them
         self.acked: dict[Key, int] = {}  # the highest version the backup confirmed, per shard
-        self.stale: dict[Key, int] = {}  # shards the backup refused: it knows a newer epoch
+        self.stale: dict[Key, int] = {}  # shards the backup refused at this epoch: it knows a newer one
+        self._epoch: dict[Key, int] = {}  # per shard, the epoch of its role when it was last (re)synced
         self.keys: set[Key] = set()  # shards this replicator serves now (the hub's roles)
-        self.queued = 0  # forwards queued so far: a forward's place in the queue (`wait_sent`)
-        self._sent = 0  # forwards the backup answered for so far (one batch at a time: in queue order)
+        self.queued = 0  # forwards queued so far: the last one's place in the queue (`wait_sent`)
+        self._sent = 0  # the place of the last forward the backup answered for (batches go in queue order)
         self._sending = False  # a batch is in flight (one at a time: the backup applies in order)
         self._failures = 0  # sends failed in a row (the thread resends after a back-off; pushes do not)
         self._wake = False  # the thread has work now: a catch-up, a resync, a resend
@@ -86,16 +88,23 @@ class Replicator:
         with self._cond:
             if key in self._dirty and not msg.HasField("spec"):
                 return  # its whole state is on the way; it includes this update
+            install = msg.HasField("spec")
+            if install and any(item[0] == key for item in self._queue):
+                # the shard's whole state supersedes what of it is still queued (its updates, an older catch-up):
+                # one snapshot per shard in memory at most; their waiters are answered by its confirmation
+                kept = [item for item in self._queue if item[0] != key]
+                self._queued_bytes -= sum([item[3] for item in self._queue if item[0] == key])
+                self._queue = collections.deque(kept)
             if self._queued_bytes + nbytes > self._max_queued and self._queue:
                 self._dirty.add(key)
                 self._wake_sender()
             else:
-                if msg.HasField("spec"):
+                if install:
                     self._dirty.discard(key)
                     self._wake_sender()  # a catch-up has no push waiting for it: the thread sends it
-                self._queue.append((key, version, msg, nbytes, arrays))
-                self._queued_bytes += nbytes
                 self.queued += 1
+                self._queue.append((key, version, msg, nbytes, arrays, self.queued))
+                self._queued_bytes += nbytes
 
     def _wake_sender(self) -> None:
         self._wake = True
@@ -112,16 +121,11 @@ class Replicator:
                 if not self._sending and self._queue and not self._failures and not self._stop.is_set():
                     # group commit: a waiting push sends what is queued itself (its own forward and any
                     # queued behind it), one batch in flight at a time; no hop to the thread and back
-                    batch = self._pop()
-                    self._cond.release()
-                    try:
-                        self._send(batch)
-                    finally:
-                        self._cond.acquire()
+                    self._lead()
                     continue
                 if key in self.stale:
-                    raise UnavailableError(f"{name_of(key)}: backup ps {self.backup} knows epoch {self.stale[key]}, "
-                                           "newer than this PS's: it is no longer the primary; re-read placement")
+                    raise UnavailableError(f"{name_of(key)}: backup ps {self.backup} knows an epoch newer than "
+                                           f"{self.stale[key]}, this PS's: it is no longer the primary; re-read placement")
                 if self.acked.get(key, -1) >= version:
                     return True
                 if key not in self.keys or self._stop.is_set():
@@ -133,7 +137,8 @@ class Replicator:
                 self._acks.wait(left)
 
     def wait_sent(self, seq: int, deadline: float) -> None:
-        """Block until the backup answered for the first `seq` forwards queued (`queued` after a put).
+        """Block until the backup answered for the forward at place `seq` (`queued` after its put) and those
+        before it (or for the catch-up that superseded it).
 
         Raises:
             UnavailableError: the deadline passed, or this replicator stopped.
@@ -141,12 +146,7 @@ class Replicator:
         with self._cond:
             while self._sent < seq:
                 if not self._sending and self._queue and not self._failures and not self._stop.is_set():
-                    batch = self._pop()  # group commit, as in `wait`
-                    self._cond.release()
-                    try:
-                        self._send(batch)
-                    finally:
-                        self._cond.acquire()
+                    self._lead()  # group commit, as in `wait`
                     continue
                 left = deadline - time.monotonic()
                 if left <= 0 or self._stop.is_set():
@@ -154,11 +154,13 @@ class Replicator:
                                            "retry the call (it is idempotent)")
                 self._acks.wait(left)
 
-    def forget(self, key: Key) -> None:
-        """Drop what the backup confirmed of key: its role changed, the next confirmation starts afresh."""
+    def forget(self, key: Key, epoch: int) -> None:
+        """Drop what the backup confirmed of key: its role changed (now at epoch), the next confirmation starts
+        afresh; a refusal of a forward of an older epoch still in flight no longer counts."""
         with self._cond:
             self.acked.pop(key, None)
             self.stale.pop(key, None)
+            self._epoch[key] = epoch
 
     def poke(self) -> None:
         """Wake waiters (and the sender) to look at the roles again."""
@@ -181,6 +183,15 @@ class Replicator:
     def finished(self) -> bool:
         """Whether the thread has ended (a signalled replicator may still be inside one bounded RPC)."""
         return not self._thread.is_alive()
+
+    def _lead(self) -> None:
+        """Under the lock: pop the next batch and send it without the lock (its arrays are let go on return)."""
+        batch = self._pop()
+        self._cond.release()
+        try:
+            self._send(batch)
+        finally:
+            self._cond.acquire()
 
     def _pop(self) -> list[Item]:
         """Under the lock: the next batch from the queue, marked in flight (`_send` sends it)."""
@@ -215,8 +226,8 @@ class Replicator:
         with self._cond:
             self._failures = 0
             self._sending = False
-            self._sent += len(batch)
-            for (key, version, msg, nbytes, _), outcome in zip(batch, reply.outcomes):
+            self._sent = max(self._sent, batch[-1][5])
+            for (key, version, msg, nbytes, _, _), outcome in zip(batch, reply.outcomes):
                 self._queued_bytes -= nbytes
                 if outcome == pb.REPLICA_APPLIED:
                     if version > self.acked.get(key, -1):
@@ -224,7 +235,7 @@ class Replicator:
                 elif outcome == pb.REPLICA_GAP:
                     self._dirty.add(key)
                     self._wake_sender()
-                else:
+                elif msg.epoch >= self._epoch.get(key, 0):  # not a forward sent before the role changed
                     self.stale[key] = msg.epoch
             self._acks.notify_all()  # a push still waiting sends the next batch
 
@@ -246,3 +257,4 @@ class Replicator:
                     continue
                 batch = self._pop()
             self._send(batch)
+            del batch  # a catch-up's arrays (a shard's whole state) must not wait here for the next batch

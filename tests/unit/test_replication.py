@@ -272,3 +272,32 @@ def test_a_config_change_racing_a_forward_reaches_the_backup_in_the_primary_orde
     same(a, b, KEY)  # the push applied with 0.1 on both
     a.push("c2.0", 0, [PushItem(KEY, grad(1.0))])
     same(a, b, KEY)  # and the next one with 0.5 on both
+
+
+def test_a_refusal_of_a_forward_sent_before_the_role_changed_does_not_depose_the_primary(pair):
+    a, b, links = pair
+    create(a)
+    roles(a, b)
+    b.replication.set_roles(*table(2, 2, 0, 1))  # the backup learns epoch 2 first
+    sent, release = threading.Event(), threading.Event()
+    link = links[1]
+    plain = link.replicate
+
+    def held(request, arrays, timeout):
+        sent.set()
+        release.wait(10)  # the refusal of this epoch-1 forward comes back after the primary learned epoch 2
+        return plain(request, arrays, timeout)
+
+    link.replicate = held
+    # its push is acknowledged by the catch-up the new epoch sends (which holds it)
+    pushed = threading.Thread(target=a.push, args=("c1.0", 0, [PushItem(KEY, grad(1.0))]))
+    pushed.start()
+    assert sent.wait(10)
+    link.replicate = plain
+    changed = threading.Thread(target=a.replication.set_roles, args=table(2, 2, 0, 1))
+    changed.start()
+    release.set()
+    changed.join(10)
+    pushed.join(10)
+    a.push("c2.0", 0, [PushItem(KEY, grad(1.0))])  # acknowledged at epoch 2: not refused as deposed
+    same(a, b, KEY)
