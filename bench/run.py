@@ -400,6 +400,24 @@ def bench_b15_memory(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row
                 f"<= 2.1x: {'met' if m['peak_ratio'] <= 2.1 else 'NOT met'}")]
 
 
+def bench_b15_soak(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
+    from bench import replica_soak
+
+    runs = [replica_soak.soak(mode, kills=k, seed=i)
+            for i, (mode, k) in enumerate(zip(("async", "sync", "bounded"), _split(args.soak_kills, 3)))]
+    cells = "; ".join(f"{r['mode']}: {r['kills']} kills ({r['kinds']['mid-catch-up']} mid-catch-up), {r['closures']} "
+                      f"closures, counters {r['counters']} vs {r['expected']}, lost_updates {r['lost_updates']}, "
+                      f"{r['checkpoints']['saved']} checkpoints, {r['seconds']:.0f} s" for r in runs)
+    return {"runs": runs}, [("B15SOAK", "replicas: 2, 3 PS + 2 workers, a random PS SIGKILLed every ~2 s (mid-push, "
+                             "mid-checkpoint, mid-catch-up) under async, sync, bounded; PS 0 spared under sync and "
+                             "bounded (its token queue is not replicated); `python bench/run.py --only B15SOAK`",
+                             cells, f"exact, 0 lost: {'met' if all(r['exact'] for r in runs) else 'NOT met'}")]
+
+
+def _split(total: int, parts: int) -> list[int]:
+    return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
+
+
 def bench_profile(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
     r = profile.profile_w2()
     cells = []
@@ -415,7 +433,7 @@ def bench_profile(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
 BENCHES = {"B1": bench_b1, "B1TLS": bench_b1tls, "B9": bench_b9, "B2": bench_b2, "FLOOR": bench_floor, "B3": bench_b3, "B4": bench_b4, "B5": bench_b5,
            "B6": bench_b6, "B7": bench_b7, "B8": bench_b8,
            "B10": bench_b10, "B11": bench_b11, "B12": bench_b12, "B13": bench_b13, "B14": bench_b14, "B15": bench_b15,
-           "B15SCALE": bench_b15scale, "B15MEM": bench_b15_memory, "B16": bench_b16,
+           "B15SCALE": bench_b15scale, "B15SOAK": bench_b15_soak, "B15MEM": bench_b15_memory, "B16": bench_b16,
            "B14MP": bench_b14_precision, "B14CNN": bench_b14_cnn, "FIT": bench_fit, "PROFILE": bench_profile}
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
@@ -457,6 +475,7 @@ def main() -> int:
     parser.add_argument("--kills", type=int, default=100, help="B15: PS kills in the failover trial")
     parser.add_argument("--cycles", type=int, default=10, help="B15SCALE: drain-and-add-back cycles of PS 2")
     parser.add_argument("--scale-elements", type=int, default=1, help="B15SCALE: int64 elements per counter shard")
+    parser.add_argument("--soak-kills", type=int, default=100, help="B15SOAK: PS kills, split over async/sync/bounded")
     parser.add_argument("--write", help="rewrite the table between the bench markers of this file")
     parser.add_argument("--tf-python", default=None, help="B13: a Python with tensorflow-cpu 2.21 (optional peer)")
     args = parser.parse_args()
