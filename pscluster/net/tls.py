@@ -28,9 +28,10 @@ ANY_CLIENT = frozenset({"worker", "coordinator", "client"})
 # (service, method) -> roles allowed; "*" is the service's default
 ALLOWED: dict[str, dict[str, frozenset[str]]] = {
     # replicas: 2: only a PS forwards updates to its backups, only the coordinator (or an operator's client) sets
-    # roles and freezes a shard that moves
+    # roles and freezes a shard that moves; a PS asks its backup's Status for the bulk port its forwards go to
     "pscluster.ParameterServer": {"Replicate": frozenset({"ps"}), "SetRoles": frozenset({"coordinator", "client"}),
-                                  "FreezeShard": frozenset({"coordinator", "client"}), "*": ANY_CLIENT},
+                                  "FreezeShard": frozenset({"coordinator", "client"}),
+                                  "Status": ANY_CLIENT | {"ps"}, "*": ANY_CLIENT},
     "pscluster.Worker": {"*": frozenset({"coordinator", "client"})},
     "pscluster.Coordinator": {"Register": frozenset({"worker"}), "Heartbeat": frozenset({"worker"}),
                               "Status": ANY_CLIENT, "*": frozenset({"coordinator", "client"})},

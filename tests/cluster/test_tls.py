@@ -9,6 +9,7 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 
 import grpc
 import numpy as np
@@ -29,8 +30,8 @@ pytestmark = pytest.mark.cluster
 
 @pytest.fixture
 def tls_cluster(tmp_path, request):
-    bulk = getattr(request, "param", True)
-    cluster = LocalCluster(2, 2, workdir=tmp_path / "c", supervise=False,
+    bulk, replicas = (lambda p: p if isinstance(p, tuple) else (p, 1))(getattr(request, "param", True))
+    cluster = LocalCluster(2, 2, workdir=tmp_path / "c", supervise=False, replicas=replicas,
                            extra={"tls_dir": str(tmp_path / "tls"), "require_client_cert": True,
                                   "bulk_transport": bulk})
     # the spec lists no workers: they join with the shared `worker` certificate
@@ -51,6 +52,25 @@ def test_a_mutual_tls_cluster_trains_over_both_transports(tls_cluster):
         coord.wait_for_workers(2)
         v = coord.create_variable("v", shape=(4,), optimizer=ps.SGD(1.0))
         values = [coord.schedule(push_and_read, args=(v,)) for _ in range(20)]
+        coord.join(timeout=60)
+        assert all(x.fetch() < 0 for x in values)
+        np.testing.assert_array_equal(v.pull(), -20 * np.ones(4))
+    finally:
+        coord.shutdown()
+
+
+@pytest.mark.parametrize("tls_cluster", [(True, 2)], ids=["replicas-2"], indirect=True)
+def test_a_mutual_tls_primary_forwards_to_its_backup_over_the_bulk_port(tls_cluster):
+    # a PS certificate opens the backup's bulk port and sends replicate batches there
+    coord = ps.ClusterCoordinator(tls_cluster.settings())
+    try:
+        coord.wait_for_workers(2)
+        v = coord.create_variable("v", shape=(4,), optimizer=ps.SGD(1.0))
+        deadline = time.monotonic() + 20
+        while not ((c := coord.replica_table().get(("v", 0))) is not None and c.in_sync):
+            assert time.monotonic() < deadline, "the backup never caught up over TLS"
+            time.sleep(0.01)
+        values = [coord.schedule(push_and_read, args=(v,)) for _ in range(20)]  # each acknowledged by the backup
         coord.join(timeout=60)
         assert all(x.fetch() < 0 for x in values)
         np.testing.assert_array_equal(v.pull(), -20 * np.ones(4))
