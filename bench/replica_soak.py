@@ -5,7 +5,9 @@ a killed PS (it rejoins as a backup and catches up). A driver schedules closures
 counter (SGD(1.0)) and checkpoints every few batches; a killer SIGKILLs, every `interval` seconds:
 - a random PS once every shard's backup is in sync (it is the primary of some shards, mid-push or
   mid-checkpoint, and the backup of others), or
-- with probability 1/4, the PS that is catching up right after its restart (mid-catch-up).
+- with probability 1/4, the last victim again as soon as its restarted process runs: while it rejoins
+  or catches up (mid-catch-up when the coordinator shows it catching up first: a 32 MiB Adam "ballast"
+  variable per PS makes each catch-up carry ~100 MiB per shard).
 A primary is never killed while a shard it holds has no in-sync backup (that is two copies lost: the
 checkpoint fallback, whose loss lost_updates() reports; docs/ps_failures.md).
 
@@ -54,14 +56,16 @@ def _retry(fn: Any, timeout: float = 30.0) -> Any:
             time.sleep(0.2)
 
 
-def soak(mode: str = "async", kills: int = 34, interval: float = 2.0, seed: int = 0) -> dict[str, Any]:
-    """`kills` SIGKILLs under `mode` training (async, sync or bounded); the counters must be exact."""
+def soak(mode: str = "async", kills: int = 34, interval: float = 2.0, seed: int = 0,
+         ballast_mib: int = 32) -> dict[str, Any]:
+    """`kills` SIGKILLs under `mode` training (async, sync or bounded); the counters must be exact.
+    ballast_mib: an Adam variable of this size per PS (3x in state) that each catch-up carries."""
     rng = random.Random(seed)
     victims = list(range(NUM_PS)) if mode == "async" else list(range(1, NUM_PS))
     stop = threading.Event()
     completed = [0]
     errors: list[BaseException] = []
-    kinds = {"in sync": 0, "mid-catch-up": 0}
+    kinds = {"in sync": 0, "mid-catch-up": 0, "mid-rejoin": 0}
     checkpoints = {"saved": 0, "failed": 0}
     started = time.monotonic()
     with LocalCluster(NUM_PS, 2, supervise=True, replicas=2) as cluster:
@@ -70,6 +74,9 @@ def soak(mode: str = "async", kills: int = 34, interval: float = 2.0, seed: int 
             coord.wait_for_workers(2)
             counters = [coord.create_variable(f"counter{i}", shape=(), dtype="int64", optimizer=ps.SGD(1.0))
                         for i in range(NUM_PS)]  # ordinals 0..2: one primary on each PS
+            # ordinals 3..5: state that makes a catch-up last long enough to be killed in the middle of it
+            ballast = [coord.create_variable(f"ballast{i}", shape=(ballast_mib << 18,), dtype="float32",
+                                             optimizer=ps.Adam(1e-3)) for i in range(NUM_PS)]
             if mode == "sync":
                 coord.configure_sync("sync", replicas_to_aggregate=2, total_num_replicas=2)
             elif mode == "bounded":
@@ -77,7 +84,7 @@ def soak(mode: str = "async", kills: int = 34, interval: float = 2.0, seed: int 
 
             def all_in_sync() -> bool:
                 table = coord.replica_table()
-                return len(table) == NUM_PS and all(c.backup is not None and c.in_sync for c in table.values())
+                return len(table) == 2 * NUM_PS and all(c.backup is not None and c.in_sync for c in table.values())
 
             def catching_up() -> int | None:
                 for c in coord.replica_table().values():
@@ -105,18 +112,29 @@ def soak(mode: str = "async", kills: int = 34, interval: float = 2.0, seed: int 
             _wait(all_in_sync, "every counter's backup")
             driver = threading.Thread(target=drive, name="soak-driver", daemon=True)
             driver.start()
+            last: int | None = None
+            gone_pid = 0
             for _ in range(kills):
-                time.sleep(rng.uniform(0.5, 1.5) * interval)
                 if errors:
                     raise errors[0]
-                late = catching_up()
-                if late is not None and late in victims and rng.random() < 0.25:
-                    kinds["mid-catch-up"] += 1
-                    cluster.kill(cluster.ps[late], signal.SIGKILL)
+                if last is not None and rng.random() < 0.25:
+                    # the last victim again once its restarted process runs: while it rejoins and catches up
+                    # (it is nobody's primary then: the kill is safe, and the next catch-up starts over)
+                    _wait(lambda: cluster.ps[last].pid != gone_pid, "the supervisor's restart", timeout=60.0)
+                    try:
+                        _wait(lambda: catching_up() == last, "the restarted PS to catch up", timeout=3.0)
+                        kinds["mid-catch-up"] += 1
+                    except TimeoutError:
+                        kinds["mid-rejoin"] += 1  # not seen catching up (yet, or already done): killed anyway
+                    gone_pid = cluster.ps[last].pid  # before the kill: the supervisor may restart it at once
+                    cluster.kill(cluster.ps[last], signal.SIGKILL)
                     continue
+                time.sleep(rng.uniform(0.5, 1.5) * interval)
                 _wait(all_in_sync, "every backup in sync before a kill", timeout=120.0)
                 kinds["in sync"] += 1
-                cluster.kill(cluster.ps[rng.choice(victims)], signal.SIGKILL)
+                last = rng.choice(victims)
+                gone_pid = cluster.ps[last].pid
+                cluster.kill(cluster.ps[last], signal.SIGKILL)
             stop.set()
             driver.join(timeout=120)
             if errors:
@@ -132,5 +150,5 @@ def soak(mode: str = "async", kills: int = 34, interval: float = 2.0, seed: int 
     expected = steps if steps is not None else completed[0]  # SGD(1.0) on -1: +1 per update
     return {"mode": mode, "kills": kills, "kinds": kinds, "closures": completed[0], "global_step": steps,
             "counters": values, "expected": expected, "lost_updates": lost, "checkpoints": checkpoints,
-            "seconds": time.monotonic() - started, "ps0_killed": 0 in victims,
+            "seconds": time.monotonic() - started, "ps0_killed": 0 in victims, "ballast": len(ballast),
             "exact": all(v == expected for v in values) and lost == 0}

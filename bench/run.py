@@ -405,7 +405,8 @@ def bench_b15_soak(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]
 
     runs = [replica_soak.soak(mode, kills=k, seed=i)
             for i, (mode, k) in enumerate(zip(("async", "sync", "bounded"), _split(args.soak_kills, 3)))]
-    cells = "; ".join(f"{r['mode']}: {r['kills']} kills ({r['kinds']['mid-catch-up']} mid-catch-up), {r['closures']} "
+    cells = "; ".join(f"{r['mode']}: {r['kills']} kills ({r['kinds']['mid-catch-up']} mid-catch-up, {r['kinds']['mid-rejoin']} "
+                      f"mid-rejoin), {r['closures']} "
                       f"closures, counters {r['counters']} vs {r['expected']}, lost_updates {r['lost_updates']}, "
                       f"{r['checkpoints']['saved']} checkpoints, {r['seconds']:.0f} s" for r in runs)
     return {"runs": runs}, [("B15SOAK", "replicas: 2, 3 PS + 2 workers, a random PS SIGKILLed every ~2 s (mid-push, "
