@@ -1069,11 +1069,14 @@ class StepReply(_message.Message):
     MODE_FIELD_NUMBER: _builtins.int
     MAX_SPREAD_FIELD_NUMBER: _builtins.int
     CLOCKS_FIELD_NUMBER: _builtins.int
+    REPLICAS_TO_AGGREGATE_FIELD_NUMBER: _builtins.int
     global_step: _builtins.int
     dropped_stale: _builtins.int
     mode: _builtins.str
     max_spread: _builtins.int
     """bounded: the largest clock difference ever admitted"""
+    replicas_to_aggregate: _builtins.int
+    """sync: closures per step (R), restored with a checkpoint's sync state"""
     @_builtins.property
     def clocks(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
     def __init__(
@@ -1084,10 +1087,11 @@ class StepReply(_message.Message):
         mode: _builtins.str = ...,
         max_spread: _builtins.int = ...,
         clocks: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        replicas_to_aggregate: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["clocks", b"clocks", "dropped_stale", b"dropped_stale", "global_step", b"global_step", "max_spread", b"max_spread", "mode", b"mode"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["clocks", b"clocks", "dropped_stale", b"dropped_stale", "global_step", b"global_step", "max_spread", b"max_spread", "mode", b"mode", "replicas_to_aggregate", b"replicas_to_aggregate"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

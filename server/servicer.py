@@ -109,7 +109,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def GetStep(self, request: pb.StepRequest, context: grpc.ServicerContext) -> pb.StepReply:
         sync = self.core.replicas()
         return pb.StepReply(global_step=self.core.global_step, dropped_stale=sync.dropped, mode=sync.mode,
-                            max_spread=sync.max_spread, clocks=dict(sync.clocks))
+                            max_spread=sync.max_spread, clocks=dict(sync.clocks),
+                            replicas_to_aggregate=sync.replicas_to_aggregate)
 
     def Replicate(self, request: pb.ReplicateRequest, context: grpc.ServicerContext) -> pb.ReplicateReply:
         return self._replication("Replicate").receive(request)

@@ -67,6 +67,13 @@ def _device(net: nn.Module) -> torch.device | None:
 
 
 StepFn = Callable[[Any], dict[str, float]]
+REDUCED = (torch.bfloat16, torch.float16)
+
+
+def loss_input(outputs: torch.Tensor) -> torch.Tensor:
+    """A reduced-precision module's outputs upcast to float32 for the loss, as torch autocast computes
+    cross-entropy: a bfloat16 log-softmax keeps 8 bits of mantissa and biases the loss and its gradient."""
+    return outputs.float() if outputs.dtype in REDUCED else outputs
 
 
 def make_train_step(model: PSModule, loss_fn: LossFn, metrics: Mapping[str, Metric]) -> StepFn:
@@ -78,7 +85,7 @@ def make_train_step(model: PSModule, loss_fn: LossFn, metrics: Mapping[str, Metr
         device = _device(net)
         outputs = net(as_tensor(x, device))
         targets = as_tensor(y, device)
-        loss = loss_fn(outputs, targets)
+        loss = loss_fn(loss_input(outputs), targets)
         model.backward(loss)
         model.push()
         logs = {"loss": float(loss.detach()), **model.precision_logs()}
@@ -108,7 +115,7 @@ def make_validation(model: PSModule, loss_fn: LossFn, metrics: Mapping[str, Metr
         with torch.no_grad():
             for start in range(0, n, batch_size):
                 xb, yb = as_tensor(x[start:start + batch_size], device), as_tensor(y[start:start + batch_size], device)
-                out = net(xb)
+                out = loss_input(net(xb))
                 part = {"loss": float(loss_fn(out, yb)), **{k: float(fn(out, yb)) for k, fn in metrics.items()}}
                 for k, v in part.items():
                     totals[k] = totals.get(k, 0.0) + v * len(yb)

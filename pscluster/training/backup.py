@@ -6,8 +6,9 @@ What the PS tasks do not hold is the driver's: the epoch the restored step falls
 callback's counters (EarlyStopping's wait, ReduceLROnPlateau's best, CSVLogger's rows, ...). `fit` saves
 them here, as JSON, after every epoch's callbacks ran and before the next epoch's first closure is
 scheduled, so any PS checkpoint taken in epoch e finds the state saved at the end of epoch e - 1.
-A rerun reads the global step the PS tasks restored, resumes at (step // steps_per_epoch,
-step % steps_per_epoch) and puts back the state saved when that epoch began.
+A rerun reads the global step the PS tasks restored, turns it into the closures it holds
+(fit.completed_closures: R per step in sync mode), resumes at (closures // steps_per_epoch,
+closures % steps_per_epoch) and puts back the state saved when that epoch began.
 """
 
 from __future__ import annotations

@@ -104,6 +104,25 @@ class _Means:
         return {name: total / n for name, (total, n) in self.sums.items()}
 
 
+def completed_closures(global_step: int, mode: str, replicas_to_aggregate: int) -> int:
+    """The closures whose updates a restored global step G holds: G in async and bounded mode (every closure's
+    report advances G), G x R in sync mode (a step averages R closures' gradients; a closure skipped for a
+    non-finite gradient counts toward R, and a step's partial accumulation is not checkpointed, so its closures
+    run again). With backup replicas (N > R) a late closure's gradients are dropped: it is not counted.
+    """
+    if mode == "sync":
+        return global_step * max(1, replicas_to_aggregate)
+    return global_step
+
+
+def resume_point(coord: Any, global_step: int, steps_per_epoch: int) -> tuple[int, int]:
+    """(epoch, step in epoch) where the closures held by the PS tasks' global step end, in any update mode."""
+    if not global_step:
+        return 0, 0
+    reply = coord.client.sync_step()  # the mode and R the PS tasks restored with their checkpoint
+    return divmod(completed_closures(global_step, reply.mode, reply.replicas_to_aggregate), steps_per_epoch)
+
+
 def _check(epochs: int, steps_per_epoch: int, initial_epoch: int, verbose: int) -> None:
     if not isinstance(epochs, int) or epochs < 1:
         raise InvalidArgumentError(f"fit: epochs={epochs!r}; must be an int >= 1")
@@ -150,13 +169,19 @@ def fit(coord: Any, train_step: StepFn, dataset: Any, *, epochs: int, steps_per_
     cbs.on_train_begin()
     epoch, first_step = initial_epoch, 0
     if backups:
-        epoch, first_step = divmod(int(coord.global_step), steps_per_epoch)
+        restored = int(coord.global_step)
+        epoch, first_step = resume_point(coord, restored, steps_per_epoch)
+        saved = backups[0].saved_epochs()
+        if first_step == 0 and 0 < epoch <= epochs and epoch not in saved and epoch - 1 in saved:
+            # checkpointed after the epoch's last closure, killed before its callbacks ran: they run now
+            epoch, first_step = epoch - 1, steps_per_epoch
         saved_lr = backups[0].restore(min(epoch, epochs), stateful)
         if saved_lr is not None:
             model.learning_rate = saved_lr
         if epoch or first_step:
-            print(f"BackupAndRestore: the PS tasks restored global step {epoch * steps_per_epoch + first_step}: "
-                  f"resuming at epoch {epoch + 1}, step {first_step}", flush=True)
+            print(f"BackupAndRestore: the PS tasks restored global step {restored} "
+                  f"({epoch * steps_per_epoch + first_step} closures): resuming at epoch {epoch + 1}, "
+                  f"step {first_step}", flush=True)
     iterator = iter(dataset)
     while epoch < epochs and not model.stop_training:
         if backups:
@@ -164,6 +189,9 @@ def fit(coord: Any, train_step: StepFn, dataset: Any, *, epochs: int, steps_per_
         cbs.on_epoch_begin(epoch)
         bar = EpochBar(epoch, epochs, steps_per_epoch, first_step, verbose)
         logs = _run_epoch(coord, train_step, iterator, cbs, bar, first_step, steps_per_epoch)
+        if first_step == steps_per_epoch:  # the epoch's closure logs died with the killed driver
+            logs = {name: math.nan for name in history.history if not name.startswith("val_")}
+            logs.pop("learning_rate", None)
         if validation is not None:
             logs.update({k if k.startswith("val_") else f"val_{k}": float(v) for k, v in validation().items()})
         logs["learning_rate"] = model.learning_rate

@@ -72,10 +72,10 @@ def test_tutorial_killed_mid_epoch_resumes_at_the_checkpointed_step_with_its_cal
     out = subprocess.run(_args(backup), capture_output=True, text=True, timeout=180)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text
-    resumed = re.search(r"restored global step (\d+): resuming at epoch (\d+), step (\d+)", text)
+    resumed = re.search(r"restored global step (\d+) \((\d+) closures\): resuming at epoch (\d+), step (\d+)", text)
     assert resumed, text
-    step, epoch, in_epoch = (int(g) for g in resumed.groups())
-    assert step == killed_at and (epoch - 1) * SPE + in_epoch == step, text
+    step, closures, epoch, in_epoch = (int(g) for g in resumed.groups())
+    assert step == closures == killed_at and (epoch - 1) * SPE + in_epoch == step, text  # async: G counts closures
     assert "Epoch 1/3:" not in text and "Epoch 3/3:" in text, text  # epoch 1 is not run again
     # the callbacks' state came back: ModelCheckpoint wrote epoch 1's file before the kill, the rerun the others
     assert sorted(p.name for p in (backup / "weights").iterdir()) == [f"ckpt_{e}.safetensors" for e in (1, 2, 3)]

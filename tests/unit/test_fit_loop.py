@@ -8,6 +8,7 @@ real daemons.
 import csv
 import itertools
 import math
+import types
 
 import numpy as np
 import pytest
@@ -25,6 +26,7 @@ from pscluster.training import (
     TensorBoard,
     fit,
 )
+from pscluster.training.fit import completed_closures
 from tests.events import scalars
 
 
@@ -42,10 +44,12 @@ class Value:
 
 
 class InPlaceCoordinator:
-    """Runs each scheduled closure at once; global_step counts closures, as an async coordinator's does."""
+    """Runs each scheduled closure at once; global_step counts closures, as an async coordinator's does
+    (mode="sync": steps of `replicas` closures, as the PS tasks count them in sync mode)."""
 
-    def __init__(self, global_step=0):
-        self.global_step = global_step
+    def __init__(self, global_step=0, mode="async", replicas=1):
+        self.mode, self.replicas = mode, replicas
+        self.closures = global_step * (replicas if mode == "sync" else 1)
         self.scheduled = 0
         self.lrs = []
         self.client = self
@@ -58,8 +62,16 @@ class InPlaceCoordinator:
         except Exception as exc:  # noqa: BLE001 - kept for join(), as the coordinator does
             self._error = self._error or exc
             return Value(error=exc)
-        self.global_step += 1
+        self.closures += 1
         return Value(result)
+
+    @property
+    def global_step(self):
+        return self.closures // self.replicas if self.mode == "sync" else self.closures
+
+    def sync_step(self):
+        return types.SimpleNamespace(global_step=self.global_step, mode=self.mode,
+                                     replicas_to_aggregate=self.replicas)
 
     def join(self, timeout=None):
         if self._error is not None:
@@ -294,3 +306,50 @@ def test_verbose_fit_draws_a_bar_per_epoch_and_prints_each_epoch_line(capsys):
     out = capsys.readouterr().out
     assert "Epoch 1/2" in out and "3/3" in out
     assert "Epoch 2/2: loss: " in out and "val_accuracy: 0.5 - learning_rate: 0.1" in out
+
+
+@pytest.mark.parametrize("mode", ["sync", "bounded"])
+def test_backup_and_restore_resumes_at_the_exact_closure_in_sync_and_bounded_mode(tmp_path, mode):
+    replicas = 2 if mode == "sync" else 1
+    coord = InPlaceCoordinator(mode=mode, replicas=replicas)
+    with pytest.raises(Crash):  # dies in epoch 2 (0-based), at its closure 11
+        fit(coord, crash_at(11), itertools.count(), epochs=5, steps_per_epoch=4, learning_rate=1.0,
+            validation=fixed_validation([1.0] * 5), callbacks=make_callbacks(tmp_path), verbose=0)
+    # the PS tasks restored a checkpoint holding 10 closures: sync step 5 of R = 2, or bounded step 10
+    again = InPlaceCoordinator(global_step=10 // replicas, mode=mode, replicas=replicas)
+    history = fit(again, crash_at(-1), itertools.count(10), epochs=5, steps_per_epoch=4, learning_rate=1.0,
+                  validation=fixed_validation([1.0] * 3), callbacks=make_callbacks(tmp_path), verbose=0)
+    assert again.scheduled == 2 + 2 * 4 and again.closures == 5 * 4  # the rest of epoch 2, then epochs 3-4
+    assert history.history["loss"][2] == pytest.approx(np.mean([1 / (1 + i) for i in (10, 11)]))
+
+
+def test_completed_closures_counts_r_per_sync_step_and_one_per_step_otherwise():
+    assert completed_closures(7, "sync", 3) == 21
+    assert completed_closures(7, "bounded", 3) == completed_closures(7, "async", 1) == 7
+    assert completed_closures(0, "sync", 4) == 0
+
+
+def test_a_checkpoint_taken_after_an_epochs_last_closure_but_before_its_callbacks_resumes_at_that_epochs_end(
+        tmp_path):
+    coord = InPlaceCoordinator()
+    with pytest.raises(Crash):  # killed while epoch 1's validation runs: its closures are all in the checkpoint
+        fit(coord, crash_at(-1), itertools.count(), epochs=3, steps_per_epoch=4, learning_rate=1.0,
+            validation=crash_at_call(2), callbacks=make_callbacks(tmp_path), verbose=0)
+    again = InPlaceCoordinator(global_step=8)
+    history = fit(again, crash_at(-1), itertools.count(8), epochs=3, steps_per_epoch=4, learning_rate=1.0,
+                  validation=fixed_validation([0.5, 0.5]), callbacks=make_callbacks(tmp_path), verbose=0)
+    assert again.scheduled == 4 and history.epoch == [0, 1, 2]  # epoch 1 ends without rerunning a closure
+    assert history.history["val_loss"] == [1.0, 0.5, 0.5]
+    loss = history.history["loss"]  # epoch 1's closure logs died with the driver
+    assert loss[0] == pytest.approx(np.mean([1 / (1 + i) for i in range(4)])) and math.isnan(loss[1])
+    assert loss[2] == pytest.approx(np.mean([1 / (1 + i) for i in range(8, 12)]))
+
+
+def crash_at_call(n):
+    calls = itertools.count(1)
+
+    def validation():
+        if next(calls) == n:
+            raise Crash("killed in validation")
+        return {"loss": 1.0}
+    return validation

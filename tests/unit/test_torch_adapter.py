@@ -47,3 +47,21 @@ def test_only_sparse_embeddings_are_tables():
     net = nn.ModuleDict({"a": nn.Embedding(5, 2, sparse=True), "b": nn.Embedding(5, 2),
                          "c": nn.EmbeddingBag(5, 2, sparse=True)})
     assert sparse_tables(net) == {"a.weight": "a", "c.weight": "c"}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fit_computes_a_reduced_precision_modules_loss_in_float32_as_autocast_does(dtype):
+    from torch.nn import functional as F  # noqa: N812
+
+    from pscluster.torch.fit import loss_input
+
+    torch.manual_seed(0)
+    logits = (4 * torch.randn(256, 10)).to(dtype).requires_grad_()
+    targets = torch.randint(0, 10, (256,))
+    loss = F.cross_entropy(loss_input(logits), targets)
+    assert loss.dtype == torch.float32
+    assert loss.item() == pytest.approx(F.cross_entropy(logits.detach().double(), targets).item(), rel=1e-6)
+    loss.backward()
+    assert logits.grad is not None and logits.grad.dtype == dtype  # the backward pass stays in the module's dtype
+    float32 = torch.zeros(2, 3)
+    assert loss_input(float32) is float32
