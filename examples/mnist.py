@@ -45,8 +45,19 @@ def load_mnist(path: str | None = None) -> tuple[np.ndarray, np.ndarray, np.ndar
     return x[:split], y[:split], x[split:], y[split:]
 
 
-def batches(path: str, batch: int, seed: int):
-    """Endless shuffled minibatches from the training split saved at path (one iterator per worker)."""
+def shifted(x: np.ndarray, rng: np.random.Generator, pixels: int) -> np.ndarray:
+    """Each 28x28 digit of x (N, 784) moved by up to `pixels` in each direction (Keras's RandomTranslation,
+    wrapping around the border, which is blank)."""
+    images = x.reshape(-1, 28, 28)
+    out = np.empty_like(images)
+    for k, (dy, dx) in enumerate(rng.integers(-pixels, pixels + 1, (len(images), 2))):
+        out[k] = np.roll(images[k], (dy, dx), axis=(0, 1))
+    return out.reshape(len(x), -1)
+
+
+def batches(path: str, batch: int, seed: int, shift: int = 0):
+    """Endless shuffled minibatches from the training split saved at path (one iterator per worker);
+    shift > 0 moves each digit by up to that many pixels (a fresh random translation every time)."""
     data = np.load(path)
     x, y = data["x"], data["y"]
     rng = np.random.default_rng(seed)
@@ -54,7 +65,7 @@ def batches(path: str, batch: int, seed: int):
         order = rng.permutation(len(x))
         for start in range(0, len(x) - batch + 1, batch):
             idx = order[start:start + batch]
-            yield x[idx], y[idx]
+            yield (shifted(x[idx], rng, shift) if shift else x[idx]), y[idx]
 
 
 # -- model ----------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """TensorFlow's Keras tutorial program on pscluster: model.fit with its callbacks, 2 PS + 2 workers.
 
-    python examples/tutorial_mnist.py                          # 12 epochs: held-out accuracy about 0.94
+    python examples/tutorial_mnist.py                          # 12 epochs of 200 steps: held out about 0.97
     python examples/tutorial_mnist.py --backup-dir backup      # kill -9 it mid-run, run it again: it resumes
                                                                # at the epoch and step of the newest checkpoint
     python examples/tutorial_mnist.py --logdir logs            # then: tensorboard --logdir logs
@@ -9,9 +9,12 @@ The tutorial's model (Conv2D 32 3x3 relu, Flatten, Dense 128 relu, Dense 10) wri
 the tutorial's `decay` schedule through LearningRateScheduler, its PrintLR callback, TensorBoard,
 ModelCheckpoint (one safetensors file per epoch) and BackupAndRestore. The mapping of each tutorial
 line to this program's is in docs/from_keras.md. Data: the MNIST digits of examples/mnist.py (4,000
-train, 1,000 held out); an epoch is 62 minibatches of 64 (one pass over the training digits). With
-4,000 training digits this model and schedule plateau near 0.945 held out, in single-process torch
-too (0.944 from epoch 4 on): the tutorial's 0.97+ comes from 60,000 digits.
+train, 1,000 held out) where the tutorial has 60,000. As under ParameterServerStrategy, steps_per_epoch
+is the program's choice over a repeated dataset: 200 minibatches of 64 (the tutorial's epoch is 938).
+The 2.8 M-parameter model memorizes 4,000 digits within 3 epochs (training accuracy 1.000) and then holds
+0.95 out; moving each training digit by up to 2 pixels (--shift 2, the default; --shift 0 is the
+tutorial's plain pipeline) stands in for the missing digits: single-process torch with this model,
+schedule and data reaches 0.970 at epoch 4 and 0.972-0.974 from epoch 6 on.
 """
 
 from __future__ import annotations
@@ -72,8 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     """Start a local cluster (restoring backup-dir's checkpoints), fit, print held-out accuracy."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=12)
-    parser.add_argument("--steps-per-epoch", type=int, default=62, help="closures per epoch, summed over workers")
+    parser.add_argument("--steps-per-epoch", type=int, default=200, help="closures per epoch, summed over workers")
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--shift", type=int, default=2, help="move each training digit by up to this many pixels "
+                                                            "(0: the tutorial's plain pipeline, held out ~0.95)")
     parser.add_argument("--ps", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--backup-dir", help="PS checkpoints, the callbacks' state and the weights files go here; "
@@ -81,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint-every-steps", type=int, default=20, help="automatic PS checkpoints")
     parser.add_argument("--logdir", help="TensorBoard event files (default: <backup-dir>/logs)")
     parser.add_argument("--verbose", type=int, default=1, choices=[0, 1, 2])
-    parser.add_argument("--min-accuracy", type=float, default=0.93, help="exit non-zero below this")
+    parser.add_argument("--min-accuracy", type=float, default=0.96, help="exit non-zero below this")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
@@ -102,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                 coord.wait_for_workers(args.workers)
                 model = ps_torch.PSModule(coord, TutorialCNN(), ps_torch.Adam(lr=1e-3))
                 dataset = coord.create_per_worker_dataset(
-                    lambda info: batches(train_path, args.batch, seed=info.worker_index))
+                    lambda info: batches(train_path, args.batch, seed=info.worker_index, shift=args.shift))
                 callbacks = [
                     TensorBoard(log_dir=args.logdir or backup / "logs"),
                     ModelCheckpoint(filepath=backup / "weights" / "ckpt_{epoch}.safetensors"),

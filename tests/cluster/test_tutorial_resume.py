@@ -15,7 +15,7 @@ from pscluster.checkpoint_files import complete_steps
 
 pytestmark = pytest.mark.cluster
 EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "tutorial_mnist.py"
-SPE = 10
+SPE = 8
 
 
 def _alive(pid: int) -> bool:
@@ -28,7 +28,7 @@ def _alive(pid: int) -> bool:
 
 def _args(backup: pathlib.Path) -> list[str]:
     return [sys.executable, str(EXAMPLE), "--epochs", "3", "--steps-per-epoch", str(SPE), "--backup-dir", str(backup),
-            "--checkpoint-every-steps", "3", "--verbose", "2", "--min-accuracy", "0"]
+            "--checkpoint-every-steps", "2", "--verbose", "2", "--min-accuracy", "0"]
 
 
 def _stop(program: subprocess.Popen, daemons: list[int]) -> None:
@@ -80,4 +80,4 @@ def test_tutorial_killed_mid_epoch_resumes_at_the_checkpointed_step_with_its_cal
     # the callbacks' state came back: ModelCheckpoint wrote epoch 1's file before the kill, the rerun the others
     assert sorted(p.name for p in (backup / "weights").iterdir()) == [f"ckpt_{e}.safetensors" for e in (1, 2, 3)]
     acc = float(re.search(r"held-out test accuracy: ([0-9.]+)", text).group(1))
-    assert acc >= 0.55, text  # an uninterrupted run of 3 x 10 steps: 0.72 (16:12 run)
+    assert acc >= 0.5, text  # an uninterrupted run of 3 x 8 steps (--shift 2): 0.687 (19:20 run)

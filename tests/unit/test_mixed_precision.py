@@ -147,18 +147,24 @@ def test_the_staging_buffer_holds_every_staged_tensor_aligned_and_is_reused():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_module_on_cuda_pulls_through_the_pinned_staging_buffer_and_pushes_from_the_device():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_module_on_cuda_pulls_through_the_pinned_staging_buffer_and_pushes_from_the_device(dtype):
     backend = StoreBackend()
-    model = ps_torch.PSModule(backend, tiny(torch.bfloat16), SGD(0.1))
+    model = ps_torch.PSModule(backend, tiny(dtype), SGD(0.1))
     model.skeleton.to("cuda")
+    wire = BF16 if dtype == torch.bfloat16 else np.dtype(np.float32)
     with context.ClosureScope(1, client=backend):
         replica = model.pull()
         assert all(p.device.type == "cuda" for p in replica.parameters())
+        assert model._replica().staging._buffer.is_pinned()  # one page-locked host buffer, not a copy per tensor
+        masters = {name: backend.store.get((name, 0)).value.copy() for name, _ in replica.named_parameters()}
         for name, param in replica.named_parameters():
-            np.testing.assert_array_equal(param.float().cpu().numpy(),
-                                          backend.store.get((name, 0)).value.astype(BF16).astype(np.float32))
-        loss = nn.functional.cross_entropy(replica(torch.randn(8, 4, device="cuda", dtype=torch.bfloat16)).float(),
+            np.testing.assert_array_equal(param.float().cpu().numpy(), masters[name].astype(wire).astype(np.float32))
+        loss = nn.functional.cross_entropy(replica(torch.randn(8, 4, device="cuda", dtype=dtype)).float(),
                                            torch.randint(0, 2, (8,), device="cuda"))
         model.backward(loss)
         model.push()
-    assert all(g.dtype == BF16 for name, g in backend.pushed[0].items() if name in dict(replica.named_parameters()))
+        grads = {name: p.grad.float().cpu().numpy() for name, p in replica.named_parameters()}
+    assert all(backend.pushed[0][name].dtype == wire for name in grads)
+    for name, grad in grads.items():  # the PS applied exactly the gradient computed on the device
+        np.testing.assert_array_equal(backend.store.get((name, 0)).value, masters[name] - np.float32(0.1) * grad)
