@@ -99,3 +99,30 @@ def overhead(pairs: int = 5, epochs: int = 4, steps_per_epoch: int = 100) -> dic
             finally:
                 coord.shutdown()
     return out
+
+
+def precision_in_process(dtype: str = "float32", seed: int = 0, steps: int = 1100) -> dict[str, float]:
+    """What B14MP's cluster does, in one process and in a fixed order (no asynchrony): float32 masters and
+    Adam 2e-3; each step casts the masters into a module in `dtype`, takes the gradient of the loss
+    (computed in float32, as pscluster.torch.fit does) on a minibatch of 64, and upcasts it for the
+    optimizer. The same seed gives float32 and bfloat16 the same minibatches: the accuracy gap is the
+    precision's alone."""
+    torch.set_num_threads(1)
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    with tempfile.TemporaryDirectory() as tmp:
+        path, xt, yt = _data(tmp)
+        master = example.CNN(seed)
+        opt = torch.optim.Adam(master.parameters(), lr=LR)
+        work = example.CNN(seed).to(torch_dtype)
+        it = example.batches(path, BATCH, seed)
+        for _ in range(steps):
+            with torch.no_grad():
+                for w, m in zip(work.parameters(), master.parameters()):
+                    w.copy_(m)
+            x, y = next(it)
+            work.zero_grad()
+            F.cross_entropy(work(torch.from_numpy(x).to(torch_dtype)).float(), torch.from_numpy(y)).backward()
+            for w, m in zip(work.parameters(), master.parameters()):
+                m.grad = w.grad.float() if w.grad is not None else None
+            opt.step()
+    return {"accuracy": example.accuracy(master, xt, yt)}
