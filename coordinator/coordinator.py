@@ -331,7 +331,12 @@ class ClusterCoordinator(CoordinatorAPI):
         framed = ""
         if closure_port and self.settings.bulk_transport:
             framed = f"{address.rpartition(':')[0]}:{closure_port}"
-        for action in self._inbox.ask(sch.Register(worker_id, address, framed)).result(timeout):
+        try:
+            actions = self._inbox.ask(sch.Register(worker_id, address, framed)).result(timeout)
+        except TimeoutError:  # a busy event loop: retryable, so the worker tries again rather than giving up
+            raise DeadlineExceededError(f"worker {worker_id}: the coordinator did not take the registration within "
+                                        f"{timeout:.0f} s (busy); retry") from None
+        for action in actions:
             if isinstance(action, sch.Registered) and action.wid == worker_id:
                 return action.index
         raise UnavailableError(f"worker {worker_id} could not register")
