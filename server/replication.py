@@ -275,9 +275,16 @@ class Replication:
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         for key, version in versions:
             while True:
-                _, rep = self._replicator_of(key)
-                if rep is None or rep.wait(key, version, deadline):
-                    break  # no backup (one copy), or confirmed; False: the roles changed, look again
+                role, rep = self._replicator_of(key)
+                if rep is None:
+                    if role is not None and role.primary == self.ps_index and role.backup < 0:
+                        break  # one copy of this shard now: nothing to wait for
+                    # deposed, or replication stopped (shutdown): the backup may not hold the update, so the
+                    # push is not acknowledged here; the client retries it, same id, on the shard's primary
+                    raise UnavailableError(f"{name_of(key)}: ps {self.ps_index} is no longer its primary or is "
+                                           "stopping; the push was not acknowledged (retry it with the same id)")
+                if rep.wait(key, version, deadline):
+                    break  # confirmed; False: the roles changed, look again
 
     def stop(self) -> None:
         """Stop every replicator thread (joined)."""

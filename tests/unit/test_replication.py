@@ -8,6 +8,7 @@ tests/cluster/test_replicated_ps.py runs replication between real daemons.
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -301,3 +302,37 @@ def test_a_refusal_of_a_forward_sent_before_the_role_changed_does_not_depose_the
     pushed.join(10)
     a.push("c2.0", 0, [PushItem(KEY, grad(1.0))])  # acknowledged at epoch 2: not refused as deposed
     same(a, b, KEY)
+
+
+def test_a_push_whose_primary_lost_its_role_while_waiting_is_not_acknowledged(pair):
+    """The wait for the backup must not end in an acknowledgement when this PS stopped being the shard's
+    primary meanwhile: the backup may never hold the update (found by review; it broke out as confirmed)."""
+    a, b, links = pair
+    create(a)
+    roles(a, b)
+    links[1].cut.set()  # the forward cannot land
+    done: list[BaseException | None] = []
+
+    def push() -> None:
+        try:
+            a.push("c1.0", 0, [PushItem(KEY, grad(1.0))])
+            done.append(None)
+        except BaseException as exc:  # noqa: BLE001 - the test inspects what the push raised
+            done.append(exc)
+
+    pusher = threading.Thread(target=push)
+    pusher.start()
+    time.sleep(0.2)  # the push waits for the backup's confirmation
+    a.replication.set_roles(*table(2, 2, 1))  # the coordinator promoted the backup
+    pusher.join(5)
+    assert not pusher.is_alive() and isinstance(done[0], UnavailableError), done
+    assert b.store.get(KEY).version == 0  # the backup never held it: the worker retries on ps 1
+
+
+def test_a_push_on_a_stopping_primary_is_not_acknowledged_without_its_backup(pair):
+    a, b, _ = pair
+    create(a)
+    roles(a, b)
+    a.replication.stop()  # shutdown: the replicators are gone
+    with pytest.raises(UnavailableError, match="no longer its primary or is stopping"):
+        a.push("c1.0", 0, [PushItem(KEY, grad(1.0))])
