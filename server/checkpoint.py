@@ -36,6 +36,7 @@ from pscluster.server.store import Shard, ShardSpec, VariableStore, shard_name
 from pscluster.server.tensor_files import TensorFile, write
 
 from pscluster.checkpoint_files import STEP_DIR as _STEP
+from pscluster.checkpoint_files import TASK_FILE
 from pscluster.checkpoint_files import complete_steps as complete_steps
 from pscluster.errors import FailedPreconditionError, InvalidArgumentError
 from pscluster.optimizer_config import config_from_dict
@@ -177,11 +178,19 @@ def _table_part(files: list[pathlib.Path], base: str) -> tuple[table_state.State
                                   "increment builds on; restore an older complete step or a full one")
 
 
+def _step_files(root: pathlib.Path, step: int) -> list[pathlib.Path]:
+    """The task files present in one step's directory, complete step or not."""
+    step_dir = root / f"step-{step:012d}"
+    return sorted(f for f in step_dir.iterdir() if TASK_FILE.match(f.name)) if step_dir.is_dir() else []
+
+
 def _table_state(root: pathlib.Path, own: table_state.State, chain: list[int], base: str) -> table_state.State:
     """A table shard's whole state: the full state of chain[0] with every later increment applied in order."""
     if not chain:
         return own
-    steps = dict(complete_steps(root))
+    # a base need not be a complete step: this task's own save of it may have landed while another task's
+    # failed (the chain grows with every local save); its file is all an increment builds on
+    steps = {s: files for s in chain if (files := _step_files(root, s))}
     missing = [s for s in chain if s not in steps]
     if missing:
         raise FailedPreconditionError(f"{base}: the increments saved at {chain} need steps {missing}, which are gone "

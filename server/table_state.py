@@ -94,7 +94,8 @@ def for_checkpoint(table: DynamicTable, step: int) -> tuple[State, list[int]]:
     promoted, or after a failed save: see `drop_chain`) or past REMOVED_LOG_LIMIT removals saves in full.
     """
     k = table.cfg.increments
-    if k and table.chain and len(table.chain) <= k and table.removed_log is not None:
+    # a second save at the same step (a retried Save) must not write an increment over its own base
+    if k and table.chain and len(table.chain) <= k and table.removed_log is not None and step > table.chain[-1]:
         try:
             state, chain = delta(table), list(table.chain)
             table.chain.append(step)

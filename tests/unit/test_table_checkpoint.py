@@ -161,3 +161,28 @@ def test_an_increment_on_disk_costs_the_rows_it_changed(tmp_path) -> None:
     store.push("b", [PushItem(("big", 0), np.ones((50, 16), np.float32), keys[:50])])
     increment = checkpoint.save(store, tmp_path, 2, 0, 1, keep=2).stat().st_size
     assert increment < full / 50  # 1 % of the rows changed
+
+
+def test_an_increment_whose_base_step_never_completed_still_restores(tmp_path) -> None:
+    """This task's full save at step 1 landed but another task's did not (step 1 is incomplete); the
+    increment at the complete step 2 builds on this task's own step-1 file (found by review: the restore
+    demanded a complete step 1 and failed on every later step until the next full save)."""
+    store = inc_store()
+    push(store, "p0", [1, 1, 2, 3, 3])
+    checkpoint.save(store, tmp_path, 1, 0, 2, keep=3)  # ps 1 of 2 died before writing step 1
+    push(store, "p1", [2, 4, 4])
+    checkpoint.save(store, tmp_path, 2, 0, 2, keep=3)  # an increment on step 1
+    checkpoint.save(VariableStore(), tmp_path, 2, 1, 2, keep=3)  # ps 1 writes step 2: it is complete
+    fresh = VariableStore()
+    found = checkpoint.restore(fresh, tmp_path, 0, 2)
+    assert found is not None and found.step == 2 and equal(state(fresh), state(store))
+
+
+def test_a_second_save_at_the_same_step_writes_a_full_state_not_an_increment_on_itself(tmp_path) -> None:
+    store = inc_store()
+    push(store, "p0", [1, 1, 2])
+    checkpoint.save(store, tmp_path, 1, 0, 1, keep=2)
+    push(store, "p1", [2, 3, 3])
+    checkpoint.save(store, tmp_path, 1, 0, 1, keep=2)  # a retried Save at the same step overwrites step 1
+    step, got = restored_state(tmp_path)
+    assert step == 1 and equal(got, state(store))
