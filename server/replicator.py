@@ -246,7 +246,14 @@ class Replicator:
                 dirty, self._dirty = self._dirty, set()
                 failures = self._failures
             for key in sorted(dirty):
-                self._resync(key)
+                try:
+                    self._resync(key)
+                except Exception:  # one shard's failed snapshot must not end the sender of every shard
+                    log.exception("replication to ps %d: the catch-up of %s failed; trying again", self.backup,
+                                  name_of(key))
+                    with self._cond:
+                        self._dirty.add(key)
+                    self._stop.wait(0.5)
             if failures:
                 self._stop.wait(min(0.01 * 2 ** min(failures, 6), 0.5))
             with self._cond:

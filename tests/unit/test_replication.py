@@ -336,3 +336,42 @@ def test_a_push_on_a_stopping_primary_is_not_acknowledged_without_its_backup(pai
     a.replication.stop()  # shutdown: the replicators are gone
     with pytest.raises(UnavailableError, match="no longer its primary or is stopping"):
         a.push("c1.0", 0, [PushItem(KEY, grad(1.0))])
+
+
+def test_a_catch_up_whose_snapshot_fails_is_tried_again_and_the_sender_lives_on():
+    """A resync that raises (a failed snapshot) must not end the replicator's thread: it was the only
+    sender of catch-ups and resends, so the backup fell behind for good (found by review)."""
+    from pscluster.server.replicator import Replicator
+
+    class Accepting:
+        def replicate(self, request, arrays, timeout):
+            n = len(request.forwards)
+            return pb.ReplicateReply(outcomes=[pb.REPLICA_APPLIED] * n, versions=[f.version for f in request.forwards])
+
+        def close(self) -> None:
+            pass
+
+    calls: list[tuple[str, int]] = []
+
+    def resync(key) -> None:
+        calls.append(key)
+        if len(calls) == 1:
+            raise MemoryError("the snapshot's copy failed")
+
+    rep = Replicator(1, Accepting(), 0, 1.0, resync, max_queued_bytes=8)
+    try:
+        rep.keys.update({KEY, ROWS})
+        msg = pb.ReplicaForward(ref=pb.ShardRef(variable="w", shard_index=0), epoch=1, version=1)
+        with rep._cond:  # hold the queue so the second put finds the first one still there: over the limit
+            rep._sending = True
+        rep.put(KEY, 1, msg, [np.zeros(2, np.float32)])
+        rep.put(ROWS, 1, msg, [np.zeros(2, np.float32)])  # over max_queued_bytes: ROWS is resynced instead
+        with rep._cond:
+            rep._sending = False
+            rep._wake_sender()
+        deadline = time.monotonic() + 5
+        while len(calls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert calls == [ROWS, ROWS] and rep._thread.is_alive()
+    finally:
+        rep.stop()
