@@ -458,9 +458,10 @@ def _write_table(path: pathlib.Path, rows: list[Row], kept_ids: set[str]) -> Non
     head, _, rest = text.partition(BEGIN)
     old, _, tail = rest.partition(END)
     old_lines = old.strip("\n").splitlines()
-    kept = [line for line in old_lines if line.startswith("| ") and not line.startswith("| id |")
-            and (line.split("|")[1].strip() in kept_ids or line.split("|")[1].strip() not in BENCHES)]
-    if any(line.split("|")[1].strip() in kept_ids for line in kept):  # a subset run beside earlier figures
+    rows_by_id = [(line.split("|")[1].strip(), line) for line in old_lines if line.startswith("| ")]
+    kept_rows = [(rid, line) for rid, line in rows_by_id if rid != "id" and (rid in kept_ids or rid not in BENCHES)]
+    kept = [line for _, line in kept_rows]
+    if any(rid in kept_ids for rid, _ in kept_rows):  # a subset run beside earlier figures
         intro = [line for line in old_lines if not line.startswith("|")]
         stamp = f"; a separate run {datetime.date.today()}: `{command}`"
         rows = [(a, b if "separate run" in b else b + stamp, c, d) for a, b, c, d in rows]

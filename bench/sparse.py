@@ -40,26 +40,21 @@ from pscluster.tables import TableConfig  # noqa: E402
 ROWS, DIM, BATCH, LR, SCALE = 10_000_000, 64, 4096, 0.01, 0.05
 
 
-def batch_step(table: ps.Variable, seed: int, batch: int = BATCH) -> int:
-    """One closure of the workload: returns the number of unique ids it moved."""
+def batch_step(table: ps.Variable, seed: int, batch: int = BATCH, hashed_range: int = 0) -> int:
+    """One closure of the workload: returns the number of unique ids it moved. hashed_range: a dynamic
+    table, random ids below it hashed into int64 keys (rows created on first pull)."""
     rng = np.random.default_rng(seed)
-    ids, counts = np.unique(rng.integers(0, table.shape[0], batch), return_counts=True)
+    if hashed_range:
+        from pscluster.tables import mix64
+
+        draws = mix64(rng.integers(0, hashed_range, batch)).view(np.int64)
+    else:
+        draws = rng.integers(0, table.shape[0], batch)
+    ids, counts = np.unique(draws, return_counts=True)
     rows = table.pull_rows(ids)
     rows *= (2 * counts).astype(rows.dtype)[:, None]  # d/drow of sum(rows^2) over the batch
     table.push_rows(ids, rows)
     return int(ids.size)
-
-
-def hashed_step(table: ps.Variable, seed: int, id_range: int, batch: int = BATCH) -> int:
-    """The same closure on a dynamic table: random ids hashed into int64 keys (rows created on first pull)."""
-    from pscluster.tables import mix64
-
-    rng = np.random.default_rng(seed)
-    keys, counts = np.unique(mix64(rng.integers(0, id_range, batch)).view(np.int64), return_counts=True)
-    rows = table.pull_rows(keys)
-    rows *= (2 * counts).astype(rows.dtype)[:, None]
-    table.push_rows(keys, rows)
-    return int(keys.size)
 
 
 def loop_steps(table: ps.Variable, seed: int, steps: int, batch: int = BATCH) -> dict[str, float]:
@@ -106,10 +101,8 @@ class PsclusterRun:
     def _schedule(self, n: int, batch: int, dynamic: bool = False) -> None:
         for _ in range(n):
             self._seed += 1
-            if dynamic:
-                self.coord.schedule(hashed_step, args=(self.dynamic, self._seed, self.rows, batch))
-            else:
-                self.coord.schedule(batch_step, args=(self.table, self._seed, batch))
+            args = (self.dynamic, self._seed, batch, self.rows) if dynamic else (self.table, self._seed, batch)
+            self.coord.schedule(batch_step, args=args)
         self.coord.join()
 
     def rep(self, closures: int, warmup: int = 20, batch: int = BATCH, dynamic: bool = False) -> float:

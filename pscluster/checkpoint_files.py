@@ -20,6 +20,18 @@ STEP_DIR = re.compile(r"step-(\d+)$")
 TASK_FILE = re.compile(r"ps-(\d+)-of-(\d+)\.safetensors$")
 
 
+def task_files(step_dir: pathlib.Path) -> tuple[dict[int, pathlib.Path], int | None]:
+    """The task files present in one step's directory by task index, and the task count they name."""
+    files: dict[int, pathlib.Path] = {}
+    total = None
+    for f in step_dir.iterdir():
+        fm = TASK_FILE.match(f.name)
+        if fm:
+            files[int(fm.group(1))] = f
+            total = int(fm.group(2))
+    return files, total
+
+
 def complete_steps(root: pathlib.Path) -> list[tuple[int, list[pathlib.Path]]]:
     """(step, files) of every complete step, oldest first."""
     out: list[tuple[int, list[pathlib.Path]]] = []
@@ -29,13 +41,7 @@ def complete_steps(root: pathlib.Path) -> list[tuple[int, list[pathlib.Path]]]:
         m = STEP_DIR.match(step_dir.name)
         if not m or not step_dir.is_dir():
             continue
-        files = {}
-        total = None
-        for f in step_dir.iterdir():
-            fm = TASK_FILE.match(f.name)
-            if fm:
-                files[int(fm.group(1))] = f
-                total = int(fm.group(2))
+        files, total = task_files(step_dir)
         if total and set(files) == set(range(total)):
             out.append((int(m.group(1)), [files[i] for i in range(total)]))
     return sorted(out)

@@ -36,8 +36,8 @@ from pscluster.server.store import Shard, ShardSpec, VariableStore, shard_name
 from pscluster.server.tensor_files import TensorFile, write
 
 from pscluster.checkpoint_files import STEP_DIR as _STEP
-from pscluster.checkpoint_files import TASK_FILE
 from pscluster.checkpoint_files import complete_steps as complete_steps
+from pscluster.checkpoint_files import task_files
 from pscluster.errors import FailedPreconditionError, InvalidArgumentError
 from pscluster.optimizer_config import config_from_dict
 from pscluster.placement import PLACEMENT_VERSION, ps_for_ordinal
@@ -181,7 +181,7 @@ def _table_part(files: list[pathlib.Path], base: str) -> tuple[table_state.State
 def _step_files(root: pathlib.Path, step: int) -> list[pathlib.Path]:
     """The task files present in one step's directory, complete step or not."""
     step_dir = root / f"step-{step:012d}"
-    return sorted(f for f in step_dir.iterdir() if TASK_FILE.match(f.name)) if step_dir.is_dir() else []
+    return [f for _, f in sorted(task_files(step_dir)[0].items())] if step_dir.is_dir() else []
 
 
 def _table_state(root: pathlib.Path, own: table_state.State, chain: list[int], base: str) -> table_state.State:
