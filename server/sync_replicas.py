@@ -188,6 +188,16 @@ class SyncReplicas:
                 return PushResult(shard.version, False)
             if push_id in acc.contributors:
                 return PushResult(shard.version, False)
+            if not acc.contributors and self._settled_before(shard, step):
+                # a promoted backup: the old primary applied this step and replicated it, then died before
+                # every reply went out. The retry is a repeat; opening the step again here would wait for
+                # gradients no replica will send
+                with self._cond:
+                    if self._acc.get(key) is acc:
+                        self._acc[key] = Accumulator(step + 1)
+                        self._settled[key] = (step, shard.version)
+                        self._cond.notify_all()
+                return PushResult(shard.version, False)
             acc.contributors.add(push_id)
             if item is None:
                 acc.skips += 1
@@ -234,6 +244,12 @@ class SyncReplicas:
             if refused is not None:
                 raise refused
             return result
+
+    @staticmethod
+    def _settled_before(shard: Shard, step: int) -> bool:
+        """True if the shard's push record holds `step`'s aggregated update (applied here or replicated here)."""
+        with shard.lock:
+            return shard.record.seen_key(push_key(f"sync:{step}"))
 
     def settled(self, key: tuple[str, int], step: int, timeout: float) -> int:
         """The version shard `key` holds once `step` settled there (applied: its new version; skipped: the

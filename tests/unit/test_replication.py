@@ -209,6 +209,32 @@ def test_a_sync_step_sends_its_one_aggregated_update_and_its_replies_wait_for_it
     assert b.store.get(KEY).record.seen("sync:0")
 
 
+def test_a_sync_push_retried_on_the_promoted_backup_after_its_step_applied_returns_at_once(pair):
+    # the primary applied step 0 and replicated it, then died before replying to the second replica: that
+    # replica's retry must not open step 0 again on the new primary (no other replica would ever fill it)
+    a, b, _ = pair
+    create(a, "sgd")
+    for core in (a, b):
+        core.sync.configure("sync", 2, 2, 0)
+    roles(a, b)
+    first = threading.Thread(target=lambda: a.push("c1.0", 0, [PushItem(KEY, grad(1.0))]))
+    first.start()
+    a.push("c2.0", 0, [PushItem(KEY, grad(3.0))])
+    first.join(timeout=5)
+    b.replication.set_roles(*table(2, 2, 1))  # the primary died; the backup is promoted
+    started = time.monotonic()
+    again = b.push("c2.0", 0, [PushItem(KEY, grad(3.0))])[0]
+    assert time.monotonic() - started < 1.0  # not a wait for the step's other gradient
+    assert not again.applied and again.version == 1
+    assert b.store.get(KEY).value[0] == pytest.approx(1.0 - 0.1 * 2.0) and b.sync.dropped == 0
+    # the next step accumulates on the new primary as usual
+    third = threading.Thread(target=lambda: b.push("c3.0", 1, [PushItem(KEY, grad(1.0))]))
+    third.start()
+    b.push("c4.0", 1, [PushItem(KEY, grad(1.0))])
+    third.join(timeout=5)
+    assert b.store.get(KEY).version == 2 and b.store.get(KEY).value[0] == pytest.approx(0.8 - 0.1)
+
+
 def test_concurrent_pushes_reach_the_backup_in_the_primary_order(pair):
     a, b, _ = pair
     create(a)
