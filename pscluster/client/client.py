@@ -25,7 +25,7 @@ from pscluster import codec, gradients
 from pscluster.client import context, plans
 from pscluster.client.cluster_ops import ClusterOperations
 from pscluster.client.fresh import FreshValues
-from pscluster.client.routes import Routes
+from pscluster.client.routes import Routes, retry_wait
 from pscluster.client.variables import ShardPlacement, Variable
 from pscluster.config import Settings
 from pscluster.errors import (
@@ -319,10 +319,10 @@ class PSClient(ClusterOperations):
                 if self._resolver is not None and not lost:
                     for ps in range(self.num_ps):
                         self.relocate(ps)
-                if self.routes is not None and not lost:
-                    self.routes.refresh()  # a primary may have moved: the retry goes where the table says
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 0.5)
+                # a primary may have moved: the retry goes where the table says, at once if it just moved
+                moved = self.routes.refresh() if self.routes is not None and not lost else False
+                wait, backoff = retry_wait(backoff, moved, self.routes is not None)
+                time.sleep(wait)
 
     def pull(self, variables: Sequence[Variable]) -> list[np.ndarray]:
         """Current values of variables: one request per PS task, all in parallel, reassembled. In a closure

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -26,6 +27,22 @@ Key = tuple[str, int]
 Item = TypeVar("Item", pb.PullItem, pb.PushItem)
 
 
+RETRY_CAP_S = 0.5  # the longest back-off between a client's retries
+# with replicas: 2, between retries that look for a promoted primary: a failover takes ~0.1 s after a
+# kill, ~0.4 s after a SIGSTOP; a longer back-off would be most of the failover time (B15: doubling from
+# 20 ms put the retry that found the new primary 300 ms after the first failure)
+ROUTED_RETRY_CAP_S = 0.05
+GRACE_S = 0.05  # a table refresh waits this long past the first answer for the other PS tasks'
+
+
+def retry_wait(backoff: float, moved: bool, routed: bool) -> tuple[float, float]:
+    """(the sleep before a retry, the back-off after it) given the current back-off; moved: the replica
+    table just got newer (the retry goes at once to the new primary); routed: the client follows one."""
+    if moved:
+        return 0.0, backoff
+    return backoff, min(backoff * 2, ROUTED_RETRY_CAP_S if routed else RETRY_CAP_S)
+
+
 class Routes:
     """The newest replica table a client has seen: shard key -> primary PS index."""
 
@@ -37,16 +54,46 @@ class Routes:
         self.primary: dict[Key, int] = {}
 
     def refresh(self) -> bool:
-        """Ask every PS for its table (in parallel, bounded); keep the newest. True if it was newer."""
+        """Ask every PS for its table (in parallel, bounded); keep the newest. True if it was newer.
+
+        A PS that does not answer (SIGSTOPped) delays this by GRACE_S past the first answer, not the timeout.
+        """
         futures = [stub.GetRoles.future(pb.GetRolesRequest(), timeout=self._timeout) for stub in self._stubs()]
-        newest: pb.SetRolesRequest | None = None
+        done: list[Any] = []
+        cond = threading.Condition()
+
+        def finished(fut: Any) -> None:
+            with cond:
+                done.append(fut)
+                cond.notify()
+
         for fut in futures:
-            try:
-                table = fut.result()
-            except grpc.RpcError:
-                continue  # that PS is down or restarting: another one knows
-            if newest is None or table.version > newest.version:
-                newest = table
+            fut.add_done_callback(finished)
+        newest: pb.SetRolesRequest | None = None
+        deadline = time.monotonic() + self._timeout
+        seen = 0
+        with cond:
+            while seen < len(futures):
+                if seen == len(done):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    cond.wait(left)
+                    continue
+                fut = done[seen]
+                seen += 1
+                try:
+                    table = fut.result()
+                except grpc.RpcError:
+                    continue  # that PS is down or restarting: another one knows
+                if newest is None:
+                    deadline = min(deadline, time.monotonic() + GRACE_S)  # the other live PS answer about now
+                if newest is None or table.version > newest.version:
+                    newest = table
+            answered = set(map(id, done))
+        for fut in futures:
+            if id(fut) not in answered:
+                fut.cancel()
         with self._lock:
             if newest is None or newest.version <= self.version:
                 return False

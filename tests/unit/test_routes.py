@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 
 import grpc
 import numpy as np
 from pscluster.proto import pscluster_pb2 as pb
 
-from pscluster.client.routes import Routes
+from pscluster.client.routes import RETRY_CAP_S, ROUTED_RETRY_CAP_S, Routes, retry_wait
 
 
 class Down(grpc.RpcError):
@@ -59,3 +60,37 @@ def test_the_newest_table_of_the_live_ps_wins_and_items_follow_their_primary() -
     assert {ps: [(i.ref.variable, i.ref.shard_index) for i, _ in items] for ps, items in routed.items()} == \
         {1: [("w", 0), ("w", 1)], 0: [("v", 0)]}
     assert routed_targets == {1: ["ta", "tc"], 0: ["tb"]}  # the fused reply's targets stay aligned
+
+
+class Stopped:
+    """A SIGSTOPped PS's GetRoles: never answers (its future only ends when cancelled)."""
+
+    def __init__(self) -> None:
+        self.GetRoles = self
+        self.cancelled: list[Future] = []
+
+    def future(self, request: pb.GetRolesRequest, timeout: float) -> Future:
+        fut: Future = Future()
+        self.cancelled.append(fut)
+        return fut
+
+
+def test_a_ps_that_never_answers_delays_a_refresh_by_the_grace_not_the_timeout() -> None:
+    stopped = Stopped()
+    routes = Routes(lambda: [stopped, Stub(table(4, {("w", 0): 1}))], timeout=5.0)
+    started = time.monotonic()
+    assert routes.refresh() and routes.primary == {("w", 0): 1}
+    assert time.monotonic() - started < 1.0  # the grace past the live PS's answer (was: the 5 s timeout)
+    assert all(f.cancelled() for f in stopped.cancelled)
+
+
+def test_a_retry_goes_at_once_when_the_table_moved_and_backs_off_briefly_while_it_did_not() -> None:
+    assert retry_wait(0.08, moved=True, routed=True) == (0.0, 0.08)
+    waits, backoff = [], 0.02
+    for _ in range(6):
+        wait, backoff = retry_wait(backoff, moved=False, routed=True)
+        waits.append(wait)
+    # a failover takes ~0.1 s after a kill: doubling to 0.5 s would put the retry that finds the new primary
+    # up to 300 ms after the first failure (B15's p50 was 335 ms)
+    assert max(waits) <= ROUTED_RETRY_CAP_S and sum(waits[:4]) < 0.2
+    assert retry_wait(0.4, moved=False, routed=False) == (0.4, RETRY_CAP_S)
