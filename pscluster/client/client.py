@@ -90,7 +90,8 @@ class PSClient(ClusterOperations):
             self._tensors = BulkTensors(BulkClient(
                 [a.rpartition(":")[0] for a in settings.cluster.ps], self._net.bulk_port, settings.token_value(),
                 settings.rpc_timeout_s, self._net.pool, io_timeout=settings.socket_timeout_s,
-                tls_context=tls.client_context(files) if files else None, shared_memory=settings.shared_memory))
+                tls_context=tls.client_context(files) if files else None, shared_memory=settings.shared_memory,
+                stalled=self.routes.moved_off if self.routes is not None else None))
 
     @property
     def stubs(self) -> list[pb_grpc.ParameterServerStub]:

@@ -102,6 +102,17 @@ class Routes:
         log.info("replica table version %d: %d shards", newest.version, len(newest.roles))
         return True
 
+    def moved_off(self, ps: int, request: pb.BulkRequest) -> bool:
+        """Whether a newer table (asked now) puts some shard of a pull or push sent to PS ps elsewhere: a call
+        still waiting on ps (SIGSTOPped) is given up and retried there."""
+        items = request.push.items if request.HasField("push") else \
+            request.pull.items if request.HasField("pull") else ()
+        if not items:
+            return False  # a token or step call: PS 0's, no shard's
+        self.refresh()
+        primary = self.primary
+        return any(primary.get((i.ref.variable, i.ref.shard_index), ps) != ps for i in items)
+
     def route(self, plan: dict[int, list[tuple[Item, Any]]], targets: dict[int, list[Any]] | None = None
               ) -> tuple[dict[int, list[tuple[Item, Any]]], dict[int, list[Any]] | None]:
         """plan (and the fused-reply targets aligned with it) with each item under its shard's primary."""

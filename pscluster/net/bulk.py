@@ -11,10 +11,12 @@ hang), plus a call's own `wait_s` while the PS may hold the reply on purpose (a 
 from __future__ import annotations
 
 import io
+import select
 import socket
 import ssl
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,6 +35,9 @@ THREADED_BYTES = 2 << 20
 COALESCE_BYTES = 64 << 10  # payloads up to this size are copied into the send of the frame's head
 READ_BUFFER_BYTES = 64 << 10  # per connection; larger payloads are read straight into their targets
 MAX_HEADER_BYTES = 64 << 20  # a reply header larger than this is a broken stream, not a reply
+# with a `stalled` hook (replicas: 2), how often a call whose reply has not begun asks whether its PS is still
+# the primary of its shards: a SIGSTOPped primary is replaced in ~0.4 s; without it the call waits io_timeout
+STALL_CHECK_S = 0.25
 
 
 @dataclass
@@ -114,8 +119,14 @@ class BulkClient:
 
     def __init__(self, hosts: Sequence[str], port_of: Callable[[int], int], token: str | None,
                  timeout: float, pool: ThreadPoolExecutor, io_timeout: float = 30.0,
-                 tls_context: ssl.SSLContext | None = None, shared_memory: bool = True) -> None:
-        """port_of(ps): PS ps's bulk port, asked (one attempt) when a connection is first needed."""
+                 tls_context: ssl.SSLContext | None = None, shared_memory: bool = True,
+                 stalled: Callable[[int, pb.BulkRequest], bool] | None = None,
+                 check_s: float = STALL_CHECK_S) -> None:
+        """port_of(ps): PS ps's bulk port, asked (one attempt) when a connection is first needed;
+        stalled(ps, request): whether to give up a call whose reply has not begun after check_s (asked again
+        every check_s; True: its PS no longer serves the request's shards)."""
+        self._stalled = stalled
+        self._check_s = check_s
         self._hosts = list(hosts)
         self._port_of = port_of
         self._token = token or ""
@@ -236,7 +247,25 @@ class BulkClient:
         if pending:
             sock.sendall(b"".join(pending))
 
+    def _await_reply(self, call: BulkCall, conn: _Conn) -> None:
+        """With a `stalled` hook: wait for the reply's first bytes in check_s slices, asking the hook after each,
+        so a call to a SIGSTOPped primary the replica table no longer lists ends at the next check, not after
+        io_timeout. A reply starts on an empty read buffer (each reply is read whole), so the socket tells."""
+        sock = conn.sock
+        if self._stalled is None or (isinstance(sock, ssl.SSLSocket) and sock.pending()):
+            return
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        limit = time.monotonic() + self._io_timeout + call.wait_s
+        while not poller.poll(1000 * max(0.0, min(self._check_s, limit - time.monotonic()))):
+            if time.monotonic() >= limit:
+                return  # the read's own timeout reports it
+            if self._stalled(call.ps, call.request):
+                raise ConnectionError(f"no reply after {self._check_s} s and the replica table moved this call's "
+                                      "shards to another PS")
+
     def _receive(self, call: BulkCall, conn: _Conn) -> None:
+        self._await_reply(call, conn)
         reply, payload_len = conn.read_reply()
         if reply.code:
             conn.skip(payload_len)

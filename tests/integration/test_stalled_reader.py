@@ -180,3 +180,42 @@ def test_a_pusher_that_stops_mid_payload_loses_its_connection_and_changes_nothin
     finally:
         sock.close()
         frames.stop()
+
+
+def test_a_push_to_a_silent_ps_the_replica_table_moved_its_shard_off_ends_at_the_next_check():
+    """replicas: 2: a SIGSTOPped primary is replaced in ~0.4 s; its pushers give up then, not after io_timeout."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    accepted = []
+
+    def silent_ps():
+        conn, _ = listener.accept()
+        accepted.append(conn)
+
+    acceptor = threading.Thread(target=silent_ps, name="test-silent-ps")
+    acceptor.start()
+    asked = []
+
+    def stalled(ps, request):  # the replica table: the shard moved once the primary was silent for 2 checks
+        asked.append(ps)
+        return len(asked) >= 2 and request.HasField("push")
+
+    pool = ThreadPoolExecutor(2)
+    client = BulkClient(["127.0.0.1"], lambda ps: port, None, timeout=5.0, pool=pool, io_timeout=BOUND_S,
+                        stalled=stalled, check_s=0.05)
+    try:
+        grad = np.ones(4, np.float32)
+        push = pb.PushRequest(items=[pb.PushItem(ref=pb.ShardRef(variable="v"))], push_id="p1")
+        started = time.monotonic()
+        with pytest.raises(UnavailableError) as info:
+            client.run([BulkCall(0, pb.BulkRequest(push=push), payloads=[grad])])
+        assert time.monotonic() - started < BOUND_S / 4  # the io timeout (BOUND_S) was not waited for
+        assert info.value.retryable and "replica table" in str(info.value)
+        assert asked == [0, 0]
+    finally:
+        client.close()
+        pool.shutdown()
+        acceptor.join(timeout=BOUND_S)
+        for conn in accepted:
+            conn.close()
+        listener.close()
