@@ -11,6 +11,7 @@ cost(runs): W2 (bench/training.py) async and sync with replicas: 1 and 2, altern
 
 from __future__ import annotations
 
+import os
 import signal
 import statistics
 import threading
@@ -23,6 +24,8 @@ import pscluster as ps
 from bench import training
 from pscluster.ops.launcher import LocalCluster
 
+STOP_SETTLE_S = 0.02  # a SIGSTOPped primary's last replies, written before the stop, arrive within this
+
 
 def _wait(condition: Any, what: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
@@ -32,8 +35,11 @@ def _wait(condition: Any, what: str, timeout: float = 60.0) -> None:
         time.sleep(0.005)
 
 
-def failover(kills: int = 100) -> dict[str, Any]:
-    """Kill -> first acknowledged push on the new primary, over `kills` SIGKILLs of the counter's primary."""
+def failover(kills: int = 100, sigstop: bool = False) -> dict[str, Any]:
+    """Kill -> first acknowledged push on the new primary, over `kills` SIGKILLs of the counter's primary;
+    sigstop: SIGSTOP it instead (its pushers wait for a reply that never comes), SIGCONT once a push was
+    acknowledged by the new primary (the first more than STOP_SETTLE_S after the stop: the stopped PS may
+    have sent a reply before it, none after), after which it rejoins as backup."""
     acked: list[float] = []
     stop = threading.Event()
     errors: list[BaseException] = []
@@ -67,12 +73,18 @@ def failover(kills: int = 100) -> dict[str, Any]:
                 victim = coord.replica_table()[key].primary
                 before = len(acked)
                 t0 = time.monotonic()
-                cluster.kill(cluster.ps[victim], signal.SIGKILL)  # returns once the process is gone
-                gone = time.monotonic()
+                if sigstop:
+                    os.kill(cluster.ps[victim].pid, signal.SIGSTOP)
+                    gone = t0 + STOP_SETTLE_S
+                else:
+                    cluster.kill(cluster.ps[victim], signal.SIGKILL)  # returns once the process is gone
+                    gone = time.monotonic()
                 _wait(lambda: len(acked) > before and acked[-1] > gone, "a push acknowledged by the new primary",
                       timeout=30.0)
                 first = next(t for t in acked[before:] if t > gone)
                 latencies.append(first - t0)
+                if sigstop:
+                    os.kill(cluster.ps[victim].pid, signal.SIGCONT)
                 if errors:
                     raise errors[0]
             stop.set()
@@ -83,7 +95,8 @@ def failover(kills: int = 100) -> dict[str, Any]:
             stop.set()
             coord.shutdown()
     ms = sorted(1000 * x for x in latencies)
-    return {"kills": kills, "p50_ms": statistics.median(ms), "p99_ms": ms[min(len(ms) - 1, int(0.99 * len(ms)))],
+    return {"kills": kills, "signal": "SIGSTOP" if sigstop else "SIGKILL", "p50_ms": statistics.median(ms),
+            "p99_ms": ms[min(len(ms) - 1, int(0.99 * len(ms)))],
             "max_ms": ms[-1], "acknowledged": len(acked), "counter": total, "lost_updates": lost,
             "exact": total == len(acked) and lost == 0}
 

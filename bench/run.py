@@ -363,15 +363,22 @@ def bench_b14(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
 
 def bench_b15(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
     f = replicas.failover(kills=args.kills)
+    st = replicas.failover(kills=args.stops, sigstop=True)
     c = replicas.cost(runs=args.runs)
     a, s = c["async"], c["sync"]
-    return {"failover": f, "cost": c}, [
+    return {"failover": f, "stop": st, "cost": c}, [
         ("B15", f"replicas: 2, 2 PS, SIGKILL of a counter's primary x {f['kills']} while a driver pushes back to back",
          f"kill -> first acknowledged push on the new primary p50 {f['p50_ms']:.0f} ms, p99 {f['p99_ms']:.0f} ms "
          f"(max {f['max_ms']:.0f}); {f['acknowledged']} pushes acknowledged, counter {f['counter']}, "
          f"lost_updates {f['lost_updates']}",
          f"p99 <= 1 s, p50 <= 300 ms, exact: "
          f"{'met' if f['p99_ms'] <= 1000 and f['p50_ms'] <= 300 and f['exact'] else 'NOT met'}"),
+        ("B15", f"replicas: 2, 2 PS, SIGSTOP of a counter's primary x {st['kills']} while a driver pushes back to "
+         "back (SIGCONT after the first push the new primary acknowledged)",
+         f"stop -> first acknowledged push on the new primary p50 {st['p50_ms']:.0f} ms, p99 {st['p99_ms']:.0f} ms "
+         f"(max {st['max_ms']:.0f}; socket_timeout_s is 30 s); counter {st['counter']} = "
+         f"{st['acknowledged']} acknowledged, lost_updates {st['lost_updates']}",
+         f"p99 <= 1 s, exact: {'met' if st['p99_ms'] <= 1000 and st['exact'] else 'NOT met'}"),
         ("B15", "replication's cost on W2 (B2 async, B3 sync R = N = 2), replicas: 2 vs 1 alternating in the same run",
          f"async {a['replicas_2']:.0f} vs {a['replicas_1']:.0f} steps/s ({100 * a['cost']:.0f} % cost); sync "
          f"{s['replicas_2']:.0f} vs {s['replicas_1']:.0f} ({100 * s['cost']:.0f} %); accuracy with 2: async "
@@ -482,6 +489,7 @@ def main() -> int:
     parser.add_argument("--only", default=",".join(BENCHES), help="comma-separated ids")
     parser.add_argument("--runs", type=int, default=5, help="runs per figure (median reported)")
     parser.add_argument("--kills", type=int, default=100, help="B15: PS kills in the failover trial")
+    parser.add_argument("--stops", type=int, default=10, help="B15: PS SIGSTOPs in the failover trial")
     parser.add_argument("--cycles", type=int, default=10, help="B15SCALE: drain-and-add-back cycles of PS 2")
     parser.add_argument("--scale-elements", type=int, default=1, help="B15SCALE: int64 elements per counter shard")
     parser.add_argument("--soak-kills", type=int, default=100, help="B15SOAK: PS kills, split over async/sync/bounded")

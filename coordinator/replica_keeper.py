@@ -48,7 +48,9 @@ class ReplicaKeeper:
         # from the initial placement: failovers and elastic moves changed it); None until asked
         self._adopted: dict[Key, pb.ShardRole] | None = None
         self._lock = threading.Lock()  # state, for readers on other threads (never held across an RPC)
-        self._pool = ThreadPoolExecutor(max(2, len(stubs)), thread_name_prefix="replica-keeper-rpc")
+        # a round's Status calls, plus one table send per PS in flight (it may take its whole deadline)
+        self._pool = ThreadPoolExecutor(max(4, 2 * len(stubs)), thread_name_prefix="replica-keeper-rpc")
+        self._sending: set[int] = set()  # PS tasks a round's table send is in flight to
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="replica-keeper", daemon=True)
 
@@ -232,24 +234,31 @@ class ReplicaKeeper:
                             self._note(action)
 
     def _send_table(self, answers: list[pb.PsStatus | PsclusterError]) -> None:
+        """Send the table to the PS tasks that lack it, without waiting: a PS SIGSTOPped after its Status
+        answer would hold the next round (and the promotion it finds) for the send's whole deadline."""
         with self._lock:
             version = self.state.version
             request = self._table_request()
             targets = [ps for ps, a in enumerate(answers) if isinstance(a, pb.PsStatus) and self.state.ps[ps].up
-                       and (a.roles_version < version or self._sent.get(ps, -1) < version)]
-        self._send(targets, request, version)
+                       and (a.roles_version < version or self._sent.get(ps, -1) < version)
+                       and ps not in self._sending]  # one send per PS at a time; the next round sends the newest
+            self._sending.update(targets)
+        for ps in targets:
+            self._pool.submit(self._send_one, ps, request, version)
 
-    def _send(self, targets: list[int], request: pb.SetRolesRequest, version: int) -> None:
-        if not targets:
+    def _send_one(self, ps: int, request: pb.SetRolesRequest, version: int) -> None:
+        try:
+            rpc.call(self._stubs[ps].SetRoles, request, timeout=1.0)  # type: ignore[attr-defined]
+        except PsclusterError as exc:
+            log.warning("replica table: ps %d did not take version %d: %s", ps, version, exc)
             return
-
-        def send(ps: int) -> None:
-            try:
-                rpc.call(self._stubs[ps].SetRoles, request, timeout=1.0)  # type: ignore[attr-defined]
-            except PsclusterError as exc:
-                log.warning("replica table: ps %d did not take version %d: %s", ps, version, exc)
-                return
+        else:
             with self._lock:
                 self._sent[ps] = max(self._sent.get(ps, -1), version)
+        finally:
+            with self._lock:
+                self._sending.discard(ps)
 
-        list(self._pool.map(send, targets))
+    def _send(self, targets: list[int], request: pb.SetRolesRequest, version: int) -> None:
+        """Send the table to targets and wait (an elastic move's step)."""
+        list(self._pool.map(lambda ps: self._send_one(ps, request, version), targets))

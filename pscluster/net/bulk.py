@@ -36,8 +36,9 @@ COALESCE_BYTES = 64 << 10  # payloads up to this size are copied into the send o
 READ_BUFFER_BYTES = 64 << 10  # per connection; larger payloads are read straight into their targets
 MAX_HEADER_BYTES = 64 << 20  # a reply header larger than this is a broken stream, not a reply
 # with a `stalled` hook (replicas: 2), how often a call whose reply has not begun asks whether its PS is still
-# the primary of its shards: a SIGSTOPped primary is replaced in ~0.4 s; without it the call waits io_timeout
-STALL_CHECK_S = 0.25
+# the primary of its shards (a table refresh): a SIGSTOPped primary is replaced in ~0.3 s; without it the
+# call waits io_timeout
+STALL_CHECK_S = 0.1
 
 
 @dataclass

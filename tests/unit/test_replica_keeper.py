@@ -3,6 +3,9 @@ coordinator goes on from the table the PS tasks hold; a new cluster starts from 
 
 from __future__ import annotations
 
+import threading
+import time
+
 from pscluster.coordinator.replica_keeper import ReplicaKeeper
 from pscluster.proto import pscluster_pb2 as pb
 
@@ -36,6 +39,14 @@ def role(variable: str, epoch: int, primary: int, backup: int) -> pb.ShardRole:
                         backup=backup)
 
 
+def sent(keeper: ReplicaKeeper) -> None:
+    """Wait for the round's table sends (they do not hold the round)."""
+    deadline = time.monotonic() + 10
+    while keeper._sending:
+        assert time.monotonic() < deadline, "table sends still in flight"
+        time.sleep(0.001)
+
+
 def test_a_restarted_coordinator_goes_on_from_the_table_the_ps_tasks_hold() -> None:
     # shard a (ordinal 0) moved from ps 0 to ps 2; ps 0 holds nothing now
     moved = pb.SetRolesRequest(version=7, roles=[role("a", 3, 2, 1), role("b", 1, 1, 2), role("c", 1, 2, 1)])
@@ -45,6 +56,7 @@ def test_a_restarted_coordinator_goes_on_from_the_table_the_ps_tasks_hold() -> N
     keeper = ReplicaKeeper(stubs)
     try:
         keeper._round()
+        sent(keeper)
         table = keeper.table()
         assert (table[("a", 0)].primary, table[("a", 0)].backup, table[("a", 0)].epoch) == (2, 1, 3)
         assert all(0 not in (c.primary, c.backup) for c in table.values())
@@ -64,4 +76,40 @@ def test_a_new_cluster_starts_from_the_initial_striped_placement() -> None:
         c = keeper.table()[("a", 0)]
         assert (c.primary, c.backup, c.epoch) == (0, 1, 1)
     finally:
+        keeper.stop()
+
+
+class Stopped(Ps):
+    """A PS SIGSTOPped right after it answered Status: its SetRoles hangs until released."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)  # type: ignore[arg-type]
+        self.release = threading.Event()
+        self.calls = 0
+
+    def SetRoles(self, request: pb.SetRolesRequest, timeout: float) -> pb.SetRolesReply:  # noqa: N802
+        self.calls += 1
+        self.release.wait(timeout=10)
+        return super().SetRoles(request, timeout)
+
+
+def test_a_table_send_to_a_ps_that_stopped_answering_does_not_hold_the_next_round() -> None:
+    empty = pb.SetRolesRequest()
+    stopped = Stopped(0, [("a", 0)], empty)
+    stubs = [stopped, Ps(1, [], empty)]
+    keeper = ReplicaKeeper(stubs)
+    try:
+        started = time.monotonic()
+        keeper._round()
+        keeper._round()  # the keeper's next round (it finds failures) comes on time, not after the send's deadline
+        assert time.monotonic() - started < 5
+        deadline = time.monotonic() + 10
+        while stopped.calls < 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert stopped.calls == 1  # one send in flight per PS, not one more per round
+        stopped.release.set()
+        sent(keeper)
+        assert stopped.table.version == keeper.state.version
+    finally:
+        stopped.release.set()
         keeper.stop()
