@@ -223,9 +223,9 @@ class Replication:
         msg = pb.ReplicaForward(ref=pb.ShardRef(variable=shard.spec.variable, shard_index=shard.spec.shard_index),
                                 epoch=role.epoch, version=shard.version,
                                 optimizer=optimizer_to_pb(shard.spec.optimizer))
-        rep.put(shard.spec.key, shard.version, msg, [])
+        seq = rep.put(shard.spec.key, shard.version, msg, [])
         with self._lock:
-            self._configs[shard.spec.key] = rep.queued
+            self._configs[shard.spec.key] = seq
 
     def wait_configured(self, keys: Sequence[Key], timeout: float | None = None) -> None:
         """Return once the backups of keys hold the config changes queued for them (see `configured`).
@@ -239,10 +239,7 @@ class Replication:
                 seq = self._configs.pop(key, None)
             _, rep = self._replicator_of(key)
             if seq is not None and rep is not None:
-                rep.wait_sent(seq, deadline)
-                if key in rep.stale:
-                    raise UnavailableError(f"{name_of(key)}: backup ps {rep.backup} knows a newer epoch: this PS is "
-                                           "no longer the primary; retry the call (it is idempotent)")
+                rep.wait_config(key, seq, deadline)  # the change applied, or a whole state after it
 
     def resync(self, key: Key) -> None:
         """Queue shard key's whole state for its backup (catch-up), in order with its updates."""

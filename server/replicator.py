@@ -6,7 +6,10 @@ confirmation (`wait`) sends the batch itself when none is in flight (its forward
 behind it), so the common path has no thread hop; the owned `replicate-<ps>-to-<backup>` thread sends
 catch-ups, resends a failed batch after a back-off (the backup ignores versions it holds) and sends
 forwards no push waits for. Past MAX_QUEUED_BYTES a shard's updates are skipped and its whole state is
-sent instead, as for a backup that answers GAP.
+sent instead, as for a backup that answers GAP; a whole state that does not fit waits (unsnapshotted) for a
+batch to get through, except that one may always be queued (else a shard larger than the room never
+catches up). A batch the backup refuses for good (a non-retryable error) is dropped: its updates' shards are
+sent whole instead, and a refused whole state fails its shard's waiters until the roles change.
 """
 
 from __future__ import annotations
@@ -22,13 +25,14 @@ import numpy as np
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.server.store import Key
 
-from pscluster.errors import UnavailableError
+from pscluster.errors import PsclusterError, UnavailableError
 
 log = logging.getLogger(__name__)
 
 MAX_QUEUED_BYTES = 256 << 20  # per backup; past it a shard's whole state is sent instead of its updates
 BATCH_BYTES = 16 << 20  # forwards per Replicate call (an install may exceed it alone)
 LINGER_S = 0.02  # forwards that no waiting push sent (it gave up) go after this long, by the thread
+LOG_EVERY_S = 30.0  # a backup that keeps failing is logged at its first failure, then at most this often
 # a queued forward: shard, the version it made, its message (tensors: dtype and shape), bytes, its arrays,
 # its place in the queue (1, 2, ...: `queued` when it was put)
 Item = tuple[Key, int, pb.ReplicaForward, int, list[np.ndarray], int]
@@ -69,12 +73,15 @@ class Replicator:
         self._queue: collections.deque[Item] = collections.deque()
         self._queued_bytes = 0
         self._dirty: set[Key] = set()  # shards whose forwards were skipped (queue full): resync them
+        self._waiting: set[Key] = set()  # shards whose whole state found no room: resync after a batch got through
+        self.refused: dict[Key, str] = {}  # shards whose whole state the backup refused for good (until forget)
+        self._confirmed: dict[Key, int] = {}  # per shard, the place of its last config change or install applied
+        self._logged = 0.0  # when a run of failures was last logged
         self.acked: dict[Key, int] = {}  # the highest version the backup confirmed, per shard
         self.stale: dict[Key, int] = {}  # shards the backup refused at this epoch: it knows a newer one
         self._epoch: dict[Key, int] = {}  # per shard, the epoch of its role when it was last (re)synced
         self.keys: set[Key] = set()  # shards this replicator serves now (the hub's roles)
-        self.queued = 0  # forwards queued so far: the last one's place in the queue (`wait_sent`)
-        self._sent = 0  # the place of the last forward the backup answered for (batches go in queue order)
+        self.queued = 0  # forwards queued so far: the last one's place in the queue
         self._sending = False  # a batch is in flight (one at a time: the backup applies in order)
         self._failures = 0  # sends failed in a row (the thread resends after a back-off; pushes do not)
         self._wake = False  # the thread has work now: a catch-up, a resync, a resend
@@ -82,29 +89,42 @@ class Replicator:
         self._thread = threading.Thread(target=self._loop, name=f"replicate-{from_ps}-to-{backup}", daemon=True)
         self._thread.start()
 
-    def put(self, key: Key, version: int, msg: pb.ReplicaForward, arrays: list[np.ndarray]) -> None:
-        """Queue a forward and its arrays, owned from now on (called under the shard's lock: never waits)."""
+    def put(self, key: Key, version: int, msg: pb.ReplicaForward, arrays: list[np.ndarray]) -> int:
+        """Queue a forward and its arrays, owned from now on (called under the shard's lock: never waits).
+
+        Returns its place in the queue, or for a skipped one the place of the whole state sent instead (no
+        earlier): a confirmation of key at that place or later holds it (`wait_config`)."""
         nbytes = sum([a.nbytes for a in arrays])
+        install = msg.HasField("spec")
         with self._cond:
-            if key in self._dirty and not msg.HasField("spec"):
-                return  # its whole state is on the way; it includes this update
-            install = msg.HasField("spec")
+            if (key in self._dirty or key in self._waiting) and not install:
+                return self.queued + 1  # its whole state is on the way; it includes this update
+            if key in self.refused:
+                return self.queued + 1  # the backup refuses its state: nothing more of it until the roles change
             if install and any(item[0] == key for item in self._queue):
                 # the shard's whole state supersedes what of it is still queued (its updates, an older catch-up):
                 # one snapshot per shard in memory at most; their waiters are answered by its confirmation
                 kept = [item for item in self._queue if item[0] != key]
                 self._queued_bytes -= sum([item[3] for item in self._queue if item[0] == key])
                 self._queue = collections.deque(kept)
-            if self._queued_bytes + nbytes > self._max_queued and self._queue:
-                self._dirty.add(key)
-                self._wake_sender()
-            else:
-                if install:
-                    self._dirty.discard(key)
-                    self._wake_sender()  # a catch-up has no push waiting for it: the thread sends it
-                self.queued += 1
-                self._queue.append((key, version, msg, nbytes, arrays, self.queued))
-                self._queued_bytes += nbytes
+            fits = self._queued_bytes + nbytes <= self._max_queued or not self._queue
+            if not fits and install and not any(item[2].HasField("spec") for item in self._queue):
+                fits = True  # one whole state may overfill the queue: a shard larger than the room catches up too
+            if not fits:
+                if install:  # snapshotted again once a batch got through: no churn while the backup is down
+                    self._waiting.add(key)
+                else:
+                    self._dirty.add(key)
+                    self._wake_sender()
+                return self.queued + 1
+            if install:
+                self._dirty.discard(key)
+                self._waiting.discard(key)
+                self._wake_sender()  # a catch-up has no push waiting for it: the thread sends it
+            self.queued += 1
+            self._queue.append((key, version, msg, nbytes, arrays, self.queued))
+            self._queued_bytes += nbytes
+            return self.queued
 
     def _wake_sender(self) -> None:
         self._wake = True
@@ -118,14 +138,7 @@ class Replicator:
         """
         with self._cond:
             while True:
-                if not self._sending and self._queue and not self._failures and not self._stop.is_set():
-                    # group commit: a waiting push sends what is queued itself (its own forward and any
-                    # queued behind it), one batch in flight at a time; no hop to the thread and back
-                    self._lead()
-                    continue
-                if key in self.stale:
-                    raise UnavailableError(f"{name_of(key)}: backup ps {self.backup} knows an epoch newer than "
-                                           f"{self.stale[key]}, this PS's: it is no longer the primary; re-read placement")
+                self._check(key)
                 if self.acked.get(key, -1) >= version:
                     return True
                 if key not in self.keys or self._stop.is_set():
@@ -134,25 +147,43 @@ class Replicator:
                 if left <= 0:
                     raise UnavailableError(f"{name_of(key)}: backup ps {self.backup} did not confirm version {version} "
                                            "in time; the push was not acknowledged (retry it with the same id)")
-                self._acks.wait(left)
+                self._lead_or_wait(left)
 
-    def wait_sent(self, seq: int, deadline: float) -> None:
-        """Block until the backup answered for the forward at place `seq` (`queued` after its put) and those
-        before it (or for the catch-up that superseded it).
+    def _check(self, key: Key) -> None:
+        """Under the lock: raise for a shard whose waiters cannot be confirmed at this epoch."""
+        if key in self.stale:
+            raise UnavailableError(f"{name_of(key)}: backup ps {self.backup} knows an epoch newer than "
+                                   f"{self.stale[key]}, this PS's: it is no longer the primary; re-read placement")
+        if key in self.refused:
+            raise UnavailableError(f"{name_of(key)}: backup ps {self.backup} refused the shard's state "
+                                   f"({self.refused[key]}); the update was not acknowledged")
+
+    def _lead_or_wait(self, left: float) -> None:
+        """Under the lock, for a waiter with `left` seconds: send the queued batch itself when none is in flight
+        (group commit: its own forward and any queued behind it, no hop to the thread and back), bounded by
+        its own deadline; else wait for a confirmation."""
+        if not self._sending and self._queue and not self._failures and not self._stop.is_set():
+            self._lead(min(self._timeout, left))
+        else:
+            self._acks.wait(left)
+
+    def wait_config(self, key: Key, seq: int, deadline: float) -> None:
+        """Block until the backup applied key's config change queued at place `seq` (what `put` returned), or
+        a whole state of key queued after it (a skipped change, or one the backup answered GAP for, rides in
+        the catch-up's spec).
 
         Raises:
-            UnavailableError: the deadline passed, or this replicator stopped.
+            UnavailableError: the deadline passed, this replicator stopped or no longer serves key, or this PS
+                is deposed (the call is idempotent: retry it).
         """
         with self._cond:
-            while self._sent < seq:
-                if not self._sending and self._queue and not self._failures and not self._stop.is_set():
-                    self._lead()  # group commit, as in `wait`
-                    continue
+            while self._confirmed.get(key, 0) < seq:
+                self._check(key)
                 left = deadline - time.monotonic()
-                if left <= 0 or self._stop.is_set():
-                    raise UnavailableError(f"backup ps {self.backup} did not confirm a config change in time; "
-                                           "retry the call (it is idempotent)")
-                self._acks.wait(left)
+                if left <= 0 or self._stop.is_set() or key not in self.keys:
+                    raise UnavailableError(f"{name_of(key)}: backup ps {self.backup} did not confirm a config change "
+                                           "in time, or the shard's roles changed; retry the call (it is idempotent)")
+                self._lead_or_wait(left)
 
     def forget(self, key: Key, epoch: int) -> None:
         """Drop what the backup confirmed of key: its role changed (now at epoch), the next confirmation starts
@@ -160,6 +191,7 @@ class Replicator:
         with self._cond:
             self.acked.pop(key, None)
             self.stale.pop(key, None)
+            self.refused.pop(key, None)  # the new epoch's catch-up is tried afresh
             self._epoch[key] = epoch
 
     def poke(self) -> None:
@@ -184,12 +216,12 @@ class Replicator:
         """Whether the thread has ended (a signalled replicator may still be inside one bounded RPC)."""
         return not self._thread.is_alive()
 
-    def _lead(self) -> None:
+    def _lead(self, timeout: float) -> None:
         """Under the lock: pop the next batch and send it without the lock (its arrays are let go on return)."""
         batch = self._pop()
         self._cond.release()
         try:
-            self._send(batch)
+            self._send(batch, timeout)
         finally:
             self._cond.acquire()
 
@@ -204,40 +236,68 @@ class Replicator:
         self._sending = True
         return batch
 
-    def _send(self, batch: list[Item]) -> None:
+    def _send(self, batch: list[Item], timeout: float) -> None:
         """Send a popped batch (not under the lock) and record its outcomes; a failure puts it back first in
-        the queue for the thread to resend after a back-off."""
+        the queue for the thread to resend after a back-off, a refusal for good drops it (`_refused`)."""
         request = pb.ReplicateRequest(forwards=[item[2] for item in batch], from_ps=self._from_ps)
         try:
-            reply = self._link.replicate(request, [a for item in batch for a in item[4]], self._timeout)
+            reply = self._link.replicate(request, [a for item in batch for a in item[4]], timeout)
             if len(reply.outcomes) != len(batch) or len(reply.versions) != len(batch):
                 raise UnavailableError(f"backup ps {self.backup} answered {len(reply.outcomes)} outcomes for "
                                        f"{len(batch)} forwards")
         except Exception as exc:  # noqa: BLE001 - the sender must outlive any failure: resend, log, back off
+            if isinstance(exc, PsclusterError) and not exc.retryable:
+                self._refused(batch, exc)
+                return
             with self._cond:
                 self._queue.extendleft(reversed(batch))
                 self._sending = False
                 self._failures += 1
                 failures = self._failures
                 self._wake_sender()
-            if failures == 1 or failures % 50 == 0:
+                now = time.monotonic()
+                due = failures == 1 or now - self._logged >= LOG_EVERY_S
+                if due:
+                    self._logged = now
+            if due:
                 log.warning("replication to ps %d failed (%d in a row), resending: %s", self.backup, failures, exc)
             return
         with self._cond:
             self._failures = 0
             self._sending = False
-            self._sent = max(self._sent, batch[-1][5])
-            for (key, version, msg, nbytes, _, _), outcome in zip(batch, reply.outcomes):
+            if self._waiting:  # the backup takes batches again: whole states that found no room are tried again
+                self._dirty |= self._waiting
+                self._waiting.clear()
+                self._wake_sender()
+            for (key, version, msg, nbytes, _, seq), outcome in zip(batch, reply.outcomes):
                 self._queued_bytes -= nbytes
                 if outcome == pb.REPLICA_APPLIED:
                     if version > self.acked.get(key, -1):
                         self.acked[key] = version
+                    if msg.HasField("optimizer") or msg.HasField("spec"):
+                        self._confirmed[key] = max(self._confirmed.get(key, 0), seq)
                 elif outcome == pb.REPLICA_GAP:
                     self._dirty.add(key)
                     self._wake_sender()
                 elif msg.epoch >= self._epoch.get(key, 0):  # not a forward sent before the role changed
                     self.stale[key] = msg.epoch
             self._acks.notify_all()  # a push still waiting sends the next batch
+
+    def _refused(self, batch: list[Item], exc: PsclusterError) -> None:
+        """A batch the backup refuses for good (resending it cannot help): updates are replaced by their shard's
+        whole state; a refused whole state fails its waiters (`refused`) until the roles change."""
+        log.error("replication to ps %d: the backup refused a batch of %d forwards for good: %s", self.backup,
+                  len(batch), exc)
+        with self._cond:
+            self._sending = False
+            for key, _, msg, nbytes, _, _ in batch:
+                self._queued_bytes -= nbytes
+                if msg.HasField("spec"):
+                    self.refused[key] = str(exc)
+                elif key not in self.refused:
+                    self._dirty.add(key)
+            self._wake_sender()
+            self._acks.notify_all()
 
     def _loop(self) -> None:
         """Catch-ups, resends after a back-off, and (after LINGER_S) forwards no waiting push has sent."""
@@ -263,5 +323,5 @@ class Replicator:
                 if self._stop.is_set() or self._sending or not self._queue:
                     continue
                 batch = self._pop()
-            self._send(batch)
+            self._send(batch, self._timeout)
             del batch  # a catch-up's arrays (a shard's whole state) must not wait here for the next batch
