@@ -118,8 +118,12 @@ class FrameLink:
         if not port:
             raise UnavailableError(f"backup ps {self.address} serves no bulk port")
         sock = framing.connect(self._host, port, timeout, self._tls)
-        sock.settimeout(timeout)
-        framing.send_hello(sock, self._token)
+        try:
+            sock.settimeout(timeout)
+            framing.send_hello(sock, self._token)
+        except BaseException:
+            sock.close()  # not kept anywhere yet: nobody else would close it
+            raise
         with self._lock:
             if self._closed:
                 sock.close()
@@ -153,6 +157,9 @@ class FrameLink:
                 self._drop(sock)
                 if not kept or attempt:
                     raise UnavailableError(f"replicate to {self.address} (bulk port): {exc}") from exc
+            except Exception as exc:  # a reply that does not parse: the stream is out of step, never reused
+                self._drop(sock)
+                raise UnavailableError(f"replicate to {self.address} (bulk port): a broken reply: {exc}") from exc
         if reply.code or payload_len:
             self._drop(sock)
             raise from_status(framing.STATUS_BY_VALUE.get(reply.code, framing.STATUS_BY_VALUE[13]),

@@ -8,6 +8,9 @@ a PS cannot send a replicate; a malformed batch is refused and changes nothing.
 
 from __future__ import annotations
 
+import socket
+import threading
+
 import numpy as np
 import pytest
 from pscluster.proto import pscluster_pb2 as pb
@@ -22,7 +25,7 @@ from pscluster.server.store import PushItem, ShardSpec
 
 from pscluster import codec
 from pscluster.config import ClusterSpec, Settings
-from pscluster.errors import InvalidArgumentError
+from pscluster.errors import InvalidArgumentError, UnavailableError
 from pscluster.net import framing
 
 KEY = ("w", 0)
@@ -109,3 +112,62 @@ def test_a_malformed_batch_is_refused_and_changes_nothing(pair):
     assert reply.code == InvalidArgumentError("").code.value[0]
     assert "fewer bytes than the shapes announce" in reply.message
     np.testing.assert_array_equal(backup.store.get(KEY).value, before)
+
+
+def test_a_connection_whose_hello_fails_is_closed(monkeypatch):
+    """Found by review: a socket whose hello failed was neither kept nor closed (one leaked per attempt)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    opened: list[socket.socket] = []
+    connect = framing.connect
+
+    def recording(*args, **kwargs):
+        opened.append(connect(*args, **kwargs))
+        return opened[-1]
+
+    def failing(sock, token):
+        raise OSError("the peer reset the connection")
+
+    monkeypatch.setattr(framing, "connect", recording)
+    monkeypatch.setattr(framing, "send_hello", failing)
+    settings = Settings(cluster=ClusterSpec(ps=["127.0.0.1:1", "127.0.0.1:2"]))
+    link = FrameLink("127.0.0.1:2", settings, port_of=lambda timeout: listener.getsockname()[1])
+    try:
+        with pytest.raises(UnavailableError):
+            link.replicate(pb.ReplicateRequest(), [], timeout=5.0)
+        assert len(opened) == 1 and opened[0].fileno() == -1
+    finally:
+        link.close()
+        listener.close()
+
+
+def test_a_reply_that_does_not_parse_drops_the_connection_and_the_next_batch_gets_a_new_one():
+    """Found by review: a DecodeError left the out-of-step socket in place for the next batch."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+
+    def backup() -> None:  # the first connection answers garbage, the second a proper reply
+        for n in range(2):
+            conn, _ = listener.accept()
+            accepted.append(conn)
+            conn.settimeout(10)
+            for _ in range(2):  # the hello, then the batch
+                header_len, payload_len = framing.PREFIX.unpack(framing.recv_exact(conn, framing.PREFIX.size))
+                framing.recv_exact(conn, header_len + payload_len)
+            reply = b"\xff\xff\xff\xff" if n == 0 else pb.BulkReply(replicate=pb.ReplicateReply()).SerializeToString()
+            conn.sendall(framing.PREFIX.pack(len(reply), 0) + reply)
+
+    thread = threading.Thread(target=backup, name="test-garbling-backup")
+    thread.start()
+    settings = Settings(cluster=ClusterSpec(ps=["127.0.0.1:1", "127.0.0.1:2"]))
+    link = FrameLink("127.0.0.1:2", settings, port_of=lambda timeout: listener.getsockname()[1])
+    try:
+        with pytest.raises(UnavailableError, match="broken reply"):
+            link.replicate(pb.ReplicateRequest(), [], timeout=5.0)
+        assert link.replicate(pb.ReplicateRequest(), [], timeout=5.0) == pb.ReplicateReply()
+        assert len(accepted) == 2
+    finally:
+        link.close()
+        thread.join(10)
+        for conn in accepted:
+            conn.close()
+        listener.close()
