@@ -1364,6 +1364,7 @@ class ReplicaForward(_message.Message):
     RECORD_FIELD_NUMBER: _builtins.int
     PULLED_FIELD_NUMBER: _builtins.int
     OPTIMIZER_FIELD_NUMBER: _builtins.int
+    PULL_INDEX_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     """of the shard's (primary, backup) configuration; an older one is refused"""
     version: _builtins.int
@@ -1377,6 +1378,10 @@ class ReplicaForward(_message.Message):
     pulled: _builtins.bool
     """A dynamic table's pull that created (and maybe evicted) rows at `version` (not an update: the version
     stays): the backup repeats it with the pull's unique keys in `rows` when it holds exactly `version`.
+    """
+    pull_index: _builtins.int
+    """a pull (`pulled`): its place among the pulls made at `version` (0, 1, ...), so a resent one is not
+    repeated; an install: how many pulls at `version` its state holds
     """
     @_builtins.property
     def ref(self) -> Global___ShardRef: ...
@@ -1419,10 +1424,11 @@ class ReplicaForward(_message.Message):
         record: _builtins.str = ...,
         pulled: _builtins.bool = ...,
         optimizer: Global___OptimizerSpec | None = ...,
+        pull_index: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["grad", b"grad", "optimizer", b"optimizer", "ref", b"ref", "rows", b"rows", "spec", b"spec", "value", b"value"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "final_below", b"final_below", "grad", b"grad", "has_rows", b"has_rows", "optimizer", b"optimizer", "pulled", b"pulled", "push_id", b"push_id", "record", b"record", "ref", b"ref", "rows", b"rows", "slots", b"slots", "spec", b"spec", "value", b"value", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "final_below", b"final_below", "grad", b"grad", "has_rows", b"has_rows", "optimizer", b"optimizer", "pull_index", b"pull_index", "pulled", b"pulled", "push_id", b"push_id", "record", b"record", "ref", b"ref", "rows", b"rows", "slots", b"slots", "spec", b"spec", "value", b"value", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -82,6 +82,12 @@ class Replication:
         self._retired: list[Replicator] = []
         self._install_at: dict[Key, int] = {}  # a resync's version, until the backup confirmed it
         self._configs: dict[Key, int] = {}  # a config change's place in its replicator's queue, until waited for
+        # per shard, (version, how many table pulls this copy took at that version): a pull forward's place
+        self._pulls: dict[Key, tuple[int, int]] = {}
+        # backup side: per shard, the epoch of the whole state this copy was installed from (a resent older
+        # install of the same primary's stream is held, not installed over the updates after it)
+        self._copy_epoch: dict[Key, int] = {}
+        self._key_locks: dict[Key, threading.Lock] = {}  # backup side: one forward of a shard at a time
         store.on_applied = self.on_applied
         store.on_pulled = self.on_pulled
 
@@ -205,8 +211,22 @@ class Replication:
         uniq = np.unique(np.asarray(keys, np.int64))  # what the pull's decisions depend on: its distinct keys
         msg = pb.ReplicaForward(ref=pb.ShardRef(variable=shard.spec.variable, shard_index=shard.spec.shard_index),
                                 epoch=role.epoch, version=shard.version, rows=codec.header(uniq.dtype, uniq.shape),
-                                has_rows=True, pulled=True)
+                                has_rows=True, pulled=True, pull_index=self._took_pull(shard.spec.key, shard.version))
         rep.put(shard.spec.key, shard.version, msg, [uniq])
+
+    def _pulls_at(self, key: Key, version: int) -> int:
+        """How many table pulls this copy of key took at `version`."""
+        with self._lock:
+            at, count = self._pulls.get(key, (-1, 0))
+            return count if at == version else 0
+
+    def _took_pull(self, key: Key, version: int) -> int:
+        """Count a table pull this copy took at `version`; returns its place among them (0, 1, ...)."""
+        with self._lock:
+            at, count = self._pulls.get(key, (-1, 0))
+            index = count if at == version else 0
+            self._pulls[key] = (version, index + 1)
+            return index
 
     def changes_here(self, shard: Shard) -> bool:
         """Whether a set_hyperparameters call changes this copy of shard: not on its backup, which takes
@@ -254,7 +274,8 @@ class Replication:
             msg = pb.ReplicaForward(ref=pb.ShardRef(variable=key[0], shard_index=key[1]), epoch=role.epoch,
                                     version=shard.version, spec=spec_to_pb(shard.spec),
                                     value=codec.header(shard.value.dtype, shard.value.shape),
-                                    record=json.dumps(shard.record.state()))
+                                    record=json.dumps(shard.record.state()),
+                                    pull_index=self._pulls_at(key, shard.version))
             arrays = [np.array(shard.value, copy=True)]
             for name in sorted(state):
                 msg.slots[name].CopyFrom(codec.header(state[name].dtype, state[name].shape))
@@ -303,33 +324,59 @@ class Replication:
             tensors = [next(given) for _ in tensors_of(f)] if given is not None else \
                 [codec.decode(t, name_of((f.ref.variable, f.ref.shard_index))) for t in tensors_of(f)]
             key = (f.ref.variable, f.ref.shard_index)
-            with self._lock:
-                known = self._epochs.get(key, 0)
-                if f.epoch >= known:
-                    self._epochs[key] = f.epoch
-            shard = self.store.find(key)
-            if f.epoch < known:
-                outcome = pb.REPLICA_STALE
-            elif f.HasField("spec"):
-                shard = self._install(f, tensors, owned)
-                outcome = pb.REPLICA_APPLIED
-            elif shard is None:
-                outcome = pb.REPLICA_GAP
-            elif f.pulled:
-                done = table_ops.pull_at(shard, f.version, _ids(tensors[0], key))
-                outcome = pb.REPLICA_GAP if done == "gap" else pb.REPLICA_APPLIED
-            elif f.HasField("optimizer"):
-                outcome = pb.REPLICA_GAP if not _configure_at(shard, f.version, optimizer_from_pb(f.optimizer)) \
-                    else pb.REPLICA_APPLIED
-            else:
-                grad = tensors[0]
-                local = _ids(tensors[1], key) if f.has_rows else None
-                done = self.store.apply_at(shard, f.version, grad, local, push_key(f.push_id) if f.push_id else None,
-                                           f.final_below)
-                outcome = pb.REPLICA_GAP if done == "gap" else pb.REPLICA_APPLIED
+            with self._key_lock(key):  # a resend on a new connection may overlap the batch it repeats
+                outcome, shard = self._receive_one(f, key, tensors, owned)
             reply.outcomes.append(outcome)
             reply.versions.append(shard.version if shard is not None else -1)
         return reply
+
+    def _key_lock(self, key: Key) -> threading.Lock:
+        with self._lock:
+            lock = self._key_locks.get(key)
+            if lock is None:
+                lock = self._key_locks[key] = threading.Lock()
+            return lock
+
+    def _receive_one(self, f: pb.ReplicaForward, key: Key, tensors: list[np.ndarray],
+                     owned: bool) -> tuple[pb.ReplicaOutcome.ValueType, Shard | None]:
+        """One forward, under its shard's key lock: (its outcome, the shard after it)."""
+        with self._lock:
+            known = self._epochs.get(key, 0)
+            if f.epoch >= known:
+                self._epochs[key] = f.epoch
+        shard = self.store.find(key)
+        if f.epoch < known:
+            return pb.REPLICA_STALE, shard
+        if f.HasField("spec"):
+            with self._lock:
+                same_stream = self._copy_epoch.get(key) == f.epoch
+            if shard is not None and same_stream and shard.version >= f.version:
+                return pb.REPLICA_APPLIED, shard  # a resent install: this copy holds it and the updates after it
+            shard = self._install(f, tensors, owned)
+            with self._lock:
+                self._copy_epoch[key] = f.epoch
+                self._pulls[key] = (f.version, f.pull_index)
+            return pb.REPLICA_APPLIED, shard
+        if shard is None:
+            return pb.REPLICA_GAP, shard
+        if f.pulled:
+            if shard.version == f.version:
+                taken = self._pulls_at(key, f.version)
+                if f.pull_index < taken:
+                    return pb.REPLICA_APPLIED, shard  # a resent pull: repeating it could re-create evicted rows
+                if f.pull_index > taken:
+                    return pb.REPLICA_GAP, shard  # an earlier pull at this version is missing
+            done = table_ops.pull_at(shard, f.version, _ids(tensors[0], key))
+            if done == "applied":
+                self._took_pull(key, f.version)
+            return (pb.REPLICA_GAP if done == "gap" else pb.REPLICA_APPLIED), shard
+        if f.HasField("optimizer"):
+            configured = _configure_at(shard, f.version, optimizer_from_pb(f.optimizer))
+            return (pb.REPLICA_APPLIED if configured else pb.REPLICA_GAP), shard
+        local = _ids(tensors[1], key) if f.has_rows else None
+        done = self.store.apply_at(shard, f.version, tensors[0], local, push_key(f.push_id) if f.push_id else None,
+                                   f.final_below)
+        return (pb.REPLICA_GAP if done == "gap" else pb.REPLICA_APPLIED), shard
 
     def _install(self, f: pb.ReplicaForward, tensors: list[np.ndarray], owned: bool = False) -> Shard:
         spec = spec_from_pb(f.spec)
