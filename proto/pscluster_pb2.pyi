@@ -1365,6 +1365,8 @@ class ReplicaForward(_message.Message):
     PULLED_FIELD_NUMBER: _builtins.int
     OPTIMIZER_FIELD_NUMBER: _builtins.int
     PULL_INDEX_FIELD_NUMBER: _builtins.int
+    CHUNK_START_FIELD_NUMBER: _builtins.int
+    CHUNK_MORE_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     """of the shard's (primary, backup) configuration; an older one is refused"""
     version: _builtins.int
@@ -1383,6 +1385,12 @@ class ReplicaForward(_message.Message):
     """a pull (`pulled`): its place among the pulls made at `version` (0, 1, ...), so a resent one is not
     repeated; an install: how many pulls at `version` its state holds
     """
+    chunk_start: _builtins.int
+    """an install in chunks (a state larger than a chunk: server/catch_up.py): value and slots hold rows
+    [chunk_start, chunk_start + rows) at `version`; chunk_more: more follow (the backup stages them and
+    installs the shard with the last); the first chunk (chunk_start 0) carries the record
+    """
+    chunk_more: _builtins.bool
     @_builtins.property
     def ref(self) -> Global___ShardRef: ...
     @_builtins.property
@@ -1425,10 +1433,12 @@ class ReplicaForward(_message.Message):
         pulled: _builtins.bool = ...,
         optimizer: Global___OptimizerSpec | None = ...,
         pull_index: _builtins.int = ...,
+        chunk_start: _builtins.int = ...,
+        chunk_more: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["grad", b"grad", "optimizer", b"optimizer", "ref", b"ref", "rows", b"rows", "spec", b"spec", "value", b"value"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "final_below", b"final_below", "grad", b"grad", "has_rows", b"has_rows", "optimizer", b"optimizer", "pull_index", b"pull_index", "pulled", b"pulled", "push_id", b"push_id", "record", b"record", "ref", b"ref", "rows", b"rows", "slots", b"slots", "spec", b"spec", "value", b"value", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_more", b"chunk_more", "chunk_start", b"chunk_start", "epoch", b"epoch", "final_below", b"final_below", "grad", b"grad", "has_rows", b"has_rows", "optimizer", b"optimizer", "pull_index", b"pull_index", "pulled", b"pulled", "push_id", b"push_id", "record", b"record", "ref", b"ref", "rows", b"rows", "slots", b"slots", "spec", b"spec", "value", b"value", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

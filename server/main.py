@@ -34,13 +34,17 @@ def start(settings: Settings) -> tuple[Listeners, int, ParameterServerCore]:
                              lambda: sync.dropped, core.learning_rates, lambda: sync.skipped,
                              lambda: core.store.rejected_nonfinite)
     if settings.replicas > 1:
+        from pscluster.server.catch_up import CHUNK_BYTES
         from pscluster.server.replica_links import FrameLink, GrpcLink
         from pscluster.server.replication import Replication
 
         link = FrameLink if settings.bulk_transport else GrpcLink
+        # a catch-up chunk with room beside it in a frame (max_tensor_bytes) or a gRPC message
+        chunk = min(CHUNK_BYTES, settings.max_tensor_bytes // 2, settings.max_message_bytes // 2)
         core.replication = Replication(core.store, settings.task_index,
                                        lambda ps: link(settings.cluster.ps[ps], settings),
-                                       timeout=settings.replication_timeout_s, step_timeout=settings.rpc_timeout_s)
+                                       timeout=settings.replication_timeout_s, step_timeout=settings.rpc_timeout_s,
+                                       chunk_bytes=chunk)
     if settings.restore:
         core.restore()
     bulk = None

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 from pscluster.proto import pscluster_pb2 as pb
-from pscluster.server import table_ops, table_state
+from pscluster.server import catch_up, table_ops, table_state
 from pscluster.server.dynamic_table import DynamicTable
 from pscluster.server.push_record import PushKey, PushRecord, push_key
 from pscluster.server.replica_links import tensors_of
@@ -65,7 +65,8 @@ class Replication:
     """A PS's replication roles, forwarders and backup side; owned by its ParameterServerCore."""
 
     def __init__(self, store: VariableStore, ps_index: int, connect: Callable[[int], ReplicaLink],
-                 timeout: float = 5.0, max_queued_bytes: int = MAX_QUEUED_BYTES, step_timeout: float = 60.0) -> None:
+                 timeout: float = 5.0, max_queued_bytes: int = MAX_QUEUED_BYTES, step_timeout: float = 60.0,
+                 chunk_bytes: int = catch_up.CHUNK_BYTES) -> None:
         self.store = store
         self.ps_index = ps_index
         self._connect = connect
@@ -88,6 +89,8 @@ class Replication:
         # install of the same primary's stream is held, not installed over the updates after it)
         self._copy_epoch: dict[Key, int] = {}
         self._key_locks: dict[Key, threading.Lock] = {}  # backup side: one forward of a shard at a time
+        self.chunk_bytes = chunk_bytes  # a catch-up's chunk (server/catch_up.py)
+        self._staged: dict[Key, catch_up.Staged] = {}  # backup side: catch-ups in chunks, until their last
         store.on_applied = self.on_applied
         store.on_pulled = self.on_pulled
 
@@ -261,13 +264,24 @@ class Replication:
             if seq is not None and rep is not None:
                 rep.wait_config(key, seq, deadline)  # the change applied, or a whole state after it
 
-    def resync(self, key: Key) -> None:
-        """Queue shard key's whole state for its backup (catch-up), in order with its updates."""
+    def resync(self, key: Key, start: int = 0) -> None:
+        """Queue shard key's whole state for its backup (catch-up), in order with its updates; a state larger
+        than a chunk goes in chunks (server/catch_up.py): this queues the one from row `start`."""
         shard = self.store.find(key)
         role, rep = self._replicator_of(key)
         if shard is None or role is None or rep is None:
             return
         with shard.lock:  # a snapshot: the arrays are copied before any later update changes them
+            rows = catch_up.rows_per_chunk(shard, self.chunk_bytes)
+            if rows is not None:
+                msg = pb.ReplicaForward(ref=pb.ShardRef(variable=key[0], shard_index=key[1]), epoch=role.epoch,
+                                        version=shard.version, spec=spec_to_pb(shard.spec),
+                                        pull_index=self._pulls_at(key, shard.version))
+                arrays = catch_up.chunk(shard, start, rows, msg)
+                with self._lock:  # catching up until the last chunk is confirmed
+                    self._install_at[key] = PENDING if msg.chunk_more else shard.version
+                rep.put(key, shard.version, msg, arrays)
+                return
             state = dict(shard.slots)
             if shard.table is not None:  # a dynamic table's live rows, slots and admission state
                 state.update({_TABLE + name: arr for name, arr in table_state.snapshot(shard.table).items()})
@@ -350,13 +364,16 @@ class Replication:
         if f.HasField("spec"):
             with self._lock:
                 same_stream = self._copy_epoch.get(key) == f.epoch
-            if shard is not None and same_stream and shard.version >= f.version:
+            staged = self._staged.get(key)
+            if shard is not None and same_stream and shard.version >= f.version and staged is None:
                 return pb.REPLICA_APPLIED, shard  # a resent install: this copy holds it and the updates after it
-            shard = self._install(f, tensors, owned)
-            with self._lock:
-                self._copy_epoch[key] = f.epoch
-                self._pulls[key] = (f.version, f.pull_index)
-            return pb.REPLICA_APPLIED, shard
+            if f.chunk_start or f.chunk_more:
+                return self._chunk(f, key, tensors, staged)
+            self._staged.pop(key, None)
+            return pb.REPLICA_APPLIED, self._installed(f, self._install(f, tensors, owned))
+        staged = self._staged.get(key)
+        if staged is not None:  # a catch-up in chunks is under way: the update goes to the rows staged so far
+            return self._staged_update(f, staged, tensors), staged.shard
         if shard is None:
             return pb.REPLICA_GAP, shard
         if f.pulled:
@@ -378,6 +395,44 @@ class Replication:
                                    f.final_below)
         return (pb.REPLICA_GAP if done == "gap" else pb.REPLICA_APPLIED), shard
 
+    def _installed(self, f: pb.ReplicaForward, shard: Shard) -> Shard:
+        """Note an install (its epoch and pulls) of shard key; returns shard."""
+        with self._lock:
+            self._copy_epoch[shard.spec.key] = f.epoch
+            self._pulls[shard.spec.key] = (f.version, f.pull_index)
+        return shard
+
+    def _chunk(self, f: pb.ReplicaForward, key: Key, tensors: list[np.ndarray],
+               staged: catch_up.Staged | None) -> tuple[pb.ReplicaOutcome.ValueType, Shard | None]:
+        """A chunk of a catch-up (server/catch_up.py): staged; the last one installs the staged copy."""
+        if f.chunk_start == 0:  # a first chunk (or its resend: the updates after it come again too)
+            staged = self._staged[key] = catch_up.begin(f, tensors, self.store.dedup_window)
+        elif staged is None:
+            return pb.REPLICA_GAP, self.store.find(key)  # its first chunk is missing (this PS restarted)
+        else:
+            done = catch_up.add(staged, f, tensors)
+            if done != "applied":
+                return (pb.REPLICA_GAP if done == "gap" else pb.REPLICA_APPLIED), staged.shard
+        if f.chunk_more:
+            return pb.REPLICA_APPLIED, staged.shard
+        del self._staged[key]
+        self._place(staged.shard)
+        return pb.REPLICA_APPLIED, self._installed(f, staged.shard)
+
+    def _staged_update(self, f: pb.ReplicaForward, staged: catch_up.Staged,
+                       tensors: list[np.ndarray]) -> pb.ReplicaOutcome.ValueType:
+        """An update, config change or pull while key's catch-up in chunks is staged."""
+        if f.pulled:
+            return pb.REPLICA_GAP  # a table's state goes whole, never in chunks: not a stream this PS knows
+        if f.HasField("optimizer"):
+            configured = _configure_at(staged.shard, f.version, optimizer_from_pb(f.optimizer))
+            return pb.REPLICA_APPLIED if configured else pb.REPLICA_GAP
+        key = staged.shard.spec.key
+        local = _ids(tensors[1], key) if f.has_rows else None
+        done = catch_up.apply_at(staged, f.version, tensors[0], local, push_key(f.push_id) if f.push_id else None,
+                                 f.final_below)
+        return pb.REPLICA_GAP if done == "gap" else pb.REPLICA_APPLIED
+
     def _install(self, f: pb.ReplicaForward, tensors: list[np.ndarray], owned: bool = False) -> Shard:
         spec = spec_from_pb(f.spec)
         # owned: the received buffer becomes the shard (a catch-up costs the backup 1x its state, not 2x)
@@ -390,13 +445,17 @@ class Replication:
             table_state.load(table, {k[len(_TABLE):]: v for k, v in slots.items() if k.startswith(_TABLE)})
             slots = {}
         shard = Shard(spec, value, slots, f.version, record=record, table=table)
-        existing = self.store.find(spec.key)
+        self._place(shard)
+        return shard
+
+    def _place(self, shard: Shard) -> None:
+        """Put an installed copy in the store, after a pull or a checkpoint of the old object."""
+        existing = self.store.find(shard.spec.key)
         if existing is not None:
-            with existing.lock:  # a pull or a checkpoint of the old object finishes first
+            with existing.lock:
                 self.store.install(shard)
         else:
             self.store.install(shard)
-        return shard
 
 
 def _configure_at(shard: Shard, version: int, cfg: OptimizerConfig) -> bool:

@@ -59,12 +59,17 @@ class Replicator:
     """Sends one backup PS its forwards; owns the queue and the `replicate-<ps>-to-<backup>` thread."""
 
     def __init__(self, backup: int, link: ReplicaLink, from_ps: int, timeout: float,
-                 resync: Callable[[Key], None], max_queued_bytes: int = MAX_QUEUED_BYTES) -> None:
+                 resync: Callable[[Key, int], None], max_queued_bytes: int = MAX_QUEUED_BYTES) -> None:
         self.backup = backup
         self._link = link
         self._from_ps = from_ps
         self._timeout = timeout
-        self._resync = resync  # queue a shard's whole state (takes the shard's lock: never called under ours)
+        # resync(key, start): queue a shard's whole state, or its chunk from row start (server/catch_up.py);
+        # it takes the shard's lock: never called under ours
+        self._resync = resync
+        self._cursor: dict[Key, int] = {}  # a catch-up in chunks: the row its next chunk starts at
+        self._due: dict[Key, int] = {}  # chunks to queue (their previous one was confirmed): key -> start row
+        self._staging: set[Key] = set()  # its catch-up in chunks is under way: nothing of it counts as held yet
         self._max_queued = max_queued_bytes
         lock = threading.Lock()
         self._cond = threading.Condition(lock)  # the sender waits here for forwards
@@ -101,7 +106,7 @@ class Replicator:
                 return self.queued + 1  # its whole state is on the way; it includes this update
             if key in self.refused:
                 return self.queued + 1  # the backup refuses its state: nothing more of it until the roles change
-            if install and any(item[0] == key for item in self._queue):
+            if install and not msg.chunk_start and any(item[0] == key for item in self._queue):
                 # the shard's whole state supersedes what of it is still queued (its updates, an older catch-up):
                 # one snapshot per shard in memory at most; their waiters are answered by its confirmation
                 kept = [item for item in self._queue if item[0] != key]
@@ -120,6 +125,11 @@ class Replicator:
             if install:
                 self._dirty.discard(key)
                 self._waiting.discard(key)
+                self._due.pop(key, None)  # a chunk due of a catch-up this one replaces (or it is that chunk)
+                if msg.chunk_more:
+                    self._cursor[key] = msg.chunk_start + msg.value.shape[0]
+                else:
+                    self._cursor.pop(key, None)
                 self._wake_sender()  # a catch-up has no push waiting for it: the thread sends it
             self.queued += 1
             self._queue.append((key, version, msg, nbytes, arrays, self.queued))
@@ -192,6 +202,9 @@ class Replicator:
             self.acked.pop(key, None)
             self.stale.pop(key, None)
             self.refused.pop(key, None)  # the new epoch's catch-up is tried afresh
+            self._staging.discard(key)
+            self._cursor.pop(key, None)
+            self._due.pop(key, None)
             self._epoch[key] = epoch
 
     def poke(self) -> None:
@@ -272,6 +285,16 @@ class Replicator:
             for (key, version, msg, nbytes, _, seq), outcome in zip(batch, reply.outcomes):
                 self._queued_bytes -= nbytes
                 if outcome == pb.REPLICA_APPLIED:
+                    if msg.HasField("spec") and msg.chunk_more:  # staged: the backup holds nothing of it yet
+                        self._staging.add(key)
+                        if self._cursor.get(key) == msg.chunk_start + msg.value.shape[0]:
+                            self._due[key] = self._cursor[key]  # the next chunk may be copied now
+                            self._wake_sender()
+                        continue
+                    if msg.HasField("spec"):
+                        self._staging.discard(key)  # the last chunk (or a whole state): the copy is installed
+                    if key in self._staging:
+                        continue  # an update of the staged rows: held once the last chunk is
                     if version > self.acked.get(key, -1):
                         self.acked[key] = version
                     if msg.HasField("optimizer") or msg.HasField("spec"):
@@ -304,10 +327,18 @@ class Replicator:
         while not self._stop.is_set():
             with self._cond:
                 dirty, self._dirty = self._dirty, set()
+                due, self._due = self._due, {}
                 failures = self._failures
+            for key, start in sorted(due.items()):
+                if key not in dirty:
+                    try:
+                        self._resync(key, start)
+                    except Exception:  # as below: that shard starts its catch-up again
+                        log.exception("replication to ps %d: a catch-up chunk of %s failed", self.backup, name_of(key))
+                        dirty.add(key)
             for key in sorted(dirty):
                 try:
-                    self._resync(key)
+                    self._resync(key, 0)
                 except Exception:  # one shard's failed snapshot must not end the sender of every shard
                     log.exception("replication to ps %d: the catch-up of %s failed; trying again", self.backup,
                                   name_of(key))

@@ -379,7 +379,7 @@ def test_a_catch_up_whose_snapshot_fails_is_tried_again_and_the_sender_lives_on(
 
     calls: list[tuple[str, int]] = []
 
-    def resync(key) -> None:
+    def resync(key, start=0) -> None:
         calls.append(key)
         if len(calls) == 1:
             raise MemoryError("the snapshot's copy failed")

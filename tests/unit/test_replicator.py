@@ -71,7 +71,7 @@ def until(condition: Callable[[], bool], what: str) -> None:
         time.sleep(0.005)
 
 
-def replicator(backup: Backup, resync: Callable[[tuple[str, int]], None], room: int = 1 << 20,
+def replicator(backup: Backup, resync: Callable[[tuple[str, int], int], None], room: int = 1 << 20,
                timeout: float = 2.0) -> Replicator:
     rep = Replicator(1, backup, 0, timeout, resync, max_queued_bytes=room)
     rep.keys.update({KEY, OTHER})
@@ -88,7 +88,7 @@ def test_a_whole_state_larger_than_the_room_is_sent_and_not_snapshotted_again_wh
     snapshots: list[tuple[str, int]] = []
     rep: Replicator
 
-    def resync(key: tuple[str, int]) -> None:
+    def resync(key: tuple[str, int], start: int = 0) -> None:
         snapshots.append(key)
         rep.put(key, 5, install(key, 5), [np.zeros(1000, np.float32)])  # 4,000 bytes: 4 x the room
 
@@ -114,7 +114,7 @@ def test_a_batch_the_backup_refuses_for_good_is_not_resent_and_its_shard_is_sent
     snapshots: list[tuple[str, int]] = []
     rep: Replicator
 
-    def resync(key: tuple[str, int]) -> None:
+    def resync(key: tuple[str, int], start: int = 0) -> None:
         snapshots.append(key)
         rep.put(key, 3, install(key, 3), [np.zeros(4, np.float32)])
 
@@ -141,7 +141,7 @@ def test_a_push_that_leads_a_batch_to_a_slow_backup_returns_by_its_own_deadline(
     """Before: a waiting push sent the queued batch with the replicator's whole timeout, past its deadline."""
     backup = Backup()
     backup.delay = 3.0
-    rep = replicator(backup, lambda key: None, timeout=5.0)
+    rep = replicator(backup, lambda key, start: None, timeout=5.0)
     try:
         rep.put(KEY, 1, update(KEY, 1), [np.zeros(4, np.float32)])
         started = time.monotonic()
@@ -175,7 +175,7 @@ def test_a_config_change_is_confirmed_only_once_the_backup_applied_it_or_a_whole
     rep: Replicator
     release = threading.Event()
 
-    def resync(key: tuple[str, int]) -> None:
+    def resync(key: tuple[str, int], start: int = 0) -> None:
         snapshots.append(key)
         release.wait(BOUND_S)  # the catch-up (which carries the change in its spec) is slow to come
         rep.put(key, 2, install(key, 2), [np.zeros(4, np.float32)])
