@@ -35,7 +35,7 @@ from pscluster.coordinator.checkpoints import AutoCheckpointer
 from pscluster.coordinator.clients import LongPolls, RetainedValues
 from pscluster.coordinator.curves import TrainingCurves
 from pscluster.coordinator.dispatch import ClosureSender
-from pscluster.coordinator.elastic import Elastic, ScaleReport
+from pscluster.coordinator.elastic import Elastic, ScaleReport, never
 from pscluster.coordinator.inbox import Inbox, Posted
 from pscluster.coordinator.job_queues import MAIN
 from pscluster.coordinator.joins import JobJoins, JobSessions
@@ -232,17 +232,18 @@ class ClusterCoordinator(CoordinatorAPI):
         """replicas: 2: shard (variable, index) -> its primary, backup and epoch now; empty with replicas: 1."""
         return self._keeper.table() if self._keeper is not None else {}
 
-    def scale_ps(self, count: int) -> ScaleReport:
-        """Make PS tasks 0..count-1 the active ones: shards move onto or off the others (docs/elastic.md)."""
-        return self._elastic_ready().scale_to(count)
+    def scale_ps(self, count: int, cancelled: Callable[[], bool] = never) -> ScaleReport:
+        """Make PS tasks 0..count-1 the active ones: shards move onto or off the others (docs/elastic.md);
+        `cancelled()` true stops it between moves (AbortedError)."""
+        return self._elastic_ready().scale_to(count, cancelled)
 
-    def add_ps(self, task: int) -> ScaleReport:
+    def add_ps(self, task: int, cancelled: Callable[[], bool] = never) -> ScaleReport:
         """A drained PS task takes its share of the shards again (docs/elastic.md)."""
-        return self._elastic_ready().add(task)
+        return self._elastic_ready().add(task, cancelled)
 
-    def remove_ps(self, task: int) -> ScaleReport:
+    def remove_ps(self, task: int, cancelled: Callable[[], bool] = never) -> ScaleReport:
         """Drain a PS task: its shard copies move to the other active tasks (docs/elastic.md)."""
-        return self._elastic_ready().remove(task)
+        return self._elastic_ready().remove(task, cancelled)
 
     def _elastic_ready(self) -> Elastic:
         if self._elastic is None:

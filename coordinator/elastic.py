@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -30,13 +29,23 @@ from pscluster.coordinator import replicas as rp
 from pscluster.coordinator.replica_keeper import ReplicaKeeper
 from pscluster.proto import pscluster_pb2 as pb
 
-from pscluster.errors import DeadlineExceededError, FailedPreconditionError, InvalidArgumentError, PsclusterError
+from pscluster.errors import (
+    AbortedError,
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    PsclusterError,
+)
 from pscluster.net import rpc
 
 log = logging.getLogger(__name__)
 
 FREEZE_LEASE_S = 2.0  # a freeze ends by itself after this, should the coordinator die mid-move
-KEEP_FREEZES = 1000  # freeze durations kept for reports (bounded: nothing grows with the job)
+
+
+def never() -> bool:
+    """A scale's `cancelled` when nobody can cancel it (an in-process call)."""
+    return False
 
 
 class ScaleReport(NamedTuple):
@@ -60,38 +69,41 @@ class Elastic:
         self._clock = clock
         self._busy = threading.Lock()  # held for a whole scale: a second one is refused, not queued
         self.active = list(range(len(stubs)))
-        self.freezes: deque[float] = deque(maxlen=KEEP_FREEZES)
 
-    def scale_to(self, count: int) -> ScaleReport:
+    def scale_to(self, count: int, cancelled: Callable[[], bool] = never) -> ScaleReport:
         """Make PS tasks 0 .. count-1 the active set."""
         if not 2 <= count <= len(self._stubs):
             raise InvalidArgumentError(f"scale --ps {count}: this cluster has PS tasks 0..{len(self._stubs) - 1} and "
                                        "replicas: 2 needs at least 2 active; pass 2.."
                                        f"{len(self._stubs)}")
-        return self.scale(list(range(count)))
+        return self.scale(list(range(count)), cancelled)
 
-    def add(self, task: int) -> ScaleReport:
+    def add(self, task: int, cancelled: Callable[[], bool] = never) -> ScaleReport:
         """Bring a drained PS task back: it takes its share of the shards."""
         self._check_task(task)
         if task in self.active:
             raise FailedPreconditionError(f"ps {task} is active already (active: {self.active})")
-        return self.scale(sorted({*self.active, task}))
+        return self.scale(sorted({*self.active, task}), cancelled)
 
-    def remove(self, task: int) -> ScaleReport:
+    def remove(self, task: int, cancelled: Callable[[], bool] = never) -> ScaleReport:
         """Drain a PS task: its shard copies move to the other active tasks."""
         self._check_task(task)
         if task not in self.active:
             raise FailedPreconditionError(f"ps {task} is not active (active: {self.active}); nothing to drain")
-        return self.scale([ps for ps in self.active if ps != task])
+        return self.scale([ps for ps in self.active if ps != task], cancelled)
 
-    def scale(self, active: Sequence[int]) -> ScaleReport:
-        """Move shard copies so that only `active` PS tasks hold them (rebalance.py's plan).
+    def scale(self, active: Sequence[int], cancelled: Callable[[], bool] = never) -> ScaleReport:
+        """Move shard copies so that only `active` PS tasks hold them (rebalance.py's plan); `cancelled` is
+        asked between moves and while a catch-up runs (the RPC's caller went away: stop there).
 
         Raises:
             InvalidArgumentError: an unknown PS task, or an active set that cannot hold two copies.
             FailedPreconditionError: a scale is under way, a PS of the new set is down, or a shard lost
                 both its copies; nothing moved.
             DeadlineExceededError: a catch-up or a freeze did not finish; the moves before it stand.
+            UnavailableError: a move's holder went down, or a failover changed the shard mid-move.
+            AbortedError: `cancelled` said so; the moves before stand.
+        A scale that stops part-way keeps the active set it had (the drained PS may hold backups again).
         """
         for task in active:
             self._check_task(task)
@@ -99,7 +111,7 @@ class Elastic:
             raise FailedPreconditionError("a scale is under way; wait for it to finish (pscluster status shows the "
                                           "replica table) and try again")
         try:
-            return self._scale(sorted(active))
+            return self._scale(sorted(active), cancelled)
         finally:
             self._busy.release()
 
@@ -107,7 +119,7 @@ class Elastic:
         if not 0 <= task < len(self._stubs):
             raise InvalidArgumentError(f"unknown PS task {task}: this cluster has PS tasks 0..{len(self._stubs) - 1}")
 
-    def _scale(self, active: list[int]) -> ScaleReport:
+    def _scale(self, active: list[int], cancelled: Callable[[], bool]) -> ScaleReport:
         layout = self._keeper.layout()
         lost = sorted(o for o, c in layout.items() if c.lost)
         if lost:
@@ -118,25 +130,33 @@ class Elastic:
             raise FailedPreconditionError(f"ps {down} of the new active set is down; scale once it is back")
         before = {o: rb.Place(c.primary, c.backup) for o, c in layout.items()}
         after = rb.rebalance(before, active, 2)
-        self._keeper.set_inactive(set(range(len(self._stubs))) - set(active))
+        everyone = set(range(len(self._stubs)))
+        self._keeper.set_inactive(everyone - set(active))
         freezes: list[float] = []
-        for ordinal in sorted(after):
-            if after[ordinal] != before[ordinal]:
-                frozen = self._move(ordinal, after[ordinal])
-                if frozen is not None:
-                    freezes.append(frozen)
-                    self.freezes.append(frozen)
+        try:
+            for ordinal in sorted(after):
+                if after[ordinal] != before[ordinal]:
+                    if cancelled():
+                        raise AbortedError(f"scale to PS {active} stopped after {len(freezes)} primaries moved: "
+                                           "its caller went away; the moves before stand")
+                    frozen = self._move(ordinal, after[ordinal], cancelled)
+                    if frozen is not None:
+                        freezes.append(frozen)
+        except BaseException:
+            # the scale did not happen: the tasks active before may take new backups again (a failover's)
+            self._keeper.set_inactive(everyone - set(self.active))
+            raise
         self.active = active
         moved = len(rb.moves(before, after))
         log.info("scale: active PS %s; %d copies moved; freeze per moved primary max %.1f ms", active, moved,
                  1e3 * max(freezes, default=0.0))
         return ScaleReport(active, moved, freezes)
 
-    def _move(self, ordinal: int, dest: rb.Place) -> float | None:
+    def _move(self, ordinal: int, dest: rb.Place, cancelled: Callable[[], bool]) -> float | None:
         """Move one shard to dest, then drop the copies of the PS tasks that no longer hold it; the freeze in
         seconds when its primary moved."""
         c = self._keeper.layout()[ordinal]
-        frozen = self._switch(ordinal, c, dest)
+        frozen = self._switch(ordinal, c, dest, cancelled)
         for ps in (c.primary, c.backup):
             if ps is not None and ps not in (dest.primary, dest.backup):
                 self._drop(ordinal, ps)
@@ -150,40 +170,52 @@ class Elastic:
         except PsclusterError as exc:
             log.warning("scale: ps %d did not drop its copy of %s[%d]: %s", ps, key[0], key[1], exc)
 
-    def _switch(self, ordinal: int, c: rp.Copies, dest: rb.Place) -> float | None:
+    def _switch(self, ordinal: int, c: rp.Copies, dest: rb.Place, cancelled: Callable[[], bool]) -> float | None:
         if dest.primary == c.primary:
             if dest.backup != c.backup:
-                self._keeper.reassign(ordinal, c.primary, dest.backup)
-                self._wait_in_sync(ordinal)
+                self._keeper.reassign(ordinal, c.primary, dest.backup, c.epoch)
+                self._wait_in_sync(ordinal, cancelled)
             return None
         successor = dest.primary
         if c.backup != successor or not c.in_sync:
-            self._keeper.reassign(ordinal, c.primary, successor)
-            self._wait_in_sync(ordinal)
+            c = self._keeper.reassign(ordinal, c.primary, successor, c.epoch)
+            self._wait_in_sync(ordinal, cancelled)
         key = self._keeper.key_of(ordinal)
         ref = pb.ShardRef(variable=key[0], shard_index=key[1])
         old = self._stubs[c.primary]
         started = time.perf_counter()
         switched: list[float] = []  # when the successor took the table: the shard admits pushes again there
-        rpc.call(old.FreezeShard, pb.FreezeRequest(ref=ref, successor=successor,  # type: ignore[attr-defined]
-                                                   lease_s=self._lease), timeout=self._lease + 1.0)
+        try:  # the lease restarts with each admitted push that finishes: the drain may outlast one lease
+            rpc.call(old.FreezeShard, pb.FreezeRequest(ref=ref, successor=successor,  # type: ignore[attr-defined]
+                                                       lease_s=self._lease), timeout=self._catch_up)
+        except PsclusterError:
+            self._thaw(old, ref, c.primary)  # a freeze that answered late must not wait for its lease
+            raise
         drained = time.perf_counter() - started
         try:
-            self._keeper.reassign(ordinal, successor, dest.backup, lambda: switched.append(time.perf_counter()))
+            # at the epoch read before the freeze: a failover since then (the table moved on) voids the switch
+            self._keeper.reassign(ordinal, successor, dest.backup, c.epoch, lambda: switched.append(time.perf_counter()))
         finally:
             frozen = (switched[0] if switched else time.perf_counter()) - started
-            try:
-                rpc.call(old.FreezeShard, pb.FreezeRequest(ref=ref, thaw=True), timeout=1.0)  # type: ignore[attr-defined]
-            except PsclusterError as exc:  # its lease ends the freeze anyway
-                log.warning("scale: ps %d did not thaw %s[%d]: %s", c.primary, key[0], key[1], exc)
+            self._thaw(old, ref, c.primary)
         log.info("scale: %s[%d] moved from ps %d to ps %d, frozen %.1f ms (%.1f ms of them draining)", key[0], key[1],
                  c.primary, successor, 1e3 * frozen, 1e3 * drained)
-        self._wait_in_sync(ordinal)  # its new backup holds it before the next move leans on it
+        self._wait_in_sync(ordinal, cancelled)  # its new backup holds it before the next move leans on it
         return frozen
 
-    def _wait_in_sync(self, ordinal: int) -> None:
+    def _thaw(self, stub: object, ref: pb.ShardRef, ps: int) -> None:
+        try:
+            rpc.call(stub.FreezeShard, pb.FreezeRequest(ref=ref, thaw=True), timeout=1.0)  # type: ignore[attr-defined]
+        except PsclusterError as exc:  # its lease ends the freeze anyway
+            log.warning("scale: ps %d did not thaw %s[%d]: %s", ps, ref.variable, ref.shard_index, exc)
+
+    def _wait_in_sync(self, ordinal: int, cancelled: Callable[[], bool]) -> None:
         deadline = self._clock() + self._catch_up
         while not self._keeper.layout()[ordinal].in_sync:
+            if cancelled():
+                key = self._keeper.key_of(ordinal)
+                raise AbortedError(f"scale stopped while {key[0]}[{key[1]}]'s new backup caught up: its caller went "
+                                   "away; the moves before stand")
             if self._clock() > deadline:
                 key = self._keeper.key_of(ordinal)
                 raise DeadlineExceededError(f"scale: the new backup of {key[0]}[{key[1]}] did not catch up within "

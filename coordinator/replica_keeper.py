@@ -91,20 +91,23 @@ class ReplicaKeeper:
         with self._lock:
             self.state.inactive = set(inactive)
 
-    def reassign(self, ordinal: int, primary: int, backup: int | None,
+    def reassign(self, ordinal: int, primary: int, backup: int | None, epoch: int,
                  primary_took: Callable[[], None] | None = None) -> rp.Copies:
-        """An elastic move's step: give the shard new holders at a new epoch and send the table to every PS
-        now, `primary` first (it starts admitting pushes when it has it: then `primary_took` is called).
+        """An elastic move's step: give the shard, read at `epoch`, new holders at a new epoch and send the
+        table to every PS now, `primary` first (it starts admitting pushes when it has it: then `primary_took`
+        is called).
 
         Raises:
-            UnavailableError: the table refused the change (a holder is down, or the shard lost both copies).
+            UnavailableError: the table refused the change (a holder is down, the shard lost both copies, its
+                epoch moved on, or a new primary is not its in-sync backup).
             PsclusterError: the new primary did not take the table (the keeper's rounds send it again).
         """
         with self._lock:
-            actions = rp.decide(self.state, rp.Reassign(ordinal, primary, backup))
+            actions = rp.decide(self.state, rp.Reassign(ordinal, primary, backup, epoch))
             if not actions:
                 raise UnavailableError(f"shard {self._keys.get(ordinal, ordinal)} cannot move to primary ps {primary}, "
-                                       f"backup {backup}: a holder is down or the shard lost both copies")
+                                       f"backup {backup} from epoch {epoch}: a holder is down, the shard lost both "
+                                       f"copies, its epoch moved on, or ps {primary} is not its in-sync backup")
             for action in actions:
                 self._note(action)
             copies = self.state.shards[ordinal]

@@ -19,7 +19,9 @@ Rules:
 - Any shard without a backup gets one on the up PS (not its primary) holding the fewest backups, ties
   broken by the striped order, and it counts as in sync only after its catch-up finished.
 - An elastic move (`Reassign`, planned by rebalance.py, carried out by elastic.py) gives a shard new
-  holders at a new epoch; a PS outside the active set (`inactive`, drained by a scale) gets no new backup.
+  holders at a new epoch, only if the shard is still at the epoch the executor read (a failover in between
+  voids it) and a new primary is the shard's in-sync backup; a PS outside the active set (`inactive`,
+  drained by a scale) gets no new backup.
 - Initial backups are striped: shard k on primary p = k mod P goes to (p + 1 + (k // P) mod (P - 1)) mod P,
   so the shards of one PS are backed up by all the others and a dead PS spreads its load.
 """
@@ -120,12 +122,14 @@ class CaughtUp(NamedTuple):
 
 
 class Reassign(NamedTuple):
-    """An elastic move: shard `ordinal` gets `primary` and `backup` at a new epoch (the backup catches up;
-    a new primary was the in-sync backup, frozen on the old primary first: elastic.py)."""
+    """An elastic move: shard `ordinal`, read at `epoch` by the executor, gets `primary` and `backup` at a new
+    epoch (the backup catches up; a new primary must be the in-sync backup, frozen on the old primary at
+    `epoch`: elastic.py)."""
 
     ordinal: int
     primary: int
     backup: int | None
+    epoch: int
 
 
 ReplicaEvent = ShardCreated | Heartbeat | ConnectionLost | Tick | Rejoined | CaughtUp | Reassign
@@ -211,9 +215,11 @@ def decide(state: ReplicaState, event: ReplicaEvent) -> list[ReplicaAction]:
     elif isinstance(event, Reassign):
         found = state.shards.get(event.ordinal)
         holders = [ps for ps in (event.primary, event.backup) if ps is not None]
-        if found is None or found.lost or event.primary == event.backup or \
+        if found is None or found.lost or event.primary == event.backup or found.epoch != event.epoch or \
                 not all(ps in state.ps and state.ps[ps].up for ps in holders):
-            return []  # nothing to move, or onto a PS that is down (a failover got there first)
+            return []  # nothing to move, onto a PS that is down, or the table moved on (a failover got there first)
+        if event.primary != found.primary and (event.primary != found.backup or not found.in_sync):
+            return []  # only the in-sync backup holds everything the frozen primary acknowledged
         copies = state.shards[event.ordinal] = Copies(event.primary, event.backup, found.epoch + 1)
         actions.append(Assign(event.ordinal, copies, event.backup is not None))
     elif isinstance(event, CaughtUp):

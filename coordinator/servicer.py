@@ -8,6 +8,7 @@ and Status always find a free thread.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Protocol
 
 import grpc
@@ -49,13 +50,13 @@ class CoordinatorCore(Protocol):
     def status(self) -> pb.CoordinatorStatus:
         """Queue, counters, workers and jobs."""
 
-    def scale_ps(self, count: int) -> ScaleReport:
+    def scale_ps(self, count: int, cancelled: Callable[[], bool]) -> ScaleReport:
         """Make PS tasks 0..count-1 the active ones."""
 
-    def add_ps(self, task: int) -> ScaleReport:
+    def add_ps(self, task: int, cancelled: Callable[[], bool]) -> ScaleReport:
         """A drained PS task takes its share again."""
 
-    def remove_ps(self, task: int) -> ScaleReport:
+    def remove_ps(self, task: int, cancelled: Callable[[], bool]) -> ScaleReport:
         """Drain a PS task."""
 
     def record_hyperparameters(self, values: dict[str, float], variables: list[str] | None) -> None:
@@ -159,7 +160,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             raise InvalidArgumentError("ScalePs: pass a count, a PS task to add or one to remove")
         scale = {"count": self.coordinator.scale_ps, "add": self.coordinator.add_ps,
                  "remove": self.coordinator.remove_ps}[change]
-        report = scale(getattr(request, change))
+        # a caller that went away (cancelled, or its deadline passed) stops the scale between moves
+        report = scale(getattr(request, change), lambda: not context.is_active())
         return pb.ScaleReply(active=report.active, moves=report.moved,
                              freezes_ms=[1e3 * f for f in report.freezes_s])
 

@@ -10,8 +10,10 @@ push that was applied here but not acknowledged is retried there, where its push
 update when it got there) deduplicates it. Exactly once, with the shard refusing pushes only between the
 freeze and the switch.
 
-A freeze is a lease: it ends by itself after `lease_s`, so a coordinator that dies mid-move cannot leave a
-shard frozen (the table was not switched then, this PS is still the primary, and pushes resume).
+A freeze is a lease: it ends by itself `lease_s` after its last progress (an admitted push finishing, the
+drain returning), so a coordinator that dies mid-move cannot leave a shard frozen (the table was not
+switched then, this PS is still the primary, and pushes resume), while a drain that is slow under load but
+moving is not cut short.
 """
 
 from __future__ import annotations
@@ -65,27 +67,38 @@ class ShardGate:
                 self._cond.notify_all()
 
     def freeze(self, key: Key, lease_s: float, drain: Callable[[float], None]) -> None:
-        """Refuse new pushes for key for lease_s, wait for those admitted already, then run drain(deadline)
-        (wait for the backup to confirm the shard's version).
+        """Refuse new pushes for key, wait for those admitted already, then run drain(deadline) (wait for the
+        backup to confirm the shard's version). The freeze is a lease of lease_s counted from its last
+        progress (its start, an admitted push finishing, the drain's start and end): a slow drain under load
+        does not end it while it moves, and a coordinator that died leaves it at most lease_s after that.
 
         Raises:
-            DeadlineExceededError: the admitted pushes did not finish within the lease (the shard is thawed).
+            DeadlineExceededError: no admitted push finished for lease_s (the shard is thawed).
         """
-        deadline = self._clock() + lease_s
         with self._cond:
-            self._frozen[key] = deadline
-            while self._inflight.get(key, 0) > 0:
-                left = deadline - self._clock()
-                if left <= 0:
+            deadline = self._frozen[key] = self._clock() + lease_s
+            waiting = self._inflight.get(key, 0)
+            while waiting > 0:
+                now = self._clock()
+                if self._inflight.get(key, 0) < waiting:  # progress: the lease starts again
+                    waiting = self._inflight.get(key, 0)
+                    deadline = self._frozen[key] = now + lease_s
+                    continue
+                if now >= deadline:
                     self._frozen.pop(key, None)
-                    raise DeadlineExceededError(f"{name_of(key)}: {self._inflight[key]} pushes still in flight on "
-                                                f"ps {self.ps_index} after {lease_s:.3f} s; the move was abandoned")
-                self._cond.wait(left)
+                    raise DeadlineExceededError(f"{name_of(key)}: {waiting} pushes still in flight on ps "
+                                                f"{self.ps_index}, none finished for {lease_s:.3f} s; the move was "
+                                                "abandoned")
+                self._cond.wait(deadline - now)
+            deadline = self._frozen[key] = self._clock() + lease_s
         try:
             drain(deadline)
         except BaseException:
             self.thaw([key])
             raise
+        with self._cond:
+            if key in self._frozen:  # not thawed meanwhile: the coordinator's switch gets a whole lease
+                self._frozen[key] = self._clock() + lease_s
 
     def thaw(self, keys: Sequence[Key]) -> None:
         """End the freeze of keys (after the switch, or when a move is abandoned)."""

@@ -11,7 +11,7 @@ from pscluster.coordinator import replicas as rp
 from pscluster.coordinator.elastic import Elastic
 from pscluster.proto import pscluster_pb2 as pb
 
-from pscluster.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
+from pscluster.errors import AbortedError, FailedPreconditionError, InvalidArgumentError, UnavailableError
 
 
 class Keeper:
@@ -33,9 +33,9 @@ class Keeper:
     def set_inactive(self, inactive: set[int]) -> None:
         self.state.inactive = set(inactive)
 
-    def reassign(self, ordinal: int, primary: int, backup: int | None,
+    def reassign(self, ordinal: int, primary: int, backup: int | None, epoch: int,
                  primary_took: Callable[[], None] | None = None) -> rp.Copies:
-        if not rp.decide(self.state, rp.Reassign(ordinal, primary, backup)):
+        if not rp.decide(self.state, rp.Reassign(ordinal, primary, backup, epoch)):
             raise UnavailableError("a holder is down")
         self.log.append(("table", ordinal, primary, backup))
         if primary_took is not None:
@@ -173,3 +173,47 @@ def test_a_successor_that_died_during_the_freeze_is_not_made_primary_and_the_old
     frozen = next(e[2] for e in log if e[0] == "freeze")
     assert log[-1] == ("thaw", 2, frozen) and ("drop", 2, frozen) not in log  # it still holds the shard
     assert all(keeper.state.ps[c.primary].up for c in keeper.layout().values() if not c.lost)
+
+
+def test_a_failed_move_gives_back_the_drained_ps_its_place_for_new_backups() -> None:
+    elastic, keeper, stubs, _ = make()
+    stubs[2].fail = True  # its first freeze is refused: the scale stops there
+    with pytest.raises(UnavailableError):
+        elastic.remove(2)
+    assert elastic.active == [0, 1, 2] and keeper.state.inactive == set()
+
+
+def test_a_switch_is_refused_when_the_shard_changed_during_the_freeze() -> None:
+    elastic, keeper, stubs, log = make()
+    real = stubs[2].FreezeShard
+
+    def freeze_then_fail_over(request: pb.FreezeRequest, timeout: float) -> pb.FreezeReply:
+        reply = real(request, timeout)
+        if not request.thaw:  # the frozen primary is lost: its backup (the successor) is promoted, a new epoch
+            rp.decide(keeper.state, rp.ConnectionLost(2))
+            failed_over.update(keeper.state.shards)
+        return reply
+
+    failed_over: dict[int, rp.Copies] = {}
+    stubs[2].FreezeShard = freeze_then_fail_over  # type: ignore[method-assign]
+    with pytest.raises(UnavailableError):
+        elastic.remove(2)
+    assert keeper.layout() == failed_over  # the failover's table stands: no switch on top of it
+    frozen = next(e[2] for e in log if e[0] == "freeze")
+    assert log[-1] == ("thaw", 2, frozen)
+    assert keeper.state.inactive == set() and elastic.active == [0, 1, 2]
+
+
+def test_a_scale_whose_caller_went_away_stops_before_its_next_move() -> None:
+    elastic, keeper, _, log = make()
+    freezes = []
+
+    def gone() -> bool:
+        freezes.extend(e for e in log if e[0] == "freeze" and e not in freezes)
+        return len(freezes) >= 1  # the caller left during the first move
+
+    with pytest.raises(AbortedError, match="caller went away"):
+        elastic.scale([0, 1], cancelled=gone)
+    assert sum(1 for e in log if e[0] == "freeze") == 1  # the first move finished, no other started
+    assert elastic.active == [0, 1, 2] and keeper.state.inactive == set()
+    assert sum(1 for c in keeper.layout().values() if c.primary == 2) == 1

@@ -72,6 +72,43 @@ def test_a_freeze_ends_by_itself_when_its_lease_ends() -> None:
         pass
 
 
+def test_the_freeze_lease_runs_from_its_last_progress_not_from_its_start() -> None:
+    clock = Clock()
+    gate = ShardGate(0, clock)
+    entered = [threading.Event(), threading.Event()]
+    release = [threading.Event(), threading.Event()]
+    drains: list[float] = []
+
+    def push(i: int) -> None:
+        with gate.admit([KEY]):
+            entered[i].set()
+            release[i].wait(5)
+
+    pushes = [threading.Thread(target=push, args=(i,)) for i in range(2)]
+    for i, t in enumerate(pushes):
+        t.start()
+        assert entered[i].wait(5)
+    freezer = threading.Thread(target=gate.freeze, args=(KEY, 1.0, drains.append))
+    freezer.start()
+    time.sleep(0.05)
+    clock.now = 0.9
+    release[0].set()  # progress: one admitted push finished within the lease
+    pushes[0].join(5)
+    time.sleep(0.05)
+    clock.now = 1.5  # past the lease counted from the freeze's start, within one from the last progress
+    release[1].set()
+    pushes[1].join(5)
+    freezer.join(5)
+    assert drains == [2.5]  # the drain (the backup's confirmation) gets a whole lease from the last progress
+    clock.now = 2.4  # the switch gets a whole lease after the freeze returned: still frozen
+    assert gate.frozen() == [KEY]
+    with pytest.raises(UnavailableError, match="moving off ps 0"):
+        with gate.admit([KEY]):
+            pass
+    clock.now = 2.6
+    assert gate.frozen() == []
+
+
 def test_a_freeze_that_cannot_drain_in_its_lease_is_abandoned_and_thawed() -> None:
     gate = ShardGate(0)
     with gate.admit([KEY]):

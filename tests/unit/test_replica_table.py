@@ -155,12 +155,12 @@ def test_replicas_2_with_one_ps_is_a_config_error_that_names_the_field() -> None
 def test_an_elastic_reassign_bumps_the_epoch_and_the_new_backup_catches_up() -> None:
     state = table(3, 3)
     c = state.shards[0]
-    actions = rp.decide(state, rp.Reassign(0, c.primary, 2))
+    actions = rp.decide(state, rp.Reassign(0, c.primary, 2, c.epoch))
     after = state.shards[0]
     assert after == rp.Copies(c.primary, 2, c.epoch + 1)  # not in sync until the catch-up finished
     assert rp.Assign(0, after, True) in actions and isinstance(actions[-1], rp.Publish)
     rp.decide(state, rp.CaughtUp(0, after.epoch))
-    switched = rp.decide(state, rp.Reassign(0, 2, c.primary))  # the switch: the successor is primary
+    switched = rp.decide(state, rp.Reassign(0, 2, c.primary, after.epoch))  # the switch: the successor is primary
     assert state.shards[0].primary == 2 and state.shards[0].epoch == c.epoch + 2
     assert rp.Assign(0, state.shards[0], True) in switched
 
@@ -168,13 +168,34 @@ def test_an_elastic_reassign_bumps_the_epoch_and_the_new_backup_catches_up() -> 
 def test_a_reassign_of_an_unknown_or_lost_shard_onto_one_ps_or_a_dead_one_changes_nothing() -> None:
     state = table(3, 3)
     version = state.version
-    assert rp.decide(state, rp.Reassign(9, 0, 1)) == []
-    assert rp.decide(state, rp.Reassign(0, 1, 1)) == []
+    assert rp.decide(state, rp.Reassign(9, 0, 1, 1)) == []
+    assert rp.decide(state, rp.Reassign(0, 1, 1, 1)) == []
     state.shards[1] = rp.Copies(1, 2, 5, lost=True)
-    assert rp.decide(state, rp.Reassign(1, 0, 2)) == []
+    assert rp.decide(state, rp.Reassign(1, 0, 2, 5)) == []
     state.ps[2].up = False  # the successor died between the freeze and the switch
-    assert rp.decide(state, rp.Reassign(0, 2, 1)) == []
+    assert rp.decide(state, rp.Reassign(0, 2, 1, 1)) == []
     assert state.version == version
+
+
+def test_a_switch_makes_primary_only_the_in_sync_backup_at_the_epoch_that_was_frozen() -> None:
+    state = table(3, 3)
+    c = state.shards[0]  # primary 0, backup 1, in sync, epoch 1
+    assert (c.primary, c.backup, c.in_sync) == (0, 1, True)
+    before, version = dict(state.shards), state.version
+    # a failover or another move changed the shard after the executor read it: its epoch moved on
+    assert rp.decide(state, rp.Reassign(0, 1, 2, c.epoch + 1)) == []
+    assert rp.decide(state, rp.Reassign(0, 1, 2, c.epoch - 1)) == []
+    # the new primary must be the backup that holds everything the old one acknowledged
+    assert rp.decide(state, rp.Reassign(0, 2, 1, c.epoch)) == []
+    state.shards[0] = rp.Copies(0, 1, c.epoch)  # the backup has not finished catching up
+    assert rp.decide(state, rp.Reassign(0, 1, 2, c.epoch)) == []
+    assert state.shards[0] == rp.Copies(0, 1, c.epoch) and state.version == version
+    state.shards[0] = before[0]
+    assert rp.decide(state, rp.Reassign(0, 1, 2, c.epoch))  # the in-sync backup at the frozen epoch
+    assert state.shards[0] == rp.Copies(1, 2, c.epoch + 1)
+    # a backup-only change needs no sync, only the epoch the executor read
+    assert rp.decide(state, rp.Reassign(0, 1, 0, c.epoch)) == []
+    assert rp.decide(state, rp.Reassign(0, 1, 0, c.epoch + 1))
 
 
 def test_a_drained_ps_gets_no_new_backup_after_a_failover() -> None:
