@@ -39,6 +39,7 @@ from pscluster.coordinator.elastic import Elastic, ScaleReport, never
 from pscluster.coordinator.inbox import Inbox, Posted
 from pscluster.coordinator.job_queues import MAIN
 from pscluster.coordinator.joins import JobJoins, JobSessions
+from pscluster.coordinator.ps_book import PsBook
 from pscluster.coordinator.ps_monitor import PsMonitor
 from pscluster.coordinator.replica_keeper import ReplicaKeeper
 from pscluster.coordinator.replicas import Copies
@@ -106,8 +107,11 @@ class ClusterCoordinator(CoordinatorAPI):
         self._stop = threading.Event()
         self.initial_step = max(s.global_step for s in self.client.status())
         # replicas: 2: the keeper owns shard -> (primary, backup, epoch) and promotes backups (docs/ps_failures.md)
-        self._keeper = ReplicaKeeper(list(self.client.stubs)).start() if self.settings.replicas > 1 else None
-        self._elastic = Elastic(self._keeper, list(self.client.stubs)) if self._keeper is not None else None
+        self._keeper = ReplicaKeeper(
+            list(self.client.stubs), book=PsBook.from_file(self.settings.cluster.ps), on_book=self.client.set_ps_addresses,
+            connect=lambda address: pb_grpc.ParameterServerStub(rpc.open_channel(address, self.settings)),
+        ).start() if self.settings.replicas > 1 else None
+        self._elastic = Elastic(self._keeper, self._keeper.stubs) if self._keeper is not None else None
         self._monitor = PsMonitor(self.client, on_down=lambda: self._inbox.post(sch.PsDown()),
                                   on_up=lambda: self._inbox.post(sch.PsUp()),
                                   on_fatal=lambda exc: self._fail("ps-monitor", exc),
@@ -242,8 +246,21 @@ class ClusterCoordinator(CoordinatorAPI):
         return self._elastic_ready().add(task, cancelled)
 
     def remove_ps(self, task: int, cancelled: Callable[[], bool] = never) -> ScaleReport:
-        """Drain a PS task: its shard copies move to the other active tasks (docs/elastic.md)."""
-        return self._elastic_ready().remove(task, cancelled)
+        """Drain a PS task: its shard copies move to the other active tasks; one that joined (not in the cluster
+        file) and is the last of the PS list then leaves it (docs/elastic.md)."""
+        report = self._elastic_ready().remove(task, cancelled)
+        assert self._keeper is not None
+        if task >= self._keeper.book.listed and task == len(self._keeper.book.addresses) - 1:
+            self._keeper.leave(task)
+        return report
+
+    def join_ps(self, address: str) -> tuple[int, list[str], int]:
+        """A PS the cluster file does not list joins the PS list: (its task index, the list, its epoch). It holds
+        nothing until add_ps(index) (docs/elastic.md)."""
+        if self._keeper is None:
+            raise FailedPreconditionError("a PS can join only a replicas: 2 cluster (moves need the replica table)")
+        index = self._keeper.join(address)
+        return index, list(self._keeper.book.addresses), self._keeper.book.epoch
 
     def _elastic_ready(self) -> Elastic:
         if self._elastic is None:

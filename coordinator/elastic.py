@@ -40,6 +40,7 @@ from pscluster.net import rpc
 
 log = logging.getLogger(__name__)
 
+JOIN_GRACE_S = 3.0  # add() of a PS that just joined waits this long for the keeper to see it answer
 FREEZE_LEASE_S = 2.0  # a freeze ends by itself after this, should the coordinator die mid-move
 
 
@@ -83,6 +84,9 @@ class Elastic:
         self._check_task(task)
         if task in self.active:
             raise FailedPreconditionError(f"ps {task} is active already (active: {self.active})")
+        deadline = self._clock() + JOIN_GRACE_S
+        while task not in self._keeper.state.up() and self._clock() < deadline:
+            time.sleep(0.02)  # a PS that just joined the list: the keeper's next round sees it answer
         return self.scale(sorted({*self.active, task}), cancelled)
 
     def remove(self, task: int, cancelled: Callable[[], bool] = never) -> ScaleReport:

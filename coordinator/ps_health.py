@@ -216,6 +216,11 @@ def decide(state: HealthState, event: Event, now: float) -> list[Action]:
 
 def _polled(state: HealthState, event: Polled, now: float) -> list[Action]:
     statuses = event.statuses
+    for s in (statuses or ())[len(state.incarnations):]:  # a PS that joined the list: first sight, no restart
+        if s is None:
+            break
+        state.incarnations.append(s.incarnation)
+    statuses = None if statuses is None else statuses[:len(state.incarnations)]
     restarted: list[Action] = [] if statuses is None else [
         Account(ps, s.incarnation, s.restored_step) for ps, s in enumerate(statuses)
         if s is not None and s.incarnation != state.incarnations[ps]]

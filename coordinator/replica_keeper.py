@@ -21,9 +21,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from pscluster.coordinator import replicas as rp
+from pscluster.coordinator.ps_book import PsBook
 from pscluster.proto import pscluster_pb2 as pb
 
-from pscluster.errors import PsclusterError, UnavailableError
+from pscluster.errors import FailedPreconditionError, PsclusterError, UnavailableError
 from pscluster.net import rpc
 
 log = logging.getLogger(__name__)
@@ -35,8 +36,15 @@ class ReplicaKeeper:
     """Owns the replica table and the `replica-keeper` thread; `stop()` ends and joins it."""
 
     def __init__(self, stubs: list[object], interval: float = rp.HEARTBEAT_INTERVAL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self._stubs = stubs
+                 clock: Callable[[], float] = time.monotonic, book: PsBook | None = None,
+                 connect: Callable[[str], object] | None = None,
+                 on_book: Callable[[list[str]], None] | None = None) -> None:
+        """book: the PS list (ps_book.py; None: unnamed PS tasks, no joins); connect: a stub for a joining PS's
+        address; on_book: told the new list after a PS joined or left (outside the lock)."""
+        self._stubs = stubs  # grows and shrinks with the book: elastic.py holds the same list
+        self.book = book or PsBook.from_file([""] * len(stubs))
+        self._connect = connect
+        self._on_book = on_book
         self._clock = clock
         self._interval = interval
         self.state = rp.ReplicaState(len(stubs), now=clock(), interval=interval)
@@ -65,6 +73,11 @@ class ReplicaKeeper:
         if self._thread.ident is not None:  # started
             self._thread.join(timeout=5)
         self._pool.shutdown(wait=True)
+
+    @property
+    def stubs(self) -> list[object]:
+        """The stub of every PS task of the list (the same list object as it grows: elastic.py shares it)."""
+        return self._stubs
 
     def lost_shards(self, ps: int) -> set[Key]:
         """Shards that came back from a checkpoint on PS ps (both their copies had died)."""
@@ -122,9 +135,62 @@ class ReplicaKeeper:
         self._send(others, request, version)
         return copies
 
+    def join(self, address: str) -> int:
+        """A PS the cluster file does not list joins the PS list (JoinPs); its task index. It holds nothing
+        until a scale adds it (elastic.py); the next rounds send it, and every PS, the table.
+
+        Raises:
+            InvalidArgumentError: not a host:port address.
+            FailedPreconditionError: this keeper cannot open channels (no connect).
+        """
+        if self._connect is None:
+            raise FailedPreconditionError("this coordinator cannot add PS tasks (no channel factory)")
+        with self._lock:
+            index, added = self.book.join(address)
+            if added:
+                self._stubs.append(self._connect(address))
+                self.state.ps[index] = rp.PsRec(last_seen=self._clock())  # counts as seen: it is starting
+                self.state.inactive.add(index)  # no copy (not even a failover's backup) before a scale adds it
+                self.state.num_ps = len(self._stubs)
+                self.state.version += 1
+            addresses = list(self.book.addresses)
+        if added:
+            log.info("ps list epoch %d: ps %d joined at %s", self.book.epoch, index, address)
+            if self._on_book is not None:
+                self._on_book(addresses)
+        return index
+
+    def leave(self, index: int) -> None:
+        """The last PS task, which joined and was drained, leaves the PS list (ps_book.py's rules).
+
+        Raises:
+            InvalidArgumentError, FailedPreconditionError: see PsBook.check_leave; or it still holds a copy.
+        """
+        with self._lock:
+            self.book.check_leave(index)
+            held = sorted(self._keys.get(o, o) for o, c in self.state.shards.items()
+                          if index in (c.primary, c.backup) and not c.lost)
+            if held:
+                raise FailedPreconditionError(f"ps {index} still holds {len(held)} shard copies (e.g. {held[0]}): "
+                                              "drain it first (remove_ps)")
+            self.book.leave(index)
+            self._stubs.pop()
+            self.state.ps.pop(index, None)
+            self.state.inactive.discard(index)
+            self.state.num_ps = len(self._stubs)
+            self.state.version += 1
+            for book in (self._sent, self._shard_counts, self._lost):
+                book.pop(index, None)
+            addresses = list(self.book.addresses)
+        log.info("ps list epoch %d: ps %d left", self.book.epoch, index)
+        if self._on_book is not None:
+            self._on_book(addresses)
+
     def _table_request(self) -> pb.SetRolesRequest:
-        """The whole table as SetRoles sends it (under self._lock)."""
-        return pb.SetRolesRequest(version=self.state.version, roles=[
+        """The whole table as SetRoles sends it, with the PS list when it is known (under self._lock)."""
+        named = all(self.book.addresses)
+        return pb.SetRolesRequest(version=self.state.version, ps_addresses=self.book.addresses if named else [],
+                                  ps_epoch=self.book.epoch, roles=[
             pb.ShardRole(ref=pb.ShardRef(variable=self._keys[o][0], shard_index=self._keys[o][1]), epoch=c.epoch,
                          primary=c.primary, backup=-1 if c.backup is None else c.backup)
             for o, c in sorted(self.state.shards.items()) if o in self._keys and not c.lost])
@@ -207,6 +273,17 @@ class ReplicaKeeper:
         with self._lock:
             self.state.version = max(self.state.version, table.version)  # PS tasks ignore older tables
             self._adopted = {(r.ref.variable, r.ref.shard_index): r for r in table.roles}
+            grown = self._connect is not None and self.book.adopt(table.ps_addresses, table.ps_epoch)
+            if grown:  # PS tasks joined before this coordinator started
+                assert self._connect is not None
+                del self._stubs[len(self.book.addresses):]
+                self._stubs.extend(self._connect(a) for a in self.book.addresses[len(self._stubs):])
+                for index in range(len(self._stubs)):
+                    self.state.ps.setdefault(index, rp.PsRec(last_seen=self._clock()))
+                self.state.num_ps = len(self._stubs)
+            addresses = list(self.book.addresses)
+        if grown and self._on_book is not None:
+            self._on_book(addresses)
         log.info("replica table: went on from version %d held by ps %d (%d shards)", table.version, ps,
                  len(table.roles))
 
@@ -232,8 +309,8 @@ class ReplicaKeeper:
                         # in sync once its primary says so (the next round), as after any assignment
                         self.state.shards[ordinal] = rp.Copies(role.primary, role.backup if role.backup >= 0 else None,
                                                                role.epoch)
-                    elif ordinal not in self.state.shards:
-                        for action in rp.decide(self.state, rp.ShardCreated(ordinal)):
+                    elif ordinal not in self.state.shards:  # on the PS its client placed it (k mod its P)
+                        for action in rp.decide(self.state, rp.ShardCreated(ordinal, ps)):
                             self._note(action)
 
     def _send_table(self, answers: list[pb.PsStatus | PsclusterError]) -> None:
@@ -242,8 +319,8 @@ class ReplicaKeeper:
         with self._lock:
             version = self.state.version
             request = self._table_request()
-            targets = [ps for ps, a in enumerate(answers) if isinstance(a, pb.PsStatus) and self.state.ps[ps].up
-                       and (a.roles_version < version or self._sent.get(ps, -1) < version)
+            targets = [ps for ps, a in enumerate(answers) if isinstance(a, pb.PsStatus) and ps in self.state.ps
+                       and self.state.ps[ps].up and (a.roles_version < version or self._sent.get(ps, -1) < version)
                        and ps not in self._sending]  # one send per PS at a time; the next round sends the newest
             self._sending.update(targets)
         for ps in targets:
@@ -251,7 +328,13 @@ class ReplicaKeeper:
 
     def _send_one(self, ps: int, request: pb.SetRolesRequest, version: int) -> None:
         try:
-            rpc.call(self._stubs[ps].SetRoles, request, timeout=1.0)  # type: ignore[attr-defined]
+            stub = self._stubs[ps]
+        except IndexError:  # it left the PS list since the round chose it
+            with self._lock:
+                self._sending.discard(ps)
+            return
+        try:
+            rpc.call(stub.SetRoles, request, timeout=1.0)  # type: ignore[attr-defined]
         except PsclusterError as exc:
             log.warning("replica table: ps %d did not take version %d: %s", ps, version, exc)
             return

@@ -83,9 +83,11 @@ class ReplicaState:
 
 # -- events -----------------------------------------------------------------------------------------
 class ShardCreated(NamedTuple):
-    """A shard with this ordinal was created (its primary is ordinal mod P)."""
+    """A shard with this ordinal was created on `primary` (None: ordinal mod P, the placement of a list
+    that did not change; a PS list that grew leaves clients placing by the P they knew)."""
 
     ordinal: int
+    primary: int | None = None
 
 
 class Heartbeat(NamedTuple):
@@ -183,12 +185,12 @@ def decide(state: ReplicaState, event: ReplicaEvent) -> list[ReplicaAction]:
     if isinstance(event, ShardCreated):
         if event.ordinal in state.shards:
             return []
-        primary = event.ordinal % state.num_ps
+        primary = event.ordinal % state.num_ps if event.primary is None else event.primary
         backup = striped_backup(event.ordinal, state.num_ps)
         # the backup gets the shard's state from its primary: in sync once the primary says it confirmed it
         copies = Copies(primary, backup, 1)
-        if not state.ps[backup].up:
-            copies = Copies(primary, None, 1)
+        if backup == primary or not state.ps[backup].up or backup in state.inactive:
+            copies = Copies(primary, None, 1)  # a backup is chosen below, as for any shard without one
         state.shards[event.ordinal] = copies
         actions.append(Assign(event.ordinal, copies, copies.backup is not None))
     elif isinstance(event, Heartbeat):

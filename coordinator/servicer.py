@@ -59,6 +59,9 @@ class CoordinatorCore(Protocol):
     def remove_ps(self, task: int, cancelled: Callable[[], bool]) -> ScaleReport:
         """Drain a PS task."""
 
+    def join_ps(self, address: str) -> tuple[int, list[str], int]:
+        """A PS not in the cluster file joins the PS list: (index, list, epoch)."""
+
     def record_hyperparameters(self, values: dict[str, float], variables: list[str] | None) -> None:
         ...
 
@@ -164,6 +167,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         report = scale(getattr(request, change), lambda: not context.is_active())
         return pb.ScaleReply(active=report.active, moves=report.moved,
                              freezes_ms=[1e3 * f for f in report.freezes_s])
+
+    def JoinPs(self, request: pb.JoinPsRequest, context: grpc.ServicerContext) -> pb.JoinPsReply:
+        index, addresses, epoch = self.coordinator.join_ps(request.address)
+        return pb.JoinPsReply(index=index, ps_addresses=addresses, ps_epoch=epoch)
 
     def NoteHyperparameters(self, request: pb.HyperparametersNote,
                             context: grpc.ServicerContext) -> pb.HyperparametersNoted:

@@ -1538,18 +1538,30 @@ class SetRolesRequest(_message.Message):
 
     VERSION_FIELD_NUMBER: _builtins.int
     ROLES_FIELD_NUMBER: _builtins.int
+    PS_ADDRESSES_FIELD_NUMBER: _builtins.int
+    PS_EPOCH_FIELD_NUMBER: _builtins.int
     version: _builtins.int
+    ps_epoch: _builtins.int
+    """bumped when a PS joins or leaves the list"""
     @_builtins.property
     def roles(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardRole]: ...
+    @_builtins.property
+    def ps_addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """the coordinator's PS list (elastic PS: PS tasks that joined after the cluster file); index = PS task.
+        Empty from a PS that has not had a table yet: the cluster file's list holds.
+        """
+
     def __init__(
         self,
         *,
         version: _builtins.int = ...,
         roles: _abc.Iterable[Global___ShardRole] | None = ...,
+        ps_addresses: _abc.Iterable[_builtins.str] | None = ...,
+        ps_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["roles", b"roles", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ps_addresses", b"ps_addresses", "ps_epoch", b"ps_epoch", "roles", b"roles", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2263,6 +2275,56 @@ class ScaleRequest(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType_change) -> _WhichOneofReturnType_change | None: ...
 
 Global___ScaleRequest: _TypeAlias = ScaleRequest  # noqa: Y015
+
+@_typing.final
+class JoinPsRequest(_message.Message):
+    """A PS daemon started with --join asks for its task index; the same address again gets the same index."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    address: _builtins.str
+    """host:port of its gRPC server"""
+    def __init__(
+        self,
+        *,
+        address: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JoinPsRequest: _TypeAlias = JoinPsRequest  # noqa: Y015
+
+@_typing.final
+class JoinPsReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    PS_ADDRESSES_FIELD_NUMBER: _builtins.int
+    PS_EPOCH_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    ps_epoch: _builtins.int
+    @_builtins.property
+    def ps_addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """the PS list with it"""
+
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        ps_addresses: _abc.Iterable[_builtins.str] | None = ...,
+        ps_epoch: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "ps_addresses", b"ps_addresses", "ps_epoch", b"ps_epoch"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JoinPsReply: _TypeAlias = JoinPsReply  # noqa: Y015
 
 @_typing.final
 class ScaleReply(_message.Message):

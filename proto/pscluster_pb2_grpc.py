@@ -1105,6 +1105,11 @@ class CoordinatorStub:
                 request_serializer=pscluster_dot_proto_dot_pscluster__pb2.ScaleRequest.SerializeToString,
                 response_deserializer=pscluster_dot_proto_dot_pscluster__pb2.ScaleReply.FromString,
                 _registered_method=True)
+        self.JoinPs = channel.unary_unary(
+                '/pscluster.Coordinator/JoinPs',
+                request_serializer=pscluster_dot_proto_dot_pscluster__pb2.JoinPsRequest.SerializeToString,
+                response_deserializer=pscluster_dot_proto_dot_pscluster__pb2.JoinPsReply.FromString,
+                _registered_method=True)
         self.NoteHyperparameters = channel.unary_unary(
                 '/pscluster.Coordinator/NoteHyperparameters',
                 request_serializer=pscluster_dot_proto_dot_pscluster__pb2.HyperparametersNote.SerializeToString,
@@ -1188,6 +1193,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def JoinPs(self, request, context):
+        """a PS the cluster file does not list: `pscluster ps --join`
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def NoteHyperparameters(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -1256,6 +1268,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ScalePs,
                     request_deserializer=pscluster_dot_proto_dot_pscluster__pb2.ScaleRequest.FromString,
                     response_serializer=pscluster_dot_proto_dot_pscluster__pb2.ScaleReply.SerializeToString,
+            ),
+            'JoinPs': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinPs,
+                    request_deserializer=pscluster_dot_proto_dot_pscluster__pb2.JoinPsRequest.FromString,
+                    response_serializer=pscluster_dot_proto_dot_pscluster__pb2.JoinPsReply.SerializeToString,
             ),
             'NoteHyperparameters': grpc.unary_unary_rpc_method_handler(
                     servicer.NoteHyperparameters,
@@ -1587,6 +1604,33 @@ class Coordinator:
             '/pscluster.Coordinator/ScalePs',
             pscluster_dot_proto_dot_pscluster__pb2.ScaleRequest.SerializeToString,
             pscluster_dot_proto_dot_pscluster__pb2.ScaleReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinPs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pscluster.Coordinator/JoinPs',
+            pscluster_dot_proto_dot_pscluster__pb2.JoinPsRequest.SerializeToString,
+            pscluster_dot_proto_dot_pscluster__pb2.JoinPsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -289,6 +289,8 @@ class CoordinatorStub:
     Checkpoint: _grpc.UnaryUnaryMultiCallable[_pscluster_pb2.CoordinatorCheckpointRequest, _pscluster_pb2.CoordinatorCheckpointReply]
     ScalePs: _grpc.UnaryUnaryMultiCallable[_pscluster_pb2.ScaleRequest, _pscluster_pb2.ScaleReply]
     """elastic PS (replicas: 2): `pscluster scale --ps N`"""
+    JoinPs: _grpc.UnaryUnaryMultiCallable[_pscluster_pb2.JoinPsRequest, _pscluster_pb2.JoinPsReply]
+    """a PS the cluster file does not list: `pscluster ps --join`"""
     NoteHyperparameters: _grpc.UnaryUnaryMultiCallable[_pscluster_pb2.HyperparametersNote, _pscluster_pb2.HyperparametersNoted]
 
 @_typing.type_check_only
@@ -307,6 +309,8 @@ class CoordinatorAsyncStub(CoordinatorStub):
     Checkpoint: _aio.UnaryUnaryMultiCallable[_pscluster_pb2.CoordinatorCheckpointRequest, _pscluster_pb2.CoordinatorCheckpointReply]  # type: ignore[assignment]
     ScalePs: _aio.UnaryUnaryMultiCallable[_pscluster_pb2.ScaleRequest, _pscluster_pb2.ScaleReply]  # type: ignore[assignment]
     """elastic PS (replicas: 2): `pscluster scale --ps N`"""
+    JoinPs: _aio.UnaryUnaryMultiCallable[_pscluster_pb2.JoinPsRequest, _pscluster_pb2.JoinPsReply]  # type: ignore[assignment]
+    """a PS the cluster file does not list: `pscluster ps --join`"""
     NoteHyperparameters: _aio.UnaryUnaryMultiCallable[_pscluster_pb2.HyperparametersNote, _pscluster_pb2.HyperparametersNoted]  # type: ignore[assignment]
 
 class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
@@ -394,6 +398,14 @@ class CoordinatorServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_pscluster_pb2.ScaleReply, _abc.Awaitable[_pscluster_pb2.ScaleReply]]:
         """elastic PS (replicas: 2): `pscluster scale --ps N`"""
+
+    @_abc_1.abstractmethod
+    def JoinPs(
+        self,
+        request: _pscluster_pb2.JoinPsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_pscluster_pb2.JoinPsReply, _abc.Awaitable[_pscluster_pb2.JoinPsReply]]:
+        """a PS the cluster file does not list: `pscluster ps --join`"""
 
     @_abc_1.abstractmethod
     def NoteHyperparameters(

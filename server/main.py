@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from typing import Any
 
+from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 from pscluster.server.bulk import BulkHandlers
 from pscluster.server.ps import ParameterServerCore
 from pscluster.server.servicer import ParameterServerServicer
 
 from pscluster.config import Settings
+from pscluster.errors import ConfigError
 from pscluster.net import frame_server, rpc, tls
 from pscluster.net.frame_server import Listeners
 from pscluster.ops import daemon
@@ -41,8 +44,9 @@ def start(settings: Settings) -> tuple[Listeners, int, ParameterServerCore]:
         link = FrameLink if settings.bulk_transport else GrpcLink
         # a catch-up chunk with room beside it in a frame (max_tensor_bytes) or a gRPC message
         chunk = min(CHUNK_BYTES, settings.max_tensor_bytes // 2, settings.max_message_bytes // 2)
+        core.addresses = list(settings.cluster.ps)  # SetRoles brings the coordinator's list (a PS that joined)
         core.replication = Replication(core.store, settings.task_index,
-                                       lambda ps: link(settings.cluster.ps[ps], settings),
+                                       lambda ps: link(core.addresses[ps], settings),
                                        timeout=settings.replication_timeout_s, step_timeout=settings.rpc_timeout_s,
                                        chunk_bytes=chunk)
     if settings.restore:
@@ -74,6 +78,28 @@ class _ReplicatingListeners(Listeners):
         done = super().stop(grace)
         self._replication.stop()
         return done
+
+
+def join(settings: Settings, retry_for: float = 30.0) -> Settings:
+    """A PS the cluster file does not list: ask the coordinator for a task index (JoinPs, docs/elastic.md);
+    settings with that index and the coordinator's PS list. It listens on settings.port.
+
+    Raises:
+        ConfigError: no --port or no coordinator in the cluster file.
+        PsclusterError: the coordinator refused (replicas: 1) or did not answer within retry_for.
+    """
+    if settings.port is None or not settings.cluster.coordinator:
+        raise ConfigError("pscluster ps --join needs --port and a coordinator in the cluster file")
+    host = settings.bind_host if settings.bind_host not in ("0.0.0.0", "::", "") else socket.gethostname()
+    channel = rpc.open_channel(settings.cluster.coordinator, settings)
+    try:
+        reply = rpc.call(pb_grpc.CoordinatorStub(channel).JoinPs, pb.JoinPsRequest(address=f"{host}:{settings.port}"),
+                         timeout=5.0, retry_for=retry_for, what="coordinator JoinPs")
+    finally:
+        channel.close()
+    log.info("ps %d: joined the PS list (epoch %d): %s", reply.index, reply.ps_epoch, list(reply.ps_addresses))
+    cluster = settings.cluster.model_copy(update={"ps": list(reply.ps_addresses)})
+    return settings.model_copy(update={"task_index": reply.index, "cluster": cluster})
 
 
 def serve(settings: Settings) -> None:

@@ -49,6 +49,14 @@ class ParameterServerCore:
         self.metrics: Any = None  # a PsMetrics, installed by main.start()
         self.replication: Any = None  # a server.replication.Replication with replicas: 2 (None: one copy)
         self.gate = ShardGate(ps_index)  # shards frozen while they move to another PS (server/handoff.py)
+        self.addresses: list[str] = []  # the PS list (the cluster file's, then the coordinator's: ps_book.py)
+        self.ps_epoch = 0
+
+    def take_ps_list(self, addresses: Sequence[str], epoch: int) -> None:
+        """The coordinator's PS list (it rides SetRoles): replication links to a PS that joined, and the P
+        of checkpoint file names, follow it. An empty or older list changes nothing."""
+        if addresses and epoch >= self.ps_epoch:
+            self.addresses, self.ps_epoch, self.num_ps = list(addresses), epoch, len(addresses)
 
     def replicas(self) -> SyncHook:
         """The sync-replica state, for the servicers."""

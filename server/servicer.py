@@ -116,13 +116,15 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return self._replication("Replicate").receive(request)
 
     def SetRoles(self, request: pb.SetRolesRequest, context: grpc.ServicerContext) -> pb.SetRolesReply:
-        self._replication("SetRoles").set_roles(
+        replication = self._replication("SetRoles")
+        self.core.take_ps_list(request.ps_addresses, request.ps_epoch)  # before the roles: links need the address
+        replication.set_roles(
             request.version, [Role(_key(r.ref), r.epoch, r.primary, r.backup) for r in request.roles])
         return pb.SetRolesReply()
 
     def GetRoles(self, request: pb.GetRolesRequest, context: grpc.ServicerContext) -> pb.SetRolesRequest:
         version, roles = self._replication("GetRoles").roles()
-        return pb.SetRolesRequest(version=version, roles=[
+        return pb.SetRolesRequest(version=version, ps_addresses=self.core.addresses, ps_epoch=self.core.ps_epoch, roles=[
             pb.ShardRole(ref=pb.ShardRef(variable=r.key[0], shard_index=r.key[1]), epoch=r.epoch, primary=r.primary,
                          backup=r.backup) for r in roles])
 

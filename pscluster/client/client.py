@@ -82,7 +82,7 @@ class PSClient(ClusterOperations):
         self._timeout = settings.rpc_timeout_s
         self.fresh = FreshValues(settings.push_pull_max_age_s)  # fused push-pull values (pscluster/client/fresh.py)
         # replicas: 2: each shard's primary after failovers (pscluster/client/routes.py); None: the handles' placement
-        self.routes = Routes(lambda: self.stubs) if settings.replicas > 1 else None
+        self.routes = Routes(lambda: self.stubs, on_ps_list=self.set_ps_addresses) if settings.replicas > 1 else None
         self._nonfinite = {"rejected": 0, "skipped": 0}  # pushes stopped by gradients.screen (worker metrics)
         self._tensors: TensorTransport = GrpcTensors(self._net)
         if settings.bulk_transport:
@@ -146,6 +146,16 @@ class PSClient(ClusterOperations):
         self._tensors.moved(ps, address)
         log.warning("ps %d moved to %s", ps, address)
         return True
+
+    def set_ps_addresses(self, addresses: Sequence[str]) -> None:
+        """Follow the coordinator's PS list (a PS joined or left: docs/elastic.md); new variables are placed
+        over it (k mod P)."""
+        changed = self._net.resize(addresses)
+        for ps in changed:
+            self._tensors.moved(ps, addresses[ps])
+        if changed:
+            self.fresh.clear()
+            log.info("ps list: %d PS tasks (%s)", len(addresses), ", ".join(addresses))
 
     def _gather(self, calls: list[tuple[int, str, Any]]) -> list[Any]:
         """Issue unary calls in parallel (grpc futures); retry the retryable ones synchronously."""

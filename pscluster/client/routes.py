@@ -46,11 +46,15 @@ def retry_wait(backoff: float, moved: bool, routed: bool) -> tuple[float, float]
 class Routes:
     """The newest replica table a client has seen: shard key -> primary PS index."""
 
-    def __init__(self, stubs: Callable[[], Sequence[Any]], timeout: float = 1.0) -> None:
+    def __init__(self, stubs: Callable[[], Sequence[Any]], timeout: float = 1.0,
+                 on_ps_list: Callable[[list[str]], None] | None = None) -> None:
+        """on_ps_list: told the coordinator's PS list when a newer table brings a newer one (a PS joined)."""
         self._stubs = stubs
         self._timeout = timeout
+        self._on_ps_list = on_ps_list
         self._lock = threading.Lock()
         self.version = 0
+        self.ps_epoch = 0
         self.primary: dict[Key, int] = {}
 
     def refresh(self) -> bool:
@@ -96,6 +100,13 @@ class Routes:
                 fut.cancel()
         with self._lock:
             if newest is None or newest.version <= self.version:
+                return False
+            grown = newest.ps_epoch > self.ps_epoch and len(newest.ps_addresses) > 0
+            self.ps_epoch = max(self.ps_epoch, newest.ps_epoch)
+        if grown and self._on_ps_list is not None:  # channels to a PS that joined before routing to it
+            self._on_ps_list(list(newest.ps_addresses))
+        with self._lock:
+            if newest.version <= self.version:
                 return False
             self.version = newest.version
             self.primary = {(r.ref.variable, r.ref.shard_index): r.primary for r in newest.roles}

@@ -150,8 +150,13 @@ class BulkClient:
                 conns.clear()
 
     def moved(self, ps: int, host: str) -> None:
-        """PS ps now runs on host: forget its port and pooled connections."""
+        """PS ps now runs on host (or joined the PS list: ps is the next index): forget its port and pooled
+        connections."""
         with self._lock:
+            if ps == len(self._hosts):
+                self._hosts.append(host)
+                self._ports.append(None)
+                self._free.append([])
             self._hosts[ps] = host
             self._ports[ps] = None
             stale, self._free[ps] = self._free[ps], []

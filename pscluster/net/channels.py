@@ -84,6 +84,22 @@ class Channels:
             channel.close()
         return True
 
+    def resize(self, addresses: Sequence[str]) -> list[int]:
+        """Follow the coordinator's PS list (a PS joined or left, docs/elastic.md): open channels to new PS
+        tasks, retire those of tasks that left; the PS tasks whose address is new."""
+        changed = [ps for ps in range(min(len(addresses), len(self.addresses))) if self.move(ps, addresses[ps])]
+        with self._lock:
+            for ps in range(len(self.addresses), len(addresses)):
+                self.addresses.append(addresses[ps])
+                self._channels.append(rpc.open_channel(addresses[ps], self.settings))
+                self.stubs.append(pb_grpc.ParameterServerStub(self._channels[-1]))
+                changed.append(ps)
+            while len(self.addresses) > len(addresses):  # the last tasks left: nothing routes there any more
+                self.addresses.pop()
+                self.stubs.pop()
+                self._retired.append(self._channels.pop())
+        return changed
+
     def close(self) -> None:
         """Close every channel and stop the pool."""
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     ps = sub.add_parser("ps", help="run a parameter-server daemon")
     _common(ps)
     ps.add_argument("--index", type=int, default=None, help="task index in the cluster's ps list")
+    ps.add_argument("--join", action="store_true", help="a PS the cluster file does not list: ask the coordinator "
+                    "for a task index (replicas: 2; needs --port; then `pscluster scale --add INDEX`)")
     ps.add_argument("--checkpoint-dir", help="directory for checkpoints (shared by all PS tasks)")
     ps.add_argument("--keep-checkpoints", type=int)
     ps.add_argument("--restore", action="store_true", help="load the newest complete checkpoint at start")
@@ -185,9 +187,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format=f"%(asctime)s {args.command} %(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "ps":
-            from pscluster.server.main import serve
+            from pscluster.server.main import join, serve
 
-            serve(settings_from_args(args, "ps"))
+            settings = settings_from_args(args, "ps")
+            serve(join(settings) if args.join else settings)
         elif args.command == "worker":
             from pscluster.worker.main import serve as serve_worker
 

@@ -205,6 +205,32 @@ class LocalCluster:
             self.wait_ready(d, wait)
         return d
 
+    def add_ps(self, wait: float = 60.0) -> Daemon:
+        """Start a PS the cluster file does not list (`pscluster ps --join`): it asks the running coordinator
+        (replicas: 2) for a task index, d.index once it is ready; `coord.add_ps(d.index)` gives it shards."""
+        with self._lock:
+            argv = self._argv("ps", 0)
+            at = argv.index("--index")
+            argv[at:at + 2] = ["--join", "--port", str(free_port())]
+            d = self._spawn(Daemon("ps", -1, argv, self.workdir / f"ps-joined{len(self.ps)}.log",
+                                   supervised=self.supervise))
+            self.ps.append(d)
+        self.wait_ready(d, wait)
+        ready = [line for line in d.log_path.read_text().splitlines() if line.startswith("READY ps ")]
+        d.index = int(ready[-1].split()[2])
+        return d
+
+    def retire_ps(self, d: Daemon, grace: float = 5.0) -> None:
+        """Stop a PS that left the PS list (a drained joined PS: coord.remove_ps), by pid; not restarted."""
+        d.supervised = False
+        if d.proc is not None and d.proc.poll() is None:
+            d.proc.terminate()
+            try:
+                d.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                d.proc.kill()
+                d.proc.wait(timeout=5)
+
     def _spawn(self, d: Daemon) -> Daemon:
         with open(d.log_path, "ab") as logf:
             d.lines_seen = _count_ready(d.log_path, d.role)
@@ -229,7 +255,10 @@ class LocalCluster:
     def restart(self, d: Daemon, wait: float = 60.0) -> None:
         """Start d again (a PS restores from the newest checkpoint)."""
         with self._lock:
-            d.argv = self._argv(d.role, d.index, restore=d.role == "ps")
+            if "--join" in d.argv:  # a PS that joined: the same address gets the same index back
+                d.argv = d.argv + ["--restore"] * ("--restore" not in d.argv)
+            else:
+                d.argv = self._argv(d.role, d.index, restore=d.role == "ps")
             self._spawn(d)
             d.restarts += 1  # only once the new process exists: watchers of `restarts` see it
         if wait:

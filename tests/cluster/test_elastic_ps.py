@@ -99,3 +99,35 @@ def test_draining_a_ps_and_bringing_it_back_under_load_counts_every_increment_on
         assert coord.client.status()[2].num_shards == 0
     finally:
         coord.shutdown()
+
+
+def test_a_ps_the_cluster_file_does_not_list_joins_takes_shards_under_load_then_leaves(fresh_cluster):
+    cluster = fresh_cluster(2, 2, replicas=2)
+    coord = ps.ClusterCoordinator(cluster.settings())
+    try:
+        coord.wait_for_workers(2)
+        counters = [coord.create_variable(f"counter{i}", shape=(), dtype="int64", optimizer=ps.SGD(1.0))
+                    for i in range(COUNTERS)]
+        poll(lambda: len(t := coord.replica_table()) == COUNTERS and all(c.in_sync for c in t.values()),
+             "every counter's backup to hold it")
+        values = [coord.schedule(increment, args=tuple(counters)) for _ in range(100)]
+        poll(lambda: int(counters[0].pull()) >= 20, "pushes under way")
+        joined = cluster.add_ps()  # `pscluster ps --join`: the coordinator gives it the next task index
+        assert joined.index == 2
+        grown = coord.add_ps(2)  # under load
+        table = holders(coord)[1]
+        assert grown.active == [0, 1, 2] and len(grown.freezes_s) == 2
+        assert sum(1 for c in table.values() if c.primary == 2) == 2  # six shards on three PS: its share
+        assert coord.client.num_ps == 3 and coord.client.status()[2].num_shards > 0
+        values += [coord.schedule(increment, args=tuple(counters)) for _ in range(100)]
+        poll(lambda: int(counters[0].pull()) >= 120, "pushes under way on three PS")
+        shrunk = coord.remove_ps(2)  # drained, then it leaves the PS list: the job runs on the file's two again
+        assert shrunk.active == [0, 1] and 2 not in holders(coord)[0] and coord.client.num_ps == 2
+        cluster.retire_ps(joined)
+        coord.join(timeout=30)
+        completed = sum(v.fetch() for v in values)
+        assert completed == 200
+        assert [int(c.pull()) for c in counters] == [completed] * COUNTERS
+        assert coord.lost_updates == 0
+    finally:
+        coord.shutdown()

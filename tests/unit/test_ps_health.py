@@ -109,3 +109,14 @@ def test_replicated_only_the_shards_whose_copies_both_died_count_as_lost():
     h.decide(state, h.Restored(0, 5, {("w", 0): 3, ("v", 0): 0}), 0.0)
     assert h.lost_by_variable(state, lambda ps: {("v", 0)}) == {"v": 4}  # w's backup took over
     assert h.lost_by_variable(state) == {"w": 5, "v": 4}
+
+
+def test_a_ps_that_joined_the_list_is_first_seen_not_accounted_as_a_restart():
+    state = h.HealthState([1, 2], replicated=True)
+    assert h.decide(state, h.Polled(healthy(1, 2) + (None,)), 0.0) == []  # joined, not answering yet
+    assert state.incarnations == [1, 2]
+    assert h.decide(state, h.Polled(healthy(1, 2, 7)), 0.1) == []
+    assert state.incarnations == [1, 2, 7]
+    assert h.decide(state, h.Polled(healthy(1, 2)), 0.2) == []  # it left the list
+    restarted = h.decide(state, h.Polled(healthy(1, 2, 8)), 0.3)  # a later restart of it is accounted
+    assert [type(a) for a in restarted] == [h.Account]

@@ -6,8 +6,13 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+from pscluster.coordinator import replicas as rp
+from pscluster.coordinator.ps_book import PsBook
 from pscluster.coordinator.replica_keeper import ReplicaKeeper
 from pscluster.proto import pscluster_pb2 as pb
+
+from pscluster.errors import FailedPreconditionError
 
 
 class Ps:
@@ -112,4 +117,60 @@ def test_a_table_send_to_a_ps_that_stopped_answering_does_not_hold_the_next_roun
         assert stopped.table.version == keeper.state.version
     finally:
         stopped.release.set()
+def test_a_ps_joins_the_list_gets_no_copy_before_a_scale_and_leaves_once_it_holds_nothing() -> None:
+    empty = pb.SetRolesRequest()
+    stubs = [Ps(0, [("a", 0)], empty), Ps(1, [], empty)]
+    lists: list[list[str]] = []
+    keeper = ReplicaKeeper(stubs, book=PsBook.from_file(["h:1", "h:2"]), on_book=lists.append,
+                           connect=lambda address: Ps(2, [], empty))
+    try:
+        keeper._round()
+        assert keeper.join("h:3") == 2 and keeper.join("h:3") == 2  # the same address: the same index
+        assert lists == [["h:1", "h:2", "h:3"]] and len(keeper.stubs) == 3 and keeper.state.num_ps == 3
+        keeper._round()
+        sent(keeper)
+        assert all(list(p.table.ps_addresses) == ["h:1", "h:2", "h:3"] and p.table.ps_epoch == 1 for p in keeper.stubs)
+        assert keeper.state.inactive == {2} and keeper.table()[("a", 0)].backup == 1  # not active: no copy
+        rp.decide(keeper.state, rp.ConnectionLost(1))  # no active PS left for a backup: the joined one, not none
+        assert keeper.table()[("a", 0)].backup == 2
+        with pytest.raises(FailedPreconditionError, match="still holds 1 shard copies"):
+            keeper.leave(2)
+        keeper.state.shards[0] = rp.Copies(0, 1, 10)
+        with pytest.raises(FailedPreconditionError, match="listed in the cluster file"):
+            keeper.leave(1)
+        keeper.leave(2)
+        assert lists[-1] == ["h:1", "h:2"] and len(keeper.stubs) == 2 and 2 not in keeper.state.ps
+        keeper._round()
+        sent(keeper)
+        assert all(list(p.table.ps_addresses) == ["h:1", "h:2"] and p.table.ps_epoch == 2 for p in stubs)
+    finally:
+        keeper.stop()
+
+
+def test_a_restarted_coordinator_takes_the_ps_list_with_the_table() -> None:
+    held = pb.SetRolesRequest(version=4, roles=[role("a", 2, 2, 0)], ps_addresses=["h:1", "h:2", "h:3"], ps_epoch=1)
+    joined = Ps(2, [("a", 0)], held)
+    stubs = [Ps(0, [("a", 0)], held), Ps(1, [], held)]
+    lists: list[list[str]] = []
+    keeper = ReplicaKeeper(stubs, book=PsBook.from_file(["h:1", "h:2"]), on_book=lists.append,
+                           connect=lambda address: joined)
+    try:
+        keeper._round()
+        assert lists == [["h:1", "h:2", "h:3"]] and keeper.stubs[2] is joined and keeper.state.num_ps == 3
+        keeper._round()
+        c = keeper.table()[("a", 0)]
+        assert (c.primary, c.backup, c.epoch) == (2, 0, 2)
+    finally:
+        keeper.stop()
+
+
+def test_a_shard_created_on_a_ps_of_a_grown_list_keeps_its_primary_there() -> None:
+    empty = pb.SetRolesRequest()
+    stubs = [Ps(0, [], empty), Ps(1, [("a", 0)], empty)]  # a client placed ordinal 0 on ps 1 (P it knew)
+    keeper = ReplicaKeeper(stubs)
+    try:
+        keeper._round()
+        c = keeper.table()[("a", 0)]
+        assert (c.primary, c.backup) == (1, 0)
+    finally:
         keeper.stop()
