@@ -239,7 +239,9 @@ class ClusterCoordinator(CoordinatorAPI):
     def scale_ps(self, count: int, cancelled: Callable[[], bool] = never) -> ScaleReport:
         """Make PS tasks 0..count-1 the active ones: shards move onto or off the others (docs/elastic.md);
         `cancelled()` true stops it between moves (AbortedError)."""
-        return self._elastic_ready().scale_to(count, cancelled)
+        report = self._elastic_ready().scale_to(count, cancelled)
+        self._leave_drained()
+        return report
 
     def add_ps(self, task: int, cancelled: Callable[[], bool] = never) -> ScaleReport:
         """A drained PS task takes its share of the shards again (docs/elastic.md)."""
@@ -249,10 +251,15 @@ class ClusterCoordinator(CoordinatorAPI):
         """Drain a PS task: its shard copies move to the other active tasks; one that joined (not in the cluster
         file) and is the last of the PS list then leaves it (docs/elastic.md)."""
         report = self._elastic_ready().remove(task, cancelled)
-        assert self._keeper is not None
-        if task >= self._keeper.book.listed and task == len(self._keeper.book.addresses) - 1:
-            self._keeper.leave(task)
+        self._leave_drained()
         return report
+
+    def _leave_drained(self) -> None:
+        """Joined PS tasks at the end of the list that a scale drained leave it (ps_book.py: indices stay dense)."""
+        keeper, elastic = self._keeper, self._elastic
+        assert keeper is not None and elastic is not None
+        while len(keeper.book.addresses) > keeper.book.listed and len(keeper.book.addresses) - 1 not in elastic.active:
+            keeper.leave(len(keeper.book.addresses) - 1)
 
     def join_ps(self, address: str) -> tuple[int, list[str], int]:
         """A PS the cluster file does not list joins the PS list: (its task index, the list, its epoch). It holds

@@ -76,7 +76,8 @@ class Elastic:
         if not 2 <= count <= len(self._stubs):
             raise InvalidArgumentError(f"scale --ps {count}: this cluster has PS tasks 0..{len(self._stubs) - 1} and "
                                        "replicas: 2 needs at least 2 active; pass 2.."
-                                       f"{len(self._stubs)}")
+                                       f"{len(self._stubs)}, or start more PS tasks first (`pscluster ps --join`, "
+                                       "LocalCluster.scale)")
         return self.scale(list(range(count)), cancelled)
 
     def add(self, task: int, cancelled: Callable[[], bool] = never) -> ScaleReport:

@@ -220,6 +220,24 @@ class LocalCluster:
         d.index = int(ready[-1].split()[2])
         return d
 
+    def address_of(self, d: Daemon) -> str:
+        """Where PS d's gRPC server listens (host:port; a joined PS's comes from its --port)."""
+        if "--join" in d.argv:
+            return f"127.0.0.1:{d.argv[d.argv.index('--port') + 1]}"
+        return str(self.spec["ps"][d.index])
+
+    def scale(self, coordinator: Any, count: int) -> Any:
+        """Hold the shards on `count` PS tasks: start joined PS tasks up to count, move shards (coordinator's
+        scale_ps), then stop the joined ones that left the PS list; the ScaleReport (docs/elastic.md)."""
+        joined = [d for d in self.ps if "--join" in d.argv and d.supervised]
+        for _ in range(count - len(self.spec["ps"]) - len(joined)):
+            joined.append(self.add_ps())
+        report = coordinator.scale_ps(count)
+        for d in joined:
+            if d.index >= max(count, len(self.spec["ps"])):
+                self.retire_ps(d)
+        return report
+
     def retire_ps(self, d: Daemon, grace: float = 5.0) -> None:
         """Stop a PS that left the PS list (a drained joined PS: coord.remove_ps), by pid; not restarted."""
         d.supervised = False

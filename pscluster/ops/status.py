@@ -27,6 +27,7 @@ class ClusterStatus:
     coordinator: pb.CoordinatorStatus | None = None
     coordinator_error: str = ""
     coordinator_address: str = ""
+    listed: int | None = None  # PS tasks the cluster file lists; the others joined (docs/elastic.md)
 
     def answered(self) -> tuple[int, int]:
         """(tasks that answered, tasks asked)."""
@@ -47,8 +48,8 @@ def _problem(err: PsclusterError) -> str:
 
 def gather(settings: Settings, timeout: float = 3.0) -> ClusterStatus:
     """Ask every PS task and the coordinator (if the spec names one) for their state."""
-    out = ClusterStatus()
-    for address in settings.cluster.ps:
+    out = ClusterStatus(listed=len(settings.cluster.ps))
+    for address in _ps_list(settings, timeout):
         channel = rpc.open_channel(address, settings)
         stub = pb_grpc.ParameterServerStub(channel)
         try:
@@ -99,6 +100,25 @@ def _render_silence(status: ClusterStatus, console: Console) -> None:
         console.print(f"[red]no task answered[/red]: {problem}{hint}: {', '.join(names)}", soft_wrap=True)
 
 
+def _ps_list(settings: Settings, timeout: float) -> list[str]:
+    """The coordinator's PS list, which PS tasks that joined extend (replicas: 2: it rides the replica table
+    every PS holds); the cluster file's when no PS has a newer one."""
+    newest, epoch = list(settings.cluster.ps), 0
+    if settings.replicas < 2:
+        return newest
+    for address in settings.cluster.ps:
+        channel = rpc.open_channel(address, settings)
+        try:
+            table = rpc.call(pb_grpc.ParameterServerStub(channel).GetRoles, pb.GetRolesRequest(), timeout=timeout)
+        except PsclusterError:
+            continue  # the PS rows below say why
+        finally:
+            channel.close()
+        if table.ps_epoch > epoch and table.ps_addresses:
+            newest, epoch = list(table.ps_addresses), table.ps_epoch
+    return newest
+
+
 def render(status: ClusterStatus, console: Console) -> None:
     """Print the tables (or one line per problem when no task answered)."""
     if status.answered()[0] == 0:
@@ -115,7 +135,8 @@ def render(status: ClusterStatus, console: Console) -> None:
             problem = status.ps_problems[i] if i < len(status.ps_problems) else "unreachable"
             ps_table.add_row(str(i), address, f"[red]{problem}", "", "", "", "", "")
             continue
-        ps_table.add_row(str(i), address, "[green]up", str(st.global_step),
+        joined = status.listed is not None and i >= status.listed
+        ps_table.add_row(str(i), address, "[green]up" + (" (joined)" if joined else ""), str(st.global_step),
                          str(st.restored_step) if st.restored_step >= 0 else "-", str(st.num_shards),
                          _mib(st.total_bytes), str(st.dropped_stale))
         for info in shards:

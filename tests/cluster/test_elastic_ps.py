@@ -101,7 +101,7 @@ def test_draining_a_ps_and_bringing_it_back_under_load_counts_every_increment_on
         coord.shutdown()
 
 
-def test_a_ps_the_cluster_file_does_not_list_joins_takes_shards_under_load_then_leaves(fresh_cluster):
+def test_a_ps_the_cluster_file_does_not_list_joins_takes_shards_under_load_then_leaves(fresh_cluster, capsys):
     cluster = fresh_cluster(2, 2, replicas=2)
     coord = ps.ClusterCoordinator(cluster.settings())
     try:
@@ -119,11 +119,15 @@ def test_a_ps_the_cluster_file_does_not_list_joins_takes_shards_under_load_then_
         assert grown.active == [0, 1, 2] and len(grown.freezes_s) == 2
         assert sum(1 for c in table.values() if c.primary == 2) == 2  # six shards on three PS: its share
         assert coord.client.num_ps == 3 and coord.client.status()[2].num_shards > 0
+        capsys.readouterr()
+        assert cli.main(["status", "--cluster", str(cluster.cluster_file)]) == 0
+        row = next(line for line in capsys.readouterr().out.splitlines() if cluster.address_of(joined) in line)
+        assert "up (joined)" in row
         values += [coord.schedule(increment, args=tuple(counters)) for _ in range(100)]
         poll(lambda: int(counters[0].pull()) >= 120, "pushes under way on three PS")
-        shrunk = coord.remove_ps(2)  # drained, then it leaves the PS list: the job runs on the file's two again
+        shrunk = cluster.scale(coord, 2)  # drained, it leaves the PS list and its process stops
         assert shrunk.active == [0, 1] and 2 not in holders(coord)[0] and coord.client.num_ps == 2
-        cluster.retire_ps(joined)
+        assert joined.proc.poll() is not None
         coord.join(timeout=30)
         completed = sum(v.fetch() for v in values)
         assert completed == 200

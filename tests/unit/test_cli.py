@@ -56,3 +56,12 @@ def test_status_with_the_wrong_token_names_the_problem_once():
     out = io.StringIO()
     render(status, Console(file=out, width=80))
     assert out.getvalue().count("unauthenticated") == 1
+
+
+def test_status_marks_a_ps_that_joined_the_list():
+    status = ClusterStatus(ps=[(f"127.0.0.1:700{i}", pb.PsStatus(num_shards=i), []) for i in range(3)],
+                           ps_problems=["", "", ""], listed=2)
+    out = io.StringIO()
+    render(status, Console(file=out, width=120))
+    rows = [line for line in out.getvalue().splitlines() if "127.0.0.1:700" in line]
+    assert len(rows) == 3 and "joined" in rows[2] and not any("joined" in r for r in rows[:2])
