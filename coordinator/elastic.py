@@ -69,7 +69,20 @@ class Elastic:
         self._catch_up = catch_up_s
         self._clock = clock
         self._busy = threading.Lock()  # held for a whole scale: a second one is refused, not queued
-        self.active = list(range(len(stubs)))
+        self._active: list[int] | None = None  # None until a scale: every PS of the list not drained
+
+    @property
+    def active(self) -> list[int]:
+        """The PS tasks that hold shards: a scale's set, or before any scale every PS task of the list that
+        is not drained (a PS that just joined is not, until added; after a coordinator restart every PS task
+        of the adopted list is)."""
+        if self._active is not None:
+            return list(self._active)
+        return [ps for ps in range(len(self._stubs)) if ps not in self._keeper.state.inactive]
+
+    @active.setter
+    def active(self, tasks: list[int]) -> None:
+        self._active = list(tasks)
 
     def scale_to(self, count: int, cancelled: Callable[[], bool] = never) -> ScaleReport:
         """Make PS tasks 0 .. count-1 the active set."""
@@ -135,7 +148,7 @@ class Elastic:
             raise FailedPreconditionError(f"ps {down} of the new active set is down; scale once it is back")
         before = {o: rb.Place(c.primary, c.backup) for o, c in layout.items()}
         after = rb.rebalance(before, active, 2)
-        everyone = set(range(len(self._stubs)))
+        everyone, was = set(range(len(self._stubs))), self.active
         self._keeper.set_inactive(everyone - set(active))
         freezes: list[float] = []
         try:
@@ -149,7 +162,7 @@ class Elastic:
                         freezes.append(frozen)
         except BaseException:
             # the scale did not happen: the tasks active before may take new backups again (a failover's)
-            self._keeper.set_inactive(everyone - set(self.active))
+            self._keeper.set_inactive(everyone - set(was))
             raise
         self.active = active
         moved = len(rb.moves(before, after))

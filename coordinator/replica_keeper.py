@@ -219,14 +219,14 @@ class ReplicaKeeper:
         with self._lock:
             state = self.state
             for ps, answer in enumerate(answers):
-                if isinstance(answer, pb.PsStatus):
-                    rec = state.ps[ps]
+                rec = state.ps.get(ps)  # None: it left the PS list since the round asked
+                if rec is not None and isinstance(answer, pb.PsStatus):
                     if not rec.up:
                         self._sent.pop(ps, None)
                         actions += rp.decide(state, rp.Rejoined(ps, now))
                     else:
                         rp.decide(state, rp.Heartbeat(ps, now))
-                elif isinstance(answer, UnavailableError):
+                elif rec is not None and isinstance(answer, UnavailableError):
                     actions += rp.decide(state, rp.ConnectionLost(ps))
             actions += rp.decide(state, rp.Tick(now))
         if self._adopted is None:

@@ -217,3 +217,18 @@ def test_a_scale_whose_caller_went_away_stops_before_its_next_move() -> None:
     assert sum(1 for e in log if e[0] == "freeze") == 1  # the first move finished, no other started
     assert elastic.active == [0, 1, 2] and keeper.state.inactive == set()
     assert sum(1 for c in keeper.layout().values() if c.primary == 2) == 1
+
+
+def test_a_ps_that_joined_the_list_is_not_active_until_added_then_takes_its_share() -> None:
+    elastic, keeper, stubs, log = make()
+    keeper.state.ps[3] = rp.PsRec()  # what ReplicaKeeper.join does: a new task index, drained until a scale
+    keeper.state.num_ps = 4
+    keeper.state.inactive = {3}
+    stubs.append(Stub(3, log))  # the keeper's stub list, which the executor shares
+    assert elastic.active == [0, 1, 2]
+    with pytest.raises(FailedPreconditionError, match="ps 3 is not active"):
+        elastic.remove(3)
+    report = elastic.add(3)
+    assert report.active == [0, 1, 2, 3] and elastic.active == [0, 1, 2, 3] and keeper.state.inactive == set()
+    primaries = [c.primary for c in keeper.layout().values()]
+    assert 1 <= primaries.count(3) <= 2 and all(1 <= primaries.count(p) <= 2 for p in range(4))
