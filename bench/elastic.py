@@ -7,6 +7,9 @@ coordinator measures the freeze: from the FreezeShard call on the old primary to
 the switched table (the time the shard refuses pushes). The driver sees more than that: a refused push is
 retried after the client's backoff (20 ms, then doubling) and a re-read of the table, and a push waits for
 a new backup's catch-up; the longest gap between two acknowledged pushes during a scale is reported too.
+Then `joins` times a PS the cluster file does not list is started (`pscluster ps --join`: it joins the
+coordinator's PS list as PS 3), added (coord.add_ps(3): it takes its share), drained (coord.remove_ps(3):
+it leaves the list) and stopped, under the same pushes; its freezes and gaps are reported apart.
 At the end every counter must equal the number of acknowledged pushes, and lost_updates() must be 0.
 """
 
@@ -36,15 +39,17 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def scale(cycles: int = 10, shards: int = 6, elements: int = 1) -> dict[str, Any]:
-    """Drain PS 2 and add it back `cycles` times under back-to-back pushes; freeze per moved primary.
-    elements: each counter's size (1: a scalar; more: a vector of int64, every element counts the pushes)."""
+def scale(cycles: int = 10, shards: int = 6, elements: int = 1, joins: int = 3) -> dict[str, Any]:
+    """Drain PS 2 and add it back `cycles` times, then add and remove an unlisted PS `joins` times, under
+    back-to-back pushes; freeze per moved primary. elements: each counter's size (1: a scalar; more: a
+    vector of int64, every element counts the pushes)."""
     acked: list[float] = []
     stop = threading.Event()
     errors: list[BaseException] = []
-    freezes: dict[str, list[float]] = {"remove": [], "add": []}
-    gaps: dict[str, list[float]] = {"remove": [], "add": []}
-    moved = {"remove": 0, "add": 0}
+    phases = ("remove", "add", "join", "leave")
+    freezes: dict[str, list[float]] = {what: [] for what in phases}
+    gaps: dict[str, list[float]] = {what: [] for what in phases}
+    moved = dict.fromkeys(phases, 0)
     with LocalCluster(3, 0, supervise=False, replicas=2) as cluster:
         coord = ps.ClusterCoordinator(cluster.settings())
         try:
@@ -64,23 +69,33 @@ def scale(cycles: int = 10, shards: int = 6, elements: int = 1) -> dict[str, Any
                         return
                     acked.append(time.monotonic())
 
+            def measure(what: str, change: Any) -> None:
+                _wait(lambda: len(acked) > 20, "pushes")
+                first = len(acked)
+                started = time.monotonic()
+                report = change()
+                ended = time.monotonic()
+                _wait(lambda: len(acked) > first + 5 and acked[-1] > ended, "pushes after the scale")
+                during = [started] + [t for t in acked[first:] if t <= ended] + \
+                    [next(t for t in acked[first:] if t > ended)]
+                gaps[what].append(max(b - a for a, b in zip(during, during[1:])))
+                freezes[what] += report.freezes_s
+                moved[what] += report.moved
+                if errors:
+                    raise errors[0]
+
             thread = threading.Thread(target=pusher, name="b15scale-pusher", daemon=True)
             thread.start()
             for _ in range(cycles):
-                for what, change in (("remove", lambda: coord.remove_ps(2)), ("add", lambda: coord.add_ps(2))):
-                    _wait(lambda: len(acked) > 20, "pushes")
-                    first = len(acked)
-                    started = time.monotonic()
-                    report = change()
-                    ended = time.monotonic()
-                    _wait(lambda: len(acked) > first + 5 and acked[-1] > ended, "pushes after the scale")
-                    during = [started] + [t for t in acked[first:] if t <= ended] + \
-                        [next(t for t in acked[first:] if t > ended)]
-                    gaps[what].append(max(b - a for a, b in zip(during, during[1:])))
-                    freezes[what] += report.freezes_s
-                    moved[what] += report.moved
-                    if errors:
-                        raise errors[0]
+                measure("remove", lambda: coord.remove_ps(2))
+                measure("add", lambda: coord.add_ps(2))
+            for _ in range(joins):
+                joined = cluster.add_ps()  # started outside the measure: a process start is not a freeze
+                measure("join", lambda: coord.add_ps(joined.index))
+                measure("leave", lambda: coord.remove_ps(joined.index))
+                if coord.client.num_ps != 3:
+                    raise RuntimeError(f"ps {joined.index} did not leave the PS list: {coord.client.num_ps} PS")
+                cluster.retire_ps(joined)
             stop.set()
             thread.join(timeout=30)
             totals = [int(np.asarray(c.pull()).min()) for c in counters]
@@ -90,10 +105,12 @@ def scale(cycles: int = 10, shards: int = 6, elements: int = 1) -> dict[str, Any
         finally:
             stop.set()
             coord.shutdown()
-    out: dict[str, Any] = {"cycles": cycles, "shards": shards, "elements": elements, "acknowledged": len(acked), "counters": totals,
+    out: dict[str, Any] = {"cycles": cycles, "joins": joins, "shards": shards, "elements": elements, "acknowledged": len(acked), "counters": totals,
                            "lost_updates": lost, "exact": all(t == len(acked) for t in totals) and lost == 0}
-    for what in ("remove", "add"):
-        ms = [1e3 * f for f in freezes[what]]
+    for what in phases:
+        if not gaps[what]:
+            continue
+        ms = [1e3 * f for f in freezes[what]] or [0.0]
         out[what] = {"moved_primaries": len(ms), "moved_copies": moved[what], "freeze_p50_ms": statistics.median(ms),
                      "freeze_max_ms": max(ms), "gap_p50_ms": 1e3 * statistics.median(gaps[what]),
                      "gap_max_ms": 1e3 * max(gaps[what]), "freeze_p99_ms": _pct(ms, 0.99)}

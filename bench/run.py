@@ -387,17 +387,21 @@ def bench_b15(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
 
 
 def bench_b15scale(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
-    r = elastic.scale(cycles=args.cycles, elements=args.scale_elements)
+    r = elastic.scale(cycles=args.cycles, elements=args.scale_elements, joins=args.joins)
     cells = []
-    for what, label in (("remove", "PS 2 drained"), ("add", "PS 2 added back")):
+    for what, label in (("remove", "PS 2 drained"), ("add", "PS 2 added back"), ("join", "unlisted PS 3 joined"),
+                        ("leave", "PS 3 drained and left")):
+        if what not in r:
+            continue
         m = r[what]
         cells.append(f"{label}: freeze per moved primary p50 {m['freeze_p50_ms']:.1f} ms, max {m['freeze_max_ms']:.1f} "
                      f"ms over {m['moved_primaries']}; longest gap between acknowledged pushes p50 "
                      f"{m['gap_p50_ms']:.0f} ms, max {m['gap_max_ms']:.0f} ms")
-    worst = max(r["remove"]["freeze_max_ms"], r["add"]["freeze_max_ms"])
+    worst = max(r[what]["freeze_max_ms"] for what in ("remove", "add", "join", "leave") if what in r)
     size = "one-shard counters" if r["elements"] == 1 else f"one-shard int64 counters of {r['elements'] * 8 >> 20} MiB each"
     return r, [("B15SCALE", f"elastic PS: replicas: 2, 3 PS, {r['shards']} {size}, PS 2 drained and added "
-                f"back x {r['cycles']} while a driver pushes +1 to all back to back",
+                f"back x {r['cycles']}, then a PS not in the cluster file joined, added, drained and removed x "
+                f"{r['joins']}, while a driver pushes +1 to all back to back",
                 "; ".join(cells) + f"; {r['acknowledged']} pushes acknowledged, counters "
                 f"{'all equal to it' if r['exact'] else r['counters']}, lost_updates {r['lost_updates']}",
                 f"freeze <= 50 ms per shard, exact: {'met' if worst <= 50 and r['exact'] else 'NOT met'}")]
@@ -492,6 +496,7 @@ def main() -> int:
     parser.add_argument("--stops", type=int, default=10, help="B15: PS SIGSTOPs in the failover trial")
     parser.add_argument("--cycles", type=int, default=10, help="B15SCALE: drain-and-add-back cycles of PS 2")
     parser.add_argument("--scale-elements", type=int, default=1, help="B15SCALE: int64 elements per counter shard")
+    parser.add_argument("--joins", type=int, default=3, help="B15SCALE: join-add-remove cycles of an unlisted PS")
     parser.add_argument("--soak-kills", type=int, default=100, help="B15SOAK: PS kills, split over async/sync/bounded")
     parser.add_argument("--write", help="rewrite the table between the bench markers of this file")
     parser.add_argument("--tf-python", default=None, help="B13: a Python with tensorflow-cpu 2.21 (optional peer)")
