@@ -35,7 +35,7 @@ from pscluster.coordinator.checkpoints import AutoCheckpointer
 from pscluster.coordinator.clients import LongPolls, RetainedValues
 from pscluster.coordinator.curves import TrainingCurves
 from pscluster.coordinator.dispatch import ClosureSender
-from pscluster.coordinator.elastic import Elastic, ScaleReport, never
+from pscluster.coordinator.elastic import JOIN_GRACE_S, Elastic, ScaleReport, never
 from pscluster.coordinator.inbox import Inbox, Posted
 from pscluster.coordinator.job_queues import MAIN
 from pscluster.coordinator.joins import JobJoins, JobSessions
@@ -66,6 +66,10 @@ from pscluster.ops import metrics
 
 log = logging.getLogger(__name__)
 _BATCH = 256  # events applied between two snapshots
+REPLICAS_1_REFUSAL = ("moving shards between PS tasks needs replicas: 2: with replicas: 1 clients find a shard by its "
+                      "handle's placement (k mod P), not by the replica table, and a shard has no in-sync second copy "
+                      "to switch to, so a moved shard could not be found; start the cluster with replicas: 2 "
+                      "(docs/elastic.md)")
 LONG_POLL_SLICE_S = 2.0  # a remote Join/Fetch waits at most this long in a server thread, then re-polls
 
 
@@ -104,6 +108,7 @@ class ClusterCoordinator(CoordinatorAPI):
         self._rates = RateMeter()
         self._snapshot = Snapshot()
         self.sync_mode = "async"
+        self._sync_config: pb.SyncConfigRequest | None = None
         self._stop = threading.Event()
         self.initial_step = max(s.global_step for s in self.client.status())
         # replicas: 2: the keeper owns shard -> (primary, backup, epoch) and promotes backups (docs/ps_failures.md)
@@ -215,6 +220,8 @@ class ClusterCoordinator(CoordinatorAPI):
         n = total_num_replicas or r
         step = self.client.configure_sync(mode, r, n, staleness)
         self.sync_mode = mode
+        self._sync_config = pb.SyncConfigRequest(mode=mode, replicas_to_aggregate=r, total_num_replicas=n,
+                                                 staleness=staleness)  # for a PS that joins later
         self._inbox.post(sch.SetConcurrency(n if mode == "sync" else None))
         return step
 
@@ -244,8 +251,12 @@ class ClusterCoordinator(CoordinatorAPI):
         return report
 
     def add_ps(self, task: int, cancelled: Callable[[], bool] = never) -> ScaleReport:
-        """A drained PS task takes its share of the shards again (docs/elastic.md)."""
-        return self._elastic_ready().add(task, cancelled)
+        """A drained PS task, or one that joined the PS list, takes its share of the shards (docs/elastic.md)."""
+        elastic = self._elastic_ready()
+        joined = self._keeper is not None and self._keeper.book.listed <= task < self.client.num_ps
+        if self._sync_config is not None and joined:  # it missed the mode's fan-out (bounded: its clocks' PS is 0)
+            self.client._call(task, "ConfigureSync", self._sync_config, retry_for=JOIN_GRACE_S)
+        return elastic.add(task, cancelled)
 
     def remove_ps(self, task: int, cancelled: Callable[[], bool] = never) -> ScaleReport:
         """Drain a PS task: its shard copies move to the other active tasks; one that joined (not in the cluster
@@ -265,14 +276,13 @@ class ClusterCoordinator(CoordinatorAPI):
         """A PS the cluster file does not list joins the PS list: (its task index, the list, its epoch). It holds
         nothing until add_ps(index) (docs/elastic.md)."""
         if self._keeper is None:
-            raise FailedPreconditionError("a PS can join only a replicas: 2 cluster (moves need the replica table)")
+            raise FailedPreconditionError(REPLICAS_1_REFUSAL)
         index = self._keeper.join(address)
         return index, list(self._keeper.book.addresses), self._keeper.book.epoch
 
     def _elastic_ready(self) -> Elastic:
         if self._elastic is None:
-            raise FailedPreconditionError("moving shards between PS tasks needs the replica table: start the cluster "
-                                          "with replicas: 2 (docs/elastic.md)")
+            raise FailedPreconditionError(REPLICAS_1_REFUSAL)
         if self.sync_mode == "sync":
             raise FailedPreconditionError("a sync job's step waits for every replica's push, so a shard cannot be "
                                           "frozen mid-step; scale in async or bounded mode")
