@@ -283,9 +283,6 @@ class ClusterCoordinator(CoordinatorAPI):
     def _elastic_ready(self) -> Elastic:
         if self._elastic is None:
             raise FailedPreconditionError(REPLICAS_1_REFUSAL)
-        if self.sync_mode == "sync":
-            raise FailedPreconditionError("a sync job's step waits for every replica's push, so a shard cannot be "
-                                          "frozen mid-step; scale in async or bounded mode")
         return self._elastic
 
     def lost_updates_by_variable(self) -> dict[str, int]:

@@ -31,65 +31,81 @@ from pscluster.errors import DeadlineExceededError, UnavailableError
 
 
 class ShardGate:
-    """Which shards of this PS are frozen for a move, and how many pushes each has in flight."""
+    """Which shards of this PS are frozen for a move, and how many pushes each has in flight (per step)."""
 
     def __init__(self, ps_index: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.ps_index = ps_index
         self._clock = clock
         self._cond = threading.Condition()
         self._frozen: dict[Key, float] = {}  # shard -> when its freeze lease ends
-        self._inflight: Counter[Key] = Counter()
+        self._inflight: Counter[tuple[Key, int]] = Counter()  # (shard, step) -> pushes in flight
+        self._open: dict[Key, frozenset[int]] = {}  # a sync job's frozen shard -> the steps it still admits
+        self._progress: Counter[Key] = Counter()  # pushes admitted into or finished on a frozen shard
 
     @contextmanager
-    def admit(self, keys: Iterable[Key]) -> Iterator[None]:
-        """Hold keys in flight while the body runs (a push: apply and wait for the backup).
+    def admit(self, keys: Iterable[Key], step: int = 0) -> Iterator[None]:
+        """Hold keys in flight while the body runs (a push of `step`: apply and wait for the backup).
 
         Raises:
             UnavailableError: one of the shards is frozen for a move (retryable: re-read placement).
         """
-        wanted = list(keys)
+        wanted = [(key, step) for key in keys]
         with self._cond:
             now = self._clock()
-            for key in wanted:
+            for key, _ in wanted:
                 until = self._frozen.get(key)
-                if until is not None and now < until:
+                if until is not None and now < until and step not in self._open.get(key, ()):
                     raise UnavailableError(f"{name_of(key)} is moving off ps {self.ps_index}; retry (placement "
                                            "changes within milliseconds)")
             self._inflight.update(wanted)
+            self._progress.update(key for key, _ in wanted if key in self._frozen)
         try:
             yield
         finally:
             with self._cond:
                 self._inflight.subtract(wanted)
-                for key in wanted:
-                    if self._inflight[key] <= 0:
-                        del self._inflight[key]
+                for key, step_ in wanted:
+                    if self._inflight[(key, step_)] <= 0:
+                        del self._inflight[(key, step_)]
+                self._progress.update(key for key, _ in wanted if key in self._frozen)
                 self._cond.notify_all()
 
-    def freeze(self, key: Key, lease_s: float, drain: Callable[[float], None]) -> None:
+    def _waiting(self, key: Key) -> int:
+        return sum(n for (k, _), n in self._inflight.items() if k == key)
+
+    def freeze(self, key: Key, lease_s: float, drain: Callable[[float], None], between_steps: bool = False) -> None:
         """Refuse new pushes for key, wait for those admitted already, then run drain(deadline) (wait for the
         backup to confirm the shard's version). The freeze is a lease of lease_s counted from its last
-        progress (its start, an admitted push finishing, the drain's start and end): a slow drain under load
+        progress (its start, a push admitted or finished, the drain's start and end): a slow drain under load
         does not end it while it moves, and a coordinator that died leaves it at most lease_s after that.
 
+        between_steps (a sync job): a step's pushes wait for each other, so the steps with a push in flight
+        stay open: their other replicas' pushes are still admitted, the next step's are refused, and the
+        freeze waits until the open steps settled (the move falls between two steps).
+
         Raises:
-            DeadlineExceededError: no admitted push finished for lease_s (the shard is thawed).
+            DeadlineExceededError: no push was admitted or finished for lease_s (the shard is thawed).
         """
         with self._cond:
             deadline = self._frozen[key] = self._clock() + lease_s
-            waiting = self._inflight.get(key, 0)
-            while waiting > 0:
+            if between_steps:
+                self._open[key] = frozenset(step for k, step in self._inflight if k == key)
+            self._progress[key] = 0
+            seen = 0
+            while self._waiting(key) > 0:
                 now = self._clock()
-                if self._inflight.get(key, 0) < waiting:  # progress: the lease starts again
-                    waiting = self._inflight.get(key, 0)
+                if self._progress[key] != seen:  # progress: the lease starts again
+                    seen = self._progress[key]
                     deadline = self._frozen[key] = now + lease_s
                     continue
                 if now >= deadline:
-                    self._frozen.pop(key, None)
+                    waiting = self._waiting(key)
+                    self._end(key)
                     raise DeadlineExceededError(f"{name_of(key)}: {waiting} pushes still in flight on ps "
                                                 f"{self.ps_index}, none finished for {lease_s:.3f} s; the move was "
                                                 "abandoned")
                 self._cond.wait(deadline - now)
+            self._open.pop(key, None)  # settled: every later push goes to the successor
             deadline = self._frozen[key] = self._clock() + lease_s
         try:
             drain(deadline)
@@ -100,11 +116,16 @@ class ShardGate:
             if key in self._frozen:  # not thawed meanwhile: the coordinator's switch gets a whole lease
                 self._frozen[key] = self._clock() + lease_s
 
+    def _end(self, key: Key) -> None:
+        self._frozen.pop(key, None)
+        self._open.pop(key, None)
+        self._progress.pop(key, None)
+
     def thaw(self, keys: Sequence[Key]) -> None:
         """End the freeze of keys (after the switch, or when a move is abandoned)."""
         with self._cond:
             for key in keys:
-                self._frozen.pop(key, None)
+                self._end(key)
             self._cond.notify_all()
 
     def frozen(self) -> list[Key]:

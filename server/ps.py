@@ -106,7 +106,7 @@ class ParameterServerCore:
         if self.replication is None:
             return self._push(push_id, step, items, final_below, values_into, skip_step)
         # a shard moving to another PS refuses new pushes, and its move waits for those admitted (handoff.py)
-        with self.gate.admit(item.key for item in items):
+        with self.gate.admit((item.key for item in items), step):
             return self._push(push_id, step, items, final_below, values_into, skip_step)
 
     def _push(self, push_id: str, step: int, items: Sequence[PushItem], final_below: int,
@@ -143,8 +143,7 @@ class ParameterServerCore:
         version once its backup `successor` (the PS it moves to) holds it (server/handoff.py).
 
         Raises:
-            FailedPreconditionError: replicas: 1, a sync job (a step's pushes wait for each other), or
-                successor is not the shard's backup.
+            FailedPreconditionError: replicas: 1, or successor is not the shard's backup.
             InvalidArgumentError: lease_s outside (0, 60].
             UnavailableError: this PS is not the shard's primary, or the backup did not confirm in time.
         """
@@ -154,9 +153,6 @@ class ParameterServerCore:
                                           "replica table (replicas: 2)")
         if not 0 < lease_s <= 60:
             raise InvalidArgumentError(f"a freeze lease must be in (0, 60] seconds, got {lease_s}")
-        if self.sync is not None and self.sync.accumulates:
-            raise FailedPreconditionError(f"ps {self.ps_index} runs a sync job: a step's pushes wait for each other, "
-                                          "so a shard cannot be frozen mid-step; move shards in async or bounded mode")
         replication.check_primary([key])
         shard = self.store.get(key)
         _, roles = replication.roles()
@@ -168,7 +164,8 @@ class ParameterServerCore:
         def drain(deadline: float) -> None:
             replication.wait([(key, shard.version)], max(0.0, deadline - time.monotonic()))
 
-        self.gate.freeze(key, lease_s, drain)
+        # a sync job: the steps with a push in flight settle first (their pushes wait for each other)
+        self.gate.freeze(key, lease_s, drain, between_steps=self.sync is not None and self.sync.accumulates)
         return int(shard.version)
 
     def thaw_shard(self, key: tuple[str, int], drop: bool = False) -> bool:

@@ -210,13 +210,92 @@ def test_a_shard_moved_back_and_forth_under_concurrent_pushes_counts_every_ackno
     assert max(freezes) < 1.0
 
 
-def test_a_sync_job_refuses_a_freeze_and_keeps_admitting_pushes(cores) -> None:
+def test_a_sync_freeze_admits_the_open_steps_pushes_and_refuses_the_next_steps() -> None:
+    gate = ShardGate(0)
+    entered, release = threading.Event(), threading.Event()
+
+    def first_replica() -> None:  # step 4's first gradient: it waits for the step's other replicas
+        with gate.admit([KEY], 4):
+            entered.set()
+            release.wait(5)
+
+    t = threading.Thread(target=first_replica)
+    t.start()
+    assert entered.wait(5)
+    drained: list[float] = []
+    freezer = threading.Thread(target=gate.freeze, args=(KEY, 5.0, drained.append), kwargs={"between_steps": True})
+    freezer.start()
+    time.sleep(0.05)
+    with gate.admit([KEY], 4):  # step 4's other replica: the step is open, so it still lands here
+        pass
+    with pytest.raises(UnavailableError, match="moving off ps 0"):
+        with gate.admit([KEY], 5):  # the next step goes to the successor
+            pass
+    assert not drained
+    release.set()  # step 4 settles
+    freezer.join(5)
+    t.join(5)
+    assert len(drained) == 1
+    with pytest.raises(UnavailableError, match="moving off ps 0"):
+        with gate.admit([KEY], 4):  # settled: a late straggler of step 4 goes to the successor too
+            pass
+
+
+def test_a_sync_job_moves_a_shard_between_two_steps_and_applies_every_step_once(cores) -> None:
     a, b = cores
-    roles((a, b), 1, 0, 1)
-    a.sync.configure("sync", 2, 2, 0)
-    with pytest.raises(FailedPreconditionError, match="sync job"):
-        a.freeze_shard(COUNTER, 1, 1.0)
-    assert a.gate.frozen() == []
+    by_index = {0: a, 1: b}
+    w = ("w", 0)
+    a.create(ShardSpec("w", 0, 1, (), (), 0, "<f8", OptimizerConfig("sgd", 1.0)), None, "zeros", 0, 0)
+    primary = [0]
+    roles_w = {"version": 1}
+
+    def set_roles(primary_ps: int, backup: int) -> None:
+        roles_w["version"] += 1
+        for core in (by_index[primary_ps], by_index[1 - primary_ps]):  # the new primary first
+            core.replication.set_roles(roles_w["version"], [Role(w, roles_w["version"], primary_ps, backup)])
+
+    set_roles(0, 1)
+    for core in (a, b):
+        core.sync.configure("sync", 2, 2, 0)
+    steps = 300
+    barrier = threading.Barrier(2)  # the token queue: a step starts once both replicas finished the last one
+    failures: list[BaseException] = []
+
+    def replica(i: int) -> None:
+        try:
+            for step in range(steps):
+                while True:  # the same push id until acknowledged, wherever the shard is
+                    try:
+                        by_index[primary[0]].push(f"r{i}.{step}", step, [PushItem(w, np.array(-1.0))])
+                        break
+                    except UnavailableError:
+                        time.sleep(0.001)
+                barrier.wait(10)
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            failures.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=replica, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    during: list[float] = []  # steps applied when each move switched
+    for source, target in ((0, 1), (1, 0), (0, 1)):
+        time.sleep(0.03)
+        deadline = time.monotonic() + 5
+        while by_index[source].replication.catching_up():
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        by_index[source].freeze_shard(w, target, 2.0)
+        during.append(float(by_index[source].store.get(w).value))
+        set_roles(target, source)  # the switch; the old primary stays its backup
+        primary[0] = target
+        by_index[source].thaw_shard(w)
+    for t in threads:
+        t.join(20)
+    assert not failures
+    assert float(by_index[primary[0]].store.get(w).value) == steps  # every step's average (-1) applied once
+    assert a.sync.dropped == 0 and b.sync.dropped == 0
+    assert 0 < during[0] < during[-1] < steps, during  # the moves fell between steps, under training
 
 
 def test_the_old_holder_drops_its_copy_only_once_the_table_gives_it_no_role(cores) -> None:
