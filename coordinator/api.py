@@ -4,6 +4,7 @@ Both classes offer the same public methods (tests/unit/test_remote_clients.py co
 DAEMON_SIDE names ClusterCoordinator's entry points for the servicer, which a client has no use for,
 and CLIENT_SIDE what only a remote client needs. `lost_updates_by_variable` is also embedded-only: the
 Status RPC carries the total (`lost_updates`), not the per-variable breakdown; so is `replica_table`.
+`join_ps` is a PS daemon's (`pscluster ps --join`, the JoinPs RPC), not a driver's.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pscluster.client.variables import Variable
 from pscluster.schedules import Schedule
 
 DAEMON_SIDE = frozenset({"schedule_payload", "register", "heartbeat", "release", "snapshot", "lost_updates_by_variable",
-                         "replica_table"})
+                         "replica_table", "join_ps"})
 CLIENT_SIDE = frozenset({"close"})  # detach without ending the job (RemoteCoordinator(settings, job=...) re-attaches)
 
 
