@@ -34,6 +34,7 @@ ALLOWED: dict[str, dict[str, frozenset[str]]] = {
                                   "Status": ANY_CLIENT | {"ps"}, "*": ANY_CLIENT},
     "pscluster.Worker": {"*": frozenset({"coordinator", "client"})},
     "pscluster.Coordinator": {"Register": frozenset({"worker"}), "Heartbeat": frozenset({"worker"}),
+                              "JoinPs": frozenset({"ps"}),  # a PS the cluster file does not list (--join)
                               "Status": ANY_CLIENT, "*": frozenset({"coordinator", "client"})},
 }
 WORKER_NAME = "pscluster-worker"  # every worker certificate's DNS SAN: workers are verified by role, not address
