@@ -270,7 +270,11 @@ class ClusterCoordinator(CoordinatorAPI):
         keeper, elastic = self._keeper, self._elastic
         assert keeper is not None and elastic is not None
         while len(keeper.book.addresses) > keeper.book.listed and len(keeper.book.addresses) - 1 not in elastic.active:
-            keeper.leave(len(keeper.book.addresses) - 1)
+            try:
+                keeper.leave(len(keeper.book.addresses) - 1)
+            except FailedPreconditionError as exc:  # a failover gave it a copy meanwhile: the next scale retries
+                log.warning("ps list: %s", exc)
+                return
 
     def join_ps(self, address: str) -> tuple[int, list[str], int]:
         """A PS the cluster file does not list joins the PS list: (its task index, the list, its epoch). It holds
