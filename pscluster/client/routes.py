@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from pscluster.errors import UnavailableError
 from pscluster.proto import pscluster_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -126,10 +127,16 @@ class Routes:
 
     def route(self, plan: dict[int, list[tuple[Item, Any]]], targets: dict[int, list[Any]] | None = None
               ) -> tuple[dict[int, list[tuple[Item, Any]]], dict[int, list[Any]] | None]:
-        """plan (and the fused-reply targets aligned with it) with each item under its shard's primary."""
+        """plan (and the fused-reply targets aligned with it) with each item under its shard's primary.
+
+        Raises:
+            UnavailableError: an item would go to a PS that left the PS list (retryable: the caller re-reads
+                the table, which names the shard's primary now).
+        """
         primary = self.primary
         if not primary or all(primary.get((item.ref.variable, item.ref.shard_index), ps) == ps
                               for ps, items in plan.items() for item, _ in items):
+            self._check_listed(plan)
             return plan, targets
         moved: dict[int, list[tuple[Item, Any]]] = defaultdict(list)
         moved_targets: dict[int, list[Any]] = defaultdict(list)
@@ -140,4 +147,12 @@ class Routes:
                 moved[dest].append((item, arr))
                 if aligned is not None:
                     moved_targets[dest].append(aligned[i])
+        self._check_listed(moved)
         return moved, (moved_targets if targets is not None else None)
+
+    def _check_listed(self, plan: dict[int, Any]) -> None:
+        count = len(self._stubs())
+        gone = sorted(ps for ps in plan if ps >= count)
+        if gone:
+            raise UnavailableError(f"ps {gone[0]} left the PS list ({count} PS tasks now); re-reading where its "
+                                   "shards are")

@@ -126,6 +126,12 @@ def test_a_ps_the_cluster_file_does_not_list_joins_takes_shards_under_load_then_
         assert grown.active == [0, 1, 2] and len(grown.freezes_s) == 2
         assert sum(1 for c in table.values() if c.primary == 2) == 2  # six shards on three PS: its share
         assert coord.client.num_ps == 3 and coord.client.status()[2].num_shards > 0
+        # a variable created now is placed over the new list: one of its three shards on each PS
+        wide = coord.create_variable("wide", shape=(6, 2), dtype="float32", optimizer=ps.SGD(1.0),
+                                     partitioner=ps.FixedShardsPartitioner(3))
+        poll(lambda: len(t := coord.replica_table()) == COUNTERS + 3 and all(c.in_sync for c in t.values()),
+             "the new variable's backups")
+        assert {c.primary for key, c in coord.replica_table().items() if key[0] == "wide"} == {0, 1, 2}
         capsys.readouterr()
         assert cli.main(["status", "--cluster", str(cluster.cluster_file)]) == 0
         row = next(line for line in capsys.readouterr().out.splitlines() if cluster.address_of(joined) in line)
@@ -140,5 +146,6 @@ def test_a_ps_the_cluster_file_does_not_list_joins_takes_shards_under_load_then_
         assert completed == 200
         assert [int(c.pull()) for c in counters] == [completed] * COUNTERS
         assert coord.lost_updates == 0
+        np.testing.assert_array_equal(wide.pull(), np.zeros((6, 2), np.float32))  # its PS 2 shard moved off
     finally:
         coord.shutdown()

@@ -7,9 +7,11 @@ from concurrent.futures import Future
 
 import grpc
 import numpy as np
+import pytest
 from pscluster.proto import pscluster_pb2 as pb
 
 from pscluster.client.routes import RETRY_CAP_S, ROUTED_RETRY_CAP_S, Routes, retry_wait
+from pscluster.errors import UnavailableError
 
 
 class Down(grpc.RpcError):
@@ -43,7 +45,7 @@ def item(name: str, shard: int) -> pb.PushItem:
 
 
 def test_a_plan_is_left_alone_until_a_shard_moved() -> None:
-    routes = Routes(lambda: [])
+    routes = Routes(lambda: [Stub(None), Stub(None)])
     plan = {0: [(item("w", 0), np.zeros(2))], 1: [(item("w", 1), np.zeros(2))]}
     assert routes.route(plan)[0] is plan
 
@@ -94,3 +96,31 @@ def test_a_retry_goes_at_once_when_the_table_moved_and_backs_off_briefly_while_i
     # up to 300 ms after the first failure (B15's p50 was 335 ms)
     assert max(waits) <= ROUTED_RETRY_CAP_S and sum(waits[:4]) < 0.2
     assert retry_wait(0.4, moved=False, routed=False) == (0.4, RETRY_CAP_S)
+
+
+def test_a_newer_ps_list_is_handed_on_before_the_table_and_a_ps_that_left_gets_nothing() -> None:
+    grown = table(5, {("w", 0): 2})
+    grown.ps_addresses[:] = ["h:1", "h:2", "h:3"]
+    grown.ps_epoch = 1
+    stubs = [Stub(grown), Stub(grown)]
+    lists: list[list[str]] = []
+
+    def follow(addresses: list[str]) -> None:  # the client opens channels to the PS that joined
+        lists.append(addresses)
+        stubs[len(stubs):] = [Stub(grown) for _ in addresses[len(stubs):]]
+        del stubs[len(addresses):]
+
+    routes = Routes(lambda: stubs, on_ps_list=follow)
+    assert routes.refresh() and lists == [["h:1", "h:2", "h:3"]] and len(stubs) == 3
+    plan = {0: [(item("w", 0), np.zeros(1))]}
+    assert list(routes.route(plan)[0]) == [2]  # onto the PS that joined
+    shrunk = table(6, {("w", 0): 1})
+    shrunk.ps_addresses[:] = ["h:1", "h:2"]
+    shrunk.ps_epoch = 2
+    stale = Routes(lambda: stubs[:2])  # a client that saw ps 2 leave, with a handle placed there
+    with pytest.raises(UnavailableError, match="ps 2 left the PS list"):
+        stale.route({2: [(item("w", 0), np.zeros(1))]})
+    for stub in stubs:
+        stub.table = shrunk
+    assert routes.refresh() and lists[-1] == ["h:1", "h:2"] and len(stubs) == 2
+    assert list(routes.route({2: [(item("w", 0), np.zeros(1))]})[0]) == [1]  # the retry goes where it is now
