@@ -244,45 +244,26 @@ class ClusterCoordinator(CoordinatorAPI):
         return self._keeper.table() if self._keeper is not None else {}
 
     def scale_ps(self, count: int, cancelled: Callable[[], bool] = never) -> ScaleReport:
-        """Make PS tasks 0..count-1 the active ones: shards move onto or off the others (docs/elastic.md);
-        `cancelled()` true stops it between moves (AbortedError)."""
-        report = self._elastic_ready().scale_to(count, cancelled)
-        self._leave_drained()
-        return report
+        """Make PS tasks 0..count-1 the active ones: shards move onto or off the others, joined tasks left
+        drained leave the PS list (docs/elastic.md); `cancelled()` true stops it between moves (AbortedError)."""
+        return self._elastic_ready().scale_to(count, cancelled)
 
     def add_ps(self, task: int, cancelled: Callable[[], bool] = never) -> ScaleReport:
         """A drained PS task, or one that joined the PS list, takes its share of the shards (docs/elastic.md)."""
         elastic = self._elastic_ready()
-        joined = self._keeper is not None and self._keeper.book.listed <= task < self.client.num_ps
-        if self._sync_config is not None and joined:  # it missed the mode's fan-out (bounded: its clocks' PS is 0)
+        if self._sync_config is not None and elastic.joined(task):  # it missed the mode's fan-out
             self.client._call(task, "ConfigureSync", self._sync_config, retry_for=JOIN_GRACE_S)
         return elastic.add(task, cancelled)
 
     def remove_ps(self, task: int, cancelled: Callable[[], bool] = never) -> ScaleReport:
         """Drain a PS task: its shard copies move to the other active tasks; one that joined (not in the cluster
         file) and is the last of the PS list then leaves it (docs/elastic.md)."""
-        report = self._elastic_ready().remove(task, cancelled)
-        self._leave_drained()
-        return report
-
-    def _leave_drained(self) -> None:
-        """Joined PS tasks at the end of the list that a scale drained leave it (ps_book.py: indices stay dense)."""
-        keeper, elastic = self._keeper, self._elastic
-        assert keeper is not None and elastic is not None
-        while len(keeper.book.addresses) > keeper.book.listed and len(keeper.book.addresses) - 1 not in elastic.active:
-            try:
-                keeper.leave(len(keeper.book.addresses) - 1)
-            except FailedPreconditionError as exc:  # a failover gave it a copy meanwhile: the next scale retries
-                log.warning("ps list: %s", exc)
-                return
+        return self._elastic_ready().remove(task, cancelled)
 
     def join_ps(self, address: str) -> tuple[int, list[str], int]:
         """A PS the cluster file does not list joins the PS list: (its task index, the list, its epoch). It holds
         nothing until add_ps(index) (docs/elastic.md)."""
-        if self._keeper is None:
-            raise FailedPreconditionError(REPLICAS_1_REFUSAL)
-        index = self._keeper.join(address)
-        return index, list(self._keeper.book.addresses), self._keeper.book.epoch
+        return self._elastic_ready().join(address)
 
     def _elastic_ready(self) -> Elastic:
         if self._elastic is None:

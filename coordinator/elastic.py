@@ -110,6 +110,25 @@ class Elastic:
             raise FailedPreconditionError(f"ps {task} is not active (active: {self.active}); nothing to drain")
         return self.scale([ps for ps in self.active if ps != task], cancelled)
 
+    def join(self, address: str) -> tuple[int, list[str], int]:
+        """A PS joins the PS list (replica_keeper.join): its task index, the list and its epoch."""
+        index = self._keeper.join(address)
+        return index, list(self._keeper.book.addresses), self._keeper.book.epoch
+
+    def joined(self, task: int) -> bool:
+        """Whether PS task `task` joined the PS list (the cluster file does not list it)."""
+        return self._keeper.book.listed <= task < len(self._stubs)
+
+    def _leave_drained(self) -> None:
+        """Joined PS tasks at the end of the list that a scale drained leave it (ps_book.py: indices stay dense)."""
+        book = self._keeper.book
+        while len(book.addresses) > book.listed and len(book.addresses) - 1 not in self.active:
+            try:
+                self._keeper.leave(len(book.addresses) - 1)
+            except FailedPreconditionError as exc:  # a failover gave it a copy meanwhile: the next scale retries
+                log.warning("ps list: %s", exc)
+                return
+
     def scale(self, active: Sequence[int], cancelled: Callable[[], bool] = never) -> ScaleReport:
         """Move shard copies so that only `active` PS tasks hold them (rebalance.py's plan); `cancelled` is
         asked between moves and while a catch-up runs (the RPC's caller went away: stop there).
@@ -129,7 +148,9 @@ class Elastic:
             raise FailedPreconditionError("a scale is under way; wait for it to finish (pscluster status shows the "
                                           "replica table) and try again")
         try:
-            return self._scale(sorted(active), cancelled)
+            report = self._scale(sorted(active), cancelled)
+            self._leave_drained()
+            return report
         finally:
             self._busy.release()
 

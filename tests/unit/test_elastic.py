@@ -9,6 +9,7 @@ from collections.abc import Callable
 import pytest
 from pscluster.coordinator import replicas as rp
 from pscluster.coordinator.elastic import Elastic
+from pscluster.coordinator.ps_book import PsBook
 from pscluster.proto import pscluster_pb2 as pb
 
 from pscluster.errors import AbortedError, FailedPreconditionError, InvalidArgumentError, UnavailableError
@@ -19,6 +20,7 @@ class Keeper:
 
     def __init__(self, num_ps: int, shards: int, log: list[tuple]) -> None:
         self.state = rp.ReplicaState(num_ps)
+        self.book = PsBook.from_file([f"h:{i}" for i in range(num_ps)])
         self.log = log
         for k in range(shards):
             rp.decide(self.state, rp.ShardCreated(k))
