@@ -119,6 +119,8 @@ def test_a_ps_the_cluster_file_does_not_list_joins_takes_shards_under_load_then_
              "every counter's backup to hold it")
         values = [coord.schedule(increment, args=tuple(counters)) for _ in range(100)]
         poll(lambda: int(counters[0].pull()) >= 20, "pushes under way")
+        with pytest.raises(InvalidArgumentError, match="is not a host:port address"):
+            coord.join_ps("127.0.0.1")  # bad input changes nothing
         joined = cluster.add_ps()  # `pscluster ps --join`: the coordinator gives it the next task index
         assert joined.index == 2
         grown = coord.add_ps(2)  # under load

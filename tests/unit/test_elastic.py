@@ -234,3 +234,36 @@ def test_a_ps_that_joined_the_list_is_not_active_until_added_then_takes_its_shar
     assert report.active == [0, 1, 2, 3] and elastic.active == [0, 1, 2, 3] and keeper.state.inactive == set()
     primaries = [c.primary for c in keeper.layout().values()]
     assert 1 <= primaries.count(3) <= 2 and all(1 <= primaries.count(p) <= 2 for p in range(4))
+
+
+def test_scale_ps_stops_when_its_caller_went_away_and_join_ps_answers_with_the_list() -> None:
+    from pscluster.coordinator.elastic import ScaleReport
+    from pscluster.coordinator.servicer import CoordinatorServicer
+
+    class Context:  # grpc's ServicerContext as ScalePs uses it: the caller cancelled or its deadline passed
+        def __init__(self) -> None:
+            self.active = True
+
+        def is_active(self) -> bool:
+            return self.active
+
+    asked: list[bool] = []
+
+    class Coordinator:
+        def remove_ps(self, task: int, cancelled: Callable[[], bool]) -> ScaleReport:
+            asked.append(cancelled())
+            context.active = False
+            asked.append(cancelled())
+            return ScaleReport([0, 1], 2, [0.01])
+
+        scale_ps = add_ps = remove_ps
+
+        def join_ps(self, address: str) -> tuple[int, list[str], int]:
+            return 2, ["h:1", "h:2", address], 1
+
+    context = Context()
+    servicer = CoordinatorServicer(Coordinator())  # type: ignore[arg-type]
+    reply = servicer.ScalePs(pb.ScaleRequest(remove=2), context)  # type: ignore[arg-type]
+    assert asked == [False, True] and list(reply.active) == [0, 1] and reply.moves == 2
+    joined = servicer.JoinPs(pb.JoinPsRequest(address="h:3"), context)  # type: ignore[arg-type]
+    assert (joined.index, list(joined.ps_addresses), joined.ps_epoch) == (2, ["h:1", "h:2", "h:3"], 1)
