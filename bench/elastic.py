@@ -115,3 +115,42 @@ def scale(cycles: int = 10, shards: int = 6, elements: int = 1, joins: int = 3) 
                      "freeze_max_ms": max(ms), "gap_p50_ms": 1e3 * statistics.median(gaps[what]),
                      "gap_max_ms": 1e3 * max(gaps[what]), "freeze_p99_ms": _pct(ms, 0.99)}
     return out
+
+
+def _increment(*counters: Any) -> int:
+    for counter in counters:
+        counter.push(np.array(-1, np.int64))
+    return 1
+
+
+def scale_sync(cycles: int = 3, shards: int = 6) -> dict[str, Any]:
+    """A sync job (R = N = 2 workers) while PS 2 is drained and added back `cycles` times: the freeze per
+    moved primary, which in a sync job includes the wait for the open step's last gradient (docs/elastic.md:
+    the move falls between two steps); every counter must equal the steps taken."""
+    freezes: list[float] = []
+    with LocalCluster(3, 2, supervise=False, replicas=2) as cluster:
+        coord = ps.ClusterCoordinator(cluster.settings())
+        try:
+            coord.wait_for_workers(2)
+            counters = [coord.create_variable(f"counter{i}", shape=(), dtype="int64", optimizer=ps.SGD(1.0))
+                        for i in range(shards)]
+            _wait(lambda: len(t := coord.replica_table()) == shards and all(c.in_sync for c in t.values()),
+                  "every counter's backup")
+            coord.configure_sync("sync", replicas_to_aggregate=2, total_num_replicas=2)
+            values = []
+            for _ in range(cycles):
+                for change in (lambda: coord.remove_ps(2), lambda: coord.add_ps(2)):
+                    values += [coord.schedule(_increment, args=tuple(counters)) for _ in range(40)]
+                    base = len(values) // 2 - 20
+                    _wait(lambda: int(counters[0].pull()) >= base + 5, "sync steps under way")
+                    freezes += change().freezes_s
+            coord.join(timeout=60)
+            closures = sum(v.fetch() for v in values)
+            totals = [int(c.pull()) for c in counters]
+            lost = coord.lost_updates
+        finally:
+            coord.shutdown()
+    ms = [1e3 * f for f in freezes]
+    return {"cycles": cycles, "shards": shards, "steps": closures // 2, "counters": totals, "lost_updates": lost,
+            "exact": all(t == closures // 2 for t in totals) and lost == 0, "moved_primaries": len(ms),
+            "freeze_p50_ms": statistics.median(ms), "freeze_max_ms": max(ms)}

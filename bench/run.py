@@ -407,6 +407,17 @@ def bench_b15scale(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]
                 f"freeze <= 50 ms per shard, exact: {'met' if worst <= 50 and r['exact'] else 'NOT met'}")]
 
 
+def bench_b15scale_sync(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
+    r = elastic.scale_sync(cycles=args.sync_cycles)
+    return r, [("B15SCALESYNC", f"elastic PS in a sync job: replicas: 2, 3 PS, 2 workers (R = N = 2), {r['shards']} "
+                f"one-shard counters pushed by every closure, PS 2 drained and added back x {r['cycles']}; "
+                "`python bench/run.py --only B15SCALESYNC`",
+                f"freeze per moved primary (it includes the wait for the open step's last gradient) p50 "
+                f"{r['freeze_p50_ms']:.1f} ms, max {r['freeze_max_ms']:.1f} ms over {r['moved_primaries']}; "
+                f"{r['steps']} steps, counters {'all equal to it' if r['exact'] else r['counters']}, lost_updates "
+                f"{r['lost_updates']}", f"exact: {'met' if r['exact'] else 'NOT met'}")]
+
+
 def bench_b15_memory(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
     m = replicas.memory()
     one, two = m["replicas_1"], m["replicas_2"]
@@ -452,7 +463,7 @@ def bench_profile(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
 BENCHES = {"B1": bench_b1, "B1TLS": bench_b1tls, "B9": bench_b9, "B2": bench_b2, "FLOOR": bench_floor, "B3": bench_b3, "B4": bench_b4, "B5": bench_b5,
            "B6": bench_b6, "B7": bench_b7, "B8": bench_b8,
            "B10": bench_b10, "B11": bench_b11, "B12": bench_b12, "B13": bench_b13, "B14": bench_b14, "B15": bench_b15,
-           "B15SCALE": bench_b15scale, "B15SOAK": bench_b15_soak, "B15MEM": bench_b15_memory, "B16": bench_b16,
+           "B15SCALE": bench_b15scale, "B15SCALESYNC": bench_b15scale_sync, "B15SOAK": bench_b15_soak, "B15MEM": bench_b15_memory, "B16": bench_b16,
            "B14MP": bench_b14_precision, "B14CNN": bench_b14_cnn, "FIT": bench_fit, "PROFILE": bench_profile}
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
@@ -496,6 +507,7 @@ def main() -> int:
     parser.add_argument("--stops", type=int, default=10, help="B15: PS SIGSTOPs in the failover trial")
     parser.add_argument("--cycles", type=int, default=10, help="B15SCALE: drain-and-add-back cycles of PS 2")
     parser.add_argument("--scale-elements", type=int, default=1, help="B15SCALE: int64 elements per counter shard")
+    parser.add_argument("--sync-cycles", type=int, default=3, help="B15SCALESYNC: drain-and-add-back cycles")
     parser.add_argument("--joins", type=int, default=3, help="B15SCALE: join-add-remove cycles of an unlisted PS")
     parser.add_argument("--soak-kills", type=int, default=100, help="B15SOAK: PS kills, split over async/sync/bounded")
     parser.add_argument("--write", help="rewrite the table between the bench markers of this file")
