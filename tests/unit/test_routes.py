@@ -124,3 +124,22 @@ def test_a_newer_ps_list_is_handed_on_before_the_table_and_a_ps_that_left_gets_n
         stub.table = shrunk
     assert routes.refresh() and lists[-1] == ["h:1", "h:2"] and len(stubs) == 2
     assert list(routes.route({2: [(item("w", 0), np.zeros(1))]})[0]) == [1]  # the retry goes where it is now
+
+
+def test_a_clients_channels_follow_the_ps_list_as_it_grows_moves_and_shrinks() -> None:
+    from pscluster.config import validate
+    from pscluster.net.channels import Channels
+
+    net = Channels(validate({"cluster": {"ps": ["127.0.0.1:1", "127.0.0.1:2"]}, "replicas": 2}),
+                   ["127.0.0.1:1", "127.0.0.1:2"])
+    try:
+        first = list(net.stubs)
+        assert net.resize(["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]) == [2]  # ps 2 joined
+        assert len(net.stubs) == 3 and net.stubs[:2] == first and net.what(2, "Push") == "ps 2 (127.0.0.1:3) Push"
+        assert net.resize(["127.0.0.1:1", "127.0.0.1:2"]) == [] and len(net.stubs) == 2  # it left
+        # another PS joined as ps 2 while this client looked away: a new channel, at its address
+        assert net.resize(["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:4"]) == [2] and net.addresses[2] == "127.0.0.1:4"
+        assert net.resize(["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:5"]) == [2] and net.addresses[2] == "127.0.0.1:5"
+        assert net.stubs[:2] == first
+    finally:
+        net.close()
