@@ -31,6 +31,9 @@ from pscluster.specs import OptimizerConfig
 from pscluster.tables import TableConfig
 
 _EMPTY_KEYS = np.zeros(0, np.int64)
+# removed keys remembered between checkpoints at most: past it the log is dropped (memory stays bounded
+# however long a job goes without a save) and the next checkpoint is a full one
+REMOVED_LOG_LIMIT = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -165,6 +168,7 @@ class DynamicTable:
         self.version = 0
         self.stats = TableStats()
         self.removed_log: list[np.ndarray] | None = None  # keys removed since the last mark (None: no base)
+        self.removed_logged = 0  # keys in removed_log
         self.report = EvictionReport(cfg.report_evicted)  # every evicted key, until the client reads them
         # checkpoint steps the next increment builds on, oldest (the full one) first; [] : the next save is full
         self.chain: list[int] = []
@@ -346,7 +350,11 @@ class DynamicTable:
         self.stats.evicted += rows.size
         self.report.add(keys)
         if self.removed_log is not None:
-            self.removed_log.append(keys)
+            self.removed_logged += keys.size
+            if self.removed_logged > REMOVED_LOG_LIMIT:
+                self.removed_log = None  # no increment can list them: the next save is full (for_checkpoint)
+            else:
+                self.removed_log.append(keys)
         return keys
 
     def _create(self, keys: np.ndarray, step: int) -> np.ndarray:

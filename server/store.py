@@ -355,9 +355,8 @@ class VariableStore:
             for shard in sorted({id(s): s for s, _, _ in checked}.values(), key=lambda s: s.spec.ordinal):
                 stack.enter_context(shard.lock)
             plans: list[TablePlan | None] = []
-            for shard, item, local in checked:
-                shard.record.advance(final_below)
-                held = key is not None and shard.record.seen_key(key)
+            for shard, item, local in checked:  # nothing changes until every item is prepared
+                held = key is not None and _seen_after(shard.record, key, final_below)
                 plans.append(shard.table.prepare(local, item.grad)
                              if shard.table is not None and local is not None and not held else None)
             return [self._apply_held(shard, item.grad, local, key, final_below, None, plan)
@@ -458,3 +457,11 @@ def ensure_created(store: VariableStore, spec: ShardSpec, initial: np.ndarray | 
         value = initial_value(spec, init_kind, init_value, seed) if existing is None else existing.value
         return store.create(spec.validate(), value)
     return store.create(spec, initial)
+
+
+def _seen_after(record: PushRecord, key: PushKey, final_below: int) -> bool:
+    """record.seen_key(key) as it answers after record.advance(final_below), without advancing: a push
+    refused later (a table shard at capacity) must leave every shard's record as it was."""
+    cid = key[1]
+    late = cid is not None and final_below > 0 and cid >> 32 == final_below >> 32 and cid < final_below
+    return late or record.seen_key(key)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import pathlib
 
 import numpy as np
+from pscluster.server.dynamic_table import REMOVED_LOG_LIMIT as REMOVED_LOG_LIMIT
 from pscluster.server.dynamic_table import DynamicTable, TableStats
 from pscluster.server.hash_index import shard_of
 from pscluster.server.rows import argsort_unique, as_run, take_rows
@@ -30,8 +31,6 @@ State = dict[str, np.ndarray]
 _ROW_FIELDS = ("values", "last_step", "freq", "touched_s")
 _FILTER = "filter."
 _PER_KEY_FILTER = ("pending_keys", "pending_count", "pending_seen")
-# removed keys remembered between marks at most (beyond it, the next delta is refused: take a full one)
-REMOVED_LOG_LIMIT = 1 << 24
 
 
 def _row_arrays(table: DynamicTable) -> dict[str, np.ndarray]:
@@ -67,16 +66,17 @@ def mark(table: DynamicTable) -> None:
     """Start (or restart) change tracking here: the next delta holds what changes after this point."""
     table.dirty[:table.index.high_water] = False
     table.removed_log = []
+    table.removed_logged = 0
 
 
 def delta(table: DynamicTable) -> State:
     """Rows created or updated and keys removed since the last mark; then marks (hold table.lock).
 
     Raises:
-        FailedPreconditionError: no mark yet, or more than REMOVED_LOG_LIMIT removals since it.
+        FailedPreconditionError: no mark yet, or more than REMOVED_LOG_LIMIT removals since it (the log was dropped).
     """
     log = table.removed_log
-    if log is None or sum(part.size for part in log) > REMOVED_LOG_LIMIT:
+    if log is None:  # never marked, or dropped past REMOVED_LOG_LIMIT removals (DynamicTable._remove)
         raise FailedPreconditionError(f"{table.name}: no incremental base to build on; take a full snapshot")
     rows = table.index.live_rows()
     state = _rows_state(table, rows[table.dirty[rows]])

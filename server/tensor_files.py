@@ -69,14 +69,10 @@ class TensorFile:
         self.path = pathlib.Path(path)
         self._f = open(self.path, "rb")
         try:
-            (size,) = struct.unpack("<Q", self._f.read(8))
-            header = json.loads(self._f.read(size))
-        except (struct.error, ValueError) as e:
+            self._meta, self._entries, self._base = _header(self._f, self.path)
+        except InvalidArgumentError:
             self._f.close()
-            raise InvalidArgumentError(f"{self.path}: not a safetensors file ({e})") from e
-        self._meta: dict[str, str] = header.pop("__metadata__", None) or {}
-        self._entries: dict[str, dict[str, Any]] = header
-        self._base = 8 + size
+            raise
 
     def __enter__(self) -> TensorFile:
         return self
@@ -98,9 +94,11 @@ class TensorFile:
 
     def get(self, name: str) -> np.ndarray:
         """The named tensor as a new writable, C-contiguous array read straight from the file."""
-        entry = self._entries[name]
-        shape, (begin, end) = tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
-        arr = np.empty(shape, np.dtype(_CODES[str(entry["dtype"])]).newbyteorder("<"))
+        entry = self._entries.get(name)
+        if entry is None:
+            raise InvalidArgumentError(f"{self.path}: no tensor {name!r} (it holds {sorted(self._entries)})")
+        shape, (begin, end) = entry["shape"], entry["data_offsets"]
+        arr = np.empty(shape, np.dtype(_CODES[entry["dtype"]]).newbyteorder("<"))
         if arr.nbytes != end - begin:
             raise InvalidArgumentError(f"{self.path}: tensor {name!r} holds {end - begin} bytes for shape {shape}")
         flat = arr.reshape(-1).view(np.uint8)
@@ -112,3 +110,45 @@ class TensorFile:
                 raise InvalidArgumentError(f"{self.path}: tensor {name!r} is cut short at byte {done}")
             done += got
         return arr
+
+
+def _header(f: Any, path: pathlib.Path) -> tuple[dict[str, str], dict[str, dict[str, Any]], int]:
+    """(metadata, entries by name, offset of the data) of an open file, every entry checked against the
+    file's size: a bad header is refused here, by name, not later as a KeyError or a short read.
+
+    Raises:
+        InvalidArgumentError: the file is not a well-formed safetensors file.
+    """
+    file_size = os.fstat(f.fileno()).st_size
+    head = f.read(8)
+    if len(head) < 8:
+        raise InvalidArgumentError(f"{path}: not a safetensors file ({file_size} bytes, no header length)")
+    (size,) = struct.unpack("<Q", head)
+    if size > file_size - 8:
+        raise InvalidArgumentError(f"{path}: not a safetensors file (a header of {size} bytes in a file of "
+                                   f"{file_size})")
+    try:
+        header = json.loads(f.read(size))
+    except ValueError as e:
+        raise InvalidArgumentError(f"{path}: not a safetensors file ({e})") from e
+    if not isinstance(header, dict):
+        raise InvalidArgumentError(f"{path}: not a safetensors file (the header is not a JSON object)")
+    meta = header.pop("__metadata__", None) or {}
+    data = file_size - 8 - size
+    entries: dict[str, dict[str, Any]] = {}
+    for name, entry in header.items():
+        try:
+            shape = tuple(int(d) for d in entry["shape"])
+            begin, end = (int(x) for x in entry["data_offsets"])
+            code = str(entry["dtype"])
+        except (TypeError, ValueError, KeyError) as e:
+            raise InvalidArgumentError(f"{path}: tensor {name!r} has a malformed header entry ({e!r})") from e
+        if code not in _CODES:
+            raise InvalidArgumentError(f"{path}: tensor {name!r} has dtype {code!r}, which pscluster does not read")
+        if not 0 <= begin <= end or min(shape, default=0) < 0:
+            raise InvalidArgumentError(f"{path}: tensor {name!r} has offsets {[begin, end]} and shape {list(shape)}")
+        if end > data:
+            raise InvalidArgumentError(f"{path}: tensor {name!r} ends at byte {end} of a data section of {data} "
+                                       "(the file is cut short)")
+        entries[name] = {"shape": shape, "data_offsets": (begin, end), "dtype": code}
+    return meta, entries, 8 + size

@@ -172,3 +172,22 @@ def test_read_table_pages_cover_every_live_row_once_with_holes_left_by_evictions
     order = np.argsort(got)
     assert np.array_equal(got[order], full["keys"]) and np.array_equal(np.concatenate(values)[order], full["values"])
     assert table_ops.read_page(shard, 0, 100, float16=True)[1].dtype == np.float16
+
+
+def test_a_refused_push_leaves_every_shards_push_record_as_it_was() -> None:
+    """The refusal must not advance earlier shards' records to the push's final_below mark either."""
+    store = make_store("refuse")
+    first, late = (1 << 32) + 5, (1 << 32) + 9
+    ka, ga = rows([1])
+    store.push(f"c{first}.0", [PushItem(("a", 0), ga, ka), PushItem(("b", 0), ga, ka)])
+    records = {name: store.get((name, 0)).record.state() for name in ("w", "a", "b")}
+    (ka, ga), (kb, gb) = rows([2]), rows([10, 11, 12, 13, 14])
+    with pytest.raises(ResourceExhaustedError, match=r"b\[0\]: 5 new keys do not fit"):
+        store.push(f"c{late}.0", [PushItem(("w", 0), np.ones(3, np.float32)), PushItem(("a", 0), ga, ka),
+                                  PushItem(("b", 0), gb, kb)], final_below=late)
+    assert {name: store.get((name, 0)).record.state() for name in ("w", "a", "b")} == records
+    assert store.get(("a", 0)).table.stats.refused == 0  # counted once, on the shard that refused
+    assert store.get(("b", 0)).table.stats.refused == 5
+    # a push from a closure below the mark the refused push carried is still refused as late everywhere
+    store.push(f"c{first + 1}.0", [PushItem(("a", 0), ga, ka), PushItem(("b", 0), ga, ka)], final_below=late)
+    assert store.get(("a", 0)).version == 1 and store.get(("b", 0)).version == 1

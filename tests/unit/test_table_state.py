@@ -173,3 +173,25 @@ def test_only_lfu_keeps_a_frequency_per_key_and_older_states_that_carry_one_stil
     assert saved["freq"].tolist() == [2.0, 1.0]
     with pytest.raises(InvalidArgumentError, match="lacks 'freq'"):
         ts.load(DynamicTable(lfu, Adam(0.01)), {k: v for k, v in saved.items() if k != "freq"})
+
+
+def test_removed_log_stays_bounded_between_saves_and_the_next_save_is_full(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job that evicts for a long time without a checkpoint must not grow the removal log without bound."""
+    from pscluster.server import dynamic_table
+
+    monkeypatch.setattr(dynamic_table, "REMOVED_LOG_LIMIT", 10)
+    cfg = TableConfig(dim=4, capacity=100, increments=3, eviction=Eviction("steps", max_idle=0))
+    table = DynamicTable(cfg, Adagrad(0.1))
+    table.push(np.arange(5, dtype=np.int64), np.ones((5, 4), np.float32))
+    _, chain = ts.for_checkpoint(table, 1)
+    assert chain == [] and table.removed_log == []
+    for i in range(1, 8):  # each sweep evicts the 5 keys of the push before
+        table.push(np.arange(5, dtype=np.int64) + 5 * i, np.ones((5, 4), np.float32))
+        assert table.sweep().evicted.size == 5
+        held = table.removed_log
+        assert (held is None) == (5 * i > 10) and (held is None or sum(p.size for p in held) == 5 * i)
+    state, chain = ts.for_checkpoint(table, 2)
+    assert chain == [] and "removed" not in state and state["keys"].tolist() == list(range(35, 40))
+    assert table.removed_log == [] and table.chain == [2]  # increments build on this full save again
+    table.push(np.array([99], np.int64), np.ones((1, 4), np.float32))
+    assert ts.for_checkpoint(table, 3)[1] == [2]

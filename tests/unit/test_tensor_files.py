@@ -45,9 +45,33 @@ def test_unknown_dtype_and_truncated_files_are_refused_precisely(tmp_path: pathl
         write(tmp_path / "b", {"s": np.array(["x"])}, {})
     path = tmp_path / "a.safetensors"
     write(path, {"rows": np.ones((100, 8), np.float32)}, {})
-    path.write_bytes(path.read_bytes()[:-10])
-    with TensorFile(path) as f, pytest.raises(InvalidArgumentError, match="cut short"):
-        f.get("rows")
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-10])
+    with pytest.raises(InvalidArgumentError, match="ends at byte 3200 of a data section of 3190.*cut short"):
+        TensorFile(path)  # refused on opening: the header's offsets are checked against the file's size
     (tmp_path / "junk").write_bytes(b"\x01")
     with pytest.raises(InvalidArgumentError, match="not a safetensors file"):
         TensorFile(tmp_path / "junk")
+
+
+def test_a_header_longer_than_the_file_or_malformed_is_refused_by_name(tmp_path: pathlib.Path) -> None:
+    """Not a MemoryError from reading a huge claimed header, nor a KeyError or TypeError later."""
+    path = tmp_path / "a.safetensors"
+    write(path, {"rows": np.ones((4, 2), np.float32)}, {})
+    whole = path.read_bytes()
+    size = int.from_bytes(whole[:8], "little")
+    (tmp_path / "long").write_bytes((1 << 60).to_bytes(8, "little") + whole[8:])
+    with pytest.raises(InvalidArgumentError, match=r"a header of 1152921504606846976 bytes in a file of \d+"):
+        TensorFile(tmp_path / "long")
+    (tmp_path / "short").write_bytes(b"\x00\x01")
+    with pytest.raises(InvalidArgumentError, match="no header length"):
+        TensorFile(tmp_path / "short")
+    for bad, why in ((b'[1, 2]', "not a JSON object"), (b'{"x": {"shape": [2]}}', "malformed header entry"),
+                     (b'{"x": {"dtype": "Q9", "shape": [1], "data_offsets": [0, 0]}}', "dtype 'Q9'"),
+                     (b'{"x": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}}', r"offsets \[4, 0\]")):
+        (tmp_path / "bad").write_bytes(len(bad).to_bytes(8, "little") + bad)
+        with pytest.raises(InvalidArgumentError, match=why):
+            TensorFile(tmp_path / "bad")
+    with TensorFile(path) as f, pytest.raises(InvalidArgumentError, match=r"no tensor 'values' \(it holds \['rows'\]\)"):
+        f.get("values")
+    assert size < len(whole)
