@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from pscluster.server.hash_index import HashIndex, mix64, shard_of
+from pscluster.server.hash_index import HashIndex, home_slot, mix64, shard_of
 
 from pscluster.errors import InvalidArgumentError, ResourceExhaustedError
 
@@ -18,11 +18,12 @@ def test_sentinel_values_never_collide_with_user_keys() -> None:
     assert index.lookup(EDGE).tolist() == [-1, -1] + rows[2:].tolist()
 
 
-@pytest.mark.parametrize("move_min", [1 << 16, 8])
-def test_index_matches_a_dict_through_inserts_removes_and_rebuilds(move_min: int) -> None:
-    """move_min=8: tables are moved a few slots per insert, so most steps run mid-move."""
+@pytest.mark.parametrize("move_min,tag_bits", [(1 << 16, None), (8, None), (1 << 16, 0), (8, 1)])
+def test_index_matches_a_dict_through_inserts_removes_and_rebuilds(move_min: int, tag_bits: int | None) -> None:
+    """move_min=8: tables are moved a few slots per insert, so most steps run mid-move. tag_bits 0 or 1:
+    most slots of a bucket carry the tag of the key looked up, so false tag matches are the common case."""
     rng = np.random.default_rng(3)
-    index = HashIndex(capacity=5_000, move_min=move_min)
+    index = HashIndex(capacity=5_000, move_min=move_min, tag_bits=tag_bits)
     moving = 0
     ref: dict[int, int] = {}
     for _ in range(300):
@@ -77,11 +78,11 @@ def test_a_one_row_index_probes_empty_and_deleted_slots_safely() -> None:
 
 
 def test_long_collision_chains_that_wrap_the_table_end_are_found_placed_and_freed() -> None:
-    """Chains far longer than a probe window, starting 4 slots before the end of the slot table: the
+    """Chains far longer than a probe window, starting in the last bucket of the slot table: the
     windowed rounds of the last keys must wrap, skip tombstones and stop at the first empty slot."""
     ids = np.arange(-3_000_000, 3_000_000, dtype=np.int64)
-    home = (mix64(ids) & np.uint64(1023)).astype(np.int64)
-    same = ids[home == 1020][:300]
+    home = home_slot(mix64(ids), 1024)
+    same = ids[home == 1016][:300]
     assert same.size == 300
     index = HashIndex(capacity=1_000)
     ref: dict[int, int] = {}
@@ -103,20 +104,20 @@ def test_long_collision_chains_that_wrap_the_table_end_are_found_placed_and_free
 
 
 def test_a_first_batch_into_an_empty_index_is_placed_without_probing_and_wraps_the_table_end() -> None:
-    """The empty-index path sorts keys by home slot: 120 keys homed 4 slots before the end of the
-    1,024-slot table fill those 4 and wrap to the start, among keys homed at the start."""
+    """The empty-index path sorts keys by home slot: 120 keys homed in the last bucket (8 slots) of the
+    1,024-slot table fill it and wrap to the start, among keys homed at the start."""
     ids = np.arange(-3_000_000, 3_000_000, dtype=np.int64)
-    home = (mix64(ids) & np.uint64(1023)).astype(np.int64)
-    keys = np.concatenate([ids[home == 1020][:120], ids[home == 0][:20], ids[home == 3][:20], ids[home == 500][:5]])
+    home = home_slot(mix64(ids), 1024)
+    keys = np.concatenate([ids[home == 1016][:120], ids[home == 0][:20], ids[home == 8][:20], ids[home == 504][:5]])
     keys = keys[np.random.default_rng(2).permutation(keys.size)]
     index = HashIndex(capacity=1_000)
     rows = index.insert(keys)
     assert index.rebuilds == 0 and index.live == keys.size
     np.testing.assert_array_equal(index.lookup(keys), rows)
-    assert (index.lookup(ids[home == 1020][120:160]) == -1).all()
+    assert (index.lookup(ids[home == 1016][120:160]) == -1).all()
     index.remove(rows[::2])
     np.testing.assert_array_equal(index.lookup(keys), np.where(np.arange(keys.size) % 2 == 0, -1, rows))
-    more = ids[home == 1021][:30]
+    more = ids[home == 1016][160:190]
     np.testing.assert_array_equal(index.lookup(more), -1)
     np.testing.assert_array_equal(index.lookup(more[:0]), [])
     placed = index.insert(more)
