@@ -4,10 +4,10 @@
     python bench/ab_dyntables.py --files --pairs 5       # checkpoint files alone: safetensors.numpy vs ours
 
 The "before" side is server/hash_index.py, dynamic_table.py and table_state.py as they were at git
-revision BEFORE (read with `git show`, loaded under other module names), saving with
-safetensors.numpy and reading with safe_open plus a writable copy (what server/checkpoint.py did); the
-"after" side is this checkout with server/tensor_files.py. Both use this checkout's optimizers and the
-same keys. Each pair runs before then after, each on a fresh table: inserts (growing from empty,
+revision BEFORE (read with `git show`, loaded under other module names), saving a sorted snapshot and
+re-sharding it sorted; the "after" side is this checkout, saving the state checkpoint.save writes (row
+order, views where the rows have no holes) and re-sharding it unordered (all load needs). Both write
+and read with server/tensor_files.py and use this checkout's optimizers, rows.py and the same keys. Each pair runs before then after, each on a fresh table: inserts (growing from empty,
 batches of 65,536 new keys), lookups and lookup + Adagrad update of batches of 4,096 live keys, then
 a checkpoint save and a restore into 2 shards (s/GiB of state, wall and CPU). Figures are per second of the process's CPU time (time.thread_time) as well
 as wall time: on a shared machine CPU time moves far less with the load. Prints every pair and the
@@ -130,15 +130,17 @@ def measure(module: Any, keys: np.ndarray, dim: int, batches: list[np.ndarray], 
     ts = module.state if before else after_state
     path = tmp / "shard.safetensors"
     cpu, wall = time.thread_time(), time.perf_counter()
-    state = ts.snapshot(table)
+    # after: the state checkpoint.save writes (row order, views of the table's arrays where it can)
+    state = ts.snapshot(table) if before else ts.snapshot(table, ordered=False)
     gib = sum(a.nbytes for a in state.values()) / 2**30
-    _save_before(path, state) if before else tensor_files.write(path, state, {})
+    tensor_files.write(path, state, {})
     out["save_s_per_gib"], out["save_cpu_s_per_gib"] = (time.perf_counter() - wall) / gib, (time.thread_time() - cpu) / gib
     del state
     cpu, wall = time.thread_time(), time.perf_counter()
-    loaded = _read_before(path) if before else _read_after(path)
+    loaded = _read_after(path)
     cfg = TableConfig(dim=dim, capacity=n + GROW_BATCH, eviction=Eviction("steps", max_idle=1e15))
-    parts = [ts.load(module.DynamicTable(cfg, Adagrad(0.01)), part) for part in ts.reshard([loaded], 2)]
+    split = ts.reshard([loaded], 2) if before else ts.reshard([loaded], 2, ordered=False)
+    parts = [ts.load(module.DynamicTable(cfg, Adagrad(0.01)), part) for part in split]
     out["restore_s_per_gib"], out["restore_cpu_s_per_gib"] = (time.perf_counter() - wall) / gib, (time.thread_time() - cpu) / gib
     assert sum(p.live for p in parts) == n
     path.unlink()

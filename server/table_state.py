@@ -1,9 +1,12 @@
 """A dynamic table's saved state: full and incremental snapshots, re-sharding, export for serving.
 
-A state is a flat dict of arrays (safetensors-ready): live keys sorted ascending, their rows, slots
-and metadata in the same order, the admission filter's arrays (prefixed `filter.`), and `meta` =
-[version, epoch, inserted, evicted, dropped, refused]. Only live keys are saved. A snapshot is taken
-under the table's lock by the caller, so it is one consistent point between pushes.
+A state is a flat dict of arrays (safetensors-ready): live keys, their rows, slots and metadata in
+the same order, the admission filter's arrays (prefixed `filter.`), and `meta` = [version, epoch,
+inserted, evicted, dropped, refused]. Only live keys are saved. A snapshot is taken under the table's
+lock by the caller, so it is one consistent point between pushes. Keys are sorted ascending, except in
+the states checkpoints write (`for_checkpoint`): those keep the table's row order, so a table whose row
+ids have no holes saves views of its own arrays, written to the file with no copy and no sort (files
+written before held sorted keys; every reader takes either order: load re-hashes the keys).
 
 Incremental: `mark()` starts tracking; `delta()` then holds the rows created or updated since the
 last mark, the keys removed since then, and the whole (bounded) filter; `apply_delta(base, delta)`
@@ -43,13 +46,14 @@ def _row_arrays(table: DynamicTable) -> dict[str, np.ndarray]:
     return arrays
 
 
-def _rows_state(table: DynamicTable, rows: np.ndarray) -> State:
-    keys = table.index.row_keys[rows]
-    order = argsort_unique(keys)  # live keys are distinct
-    rows = rows[order]
-    state: State = {"keys": keys[order]}
+def _rows_state(table: DynamicTable, rows: np.ndarray, ordered: bool = True) -> State:
+    keys = table.index.row_keys[:table.index.high_water]
+    if ordered:
+        rows = rows[argsort_unique(keys[rows])]  # live keys are distinct
+    at = rows if ordered else as_run(rows)  # unordered, no holes: slices, views of the table's arrays
+    state: State = {"keys": keys[at] if isinstance(at, slice) else take_rows(keys, rows)}
     for name, arr in _row_arrays(table).items():
-        state[name] = take_rows(arr, rows)
+        state[name] = arr[at] if isinstance(at, slice) else take_rows(arr, rows)
     for name, arr in table.filter.state().items():
         state[_FILTER + name] = arr
     s = table.stats
@@ -57,9 +61,11 @@ def _rows_state(table: DynamicTable, rows: np.ndarray) -> State:
     return state
 
 
-def snapshot(table: DynamicTable) -> State:
-    """Every live key with its row, slots, metadata and the admission filter (hold table.lock)."""
-    return _rows_state(table, table.index.live_rows())
+def snapshot(table: DynamicTable, ordered: bool = True) -> State:
+    """Every live key with its row, slots, metadata and the admission filter (hold table.lock): copies,
+    keys sorted; or with ordered=False, in row order and views of the table's arrays where its rows have
+    no holes (valid until the table changes: write them before letting go of the lock)."""
+    return _rows_state(table, table.index.live_rows(), ordered)
 
 
 def mark(table: DynamicTable) -> None:
@@ -102,7 +108,7 @@ def for_checkpoint(table: DynamicTable, step: int) -> tuple[State, list[int]]:
             return state, chain
         except FailedPreconditionError:
             pass  # too many removals to list: a full state instead
-    state = snapshot(table)
+    state = snapshot(table, ordered=False)  # the caller writes it holding the lock (checkpoint.save)
     if k:
         mark(table)
         table.chain = [step]
@@ -133,11 +139,13 @@ def apply_delta(base: State, change: State) -> State:
     return out
 
 
-def reshard(states: list[State], num_shards: int) -> list[State]:
+def reshard(states: list[State], num_shards: int, ordered: bool = True) -> list[State]:
     """Merge every shard's state and split it for num_shards shards by the stable key hash.
 
-    Per-key arrays follow their keys; sketches are summed (a count-min sketch over the union of keys:
-    never an under-estimate); counters are summed onto shard 0, the version is shared.
+    Per-key arrays follow their keys (sorted by key; with ordered=False, in the order they came, which
+    is all `load` needs: no sort, and a shard that keeps every row gets the arrays themselves); sketches
+    are summed (a count-min sketch over the union of keys: never an under-estimate); counters are summed
+    onto shard 0, the version is shared.
     """
     if num_shards < 1 or not states:
         raise InvalidArgumentError(f"reshard needs states and num_shards >= 1, got {len(states)}, {num_shards}")
@@ -172,8 +180,10 @@ def reshard(states: list[State], num_shards: int) -> list[State]:
                 part[name] = _sorted_take(merged[_FILTER + "pending_keys"], arr, pend)
             elif name.startswith(_FILTER):
                 part[name] = arr
-            else:
+            elif ordered:
                 part[name] = _sorted_take(merged["keys"], arr, rows)
+            else:
+                part[name] = arr if rows.size == arr.shape[0] else take_rows(arr, rows)
         out.append(part)
     return out
 
@@ -221,4 +231,8 @@ def load(table: DynamicTable, state: State) -> DynamicTable:
 def export(state: State, directory: pathlib.Path, name: str,
            float16: bool = False) -> tuple[pathlib.Path, pathlib.Path]:
     """Write NAME.keys (int64, sorted) and NAME.values (rows in that order) as .npy files for serving."""
-    return write_export(state["keys"], state["values"], directory, name, float16)
+    keys, values = state["keys"], state["values"]
+    if keys.size > 1 and not np.logical_and.reduce(keys[:-1] < keys[1:]):  # a checkpoint's row order
+        order = argsort_unique(keys)
+        keys, values = keys[order], take_rows(values, order)
+    return write_export(keys, values, directory, name, float16)
