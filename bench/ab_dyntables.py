@@ -6,7 +6,7 @@
 The "before" side is server/hash_index.py, dynamic_table.py and table_state.py as they were at git
 revision BEFORE (read with `git show`, loaded under other module names), saving a sorted snapshot and
 re-sharding it sorted; the "after" side is this checkout, saving the state checkpoint.save writes (row
-order, views where the rows have no holes) and re-sharding it unordered (all load needs). Both write
+order, views where the rows have no holes) and splitting it unordered, each shard's rows gathered straight into its table (ts.split). Both write
 and read with server/tensor_files.py and use this checkout's optimizers, rows.py and the same keys. Each pair runs before then after, each on a fresh table: inserts (growing from empty,
 batches of 65,536 new keys), lookups and lookup + Adagrad update of batches of 4,096 live keys, then
 a checkpoint save and a restore into 2 shards (s/GiB of state, wall and CPU). Figures are per second of the process's CPU time (time.thread_time) as well
@@ -139,8 +139,10 @@ def measure(module: Any, keys: np.ndarray, dim: int, batches: list[np.ndarray], 
     cpu, wall = time.thread_time(), time.perf_counter()
     loaded = _read_after(path)
     cfg = TableConfig(dim=dim, capacity=n + GROW_BATCH, eviction=Eviction("steps", max_idle=1e15))
-    split = ts.reshard([loaded], 2) if before else ts.reshard([loaded], 2, ordered=False)
-    parts = [ts.load(module.DynamicTable(cfg, Adagrad(0.01)), part) for part in split]
+    if before:
+        parts = [ts.load(module.DynamicTable(cfg, Adagrad(0.01)), part) for part in ts.reshard([loaded], 2)]
+    else:  # each shard's rows gathered straight into its table
+        parts = [ts.load(module.DynamicTable(cfg, Adagrad(0.01)), part, where) for part, where in ts.split([loaded], 2)]
     out["restore_s_per_gib"], out["restore_cpu_s_per_gib"] = (time.perf_counter() - wall) / gib, (time.thread_time() - cpu) / gib
     assert sum(p.live for p in parts) == n
     path.unlink()

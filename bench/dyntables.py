@@ -147,10 +147,10 @@ def bench(n: int, dim: int, runs: int, checkpoint: bool) -> dict[str, dict[str, 
                 start = time.perf_counter()
                 with TensorFile(path) as fh:
                     loaded = {k: fh.get(k) for k in fh.keys()}
-                parts = ts.reshard([loaded], 2, ordered=False)  # load re-hashes: no order needed
+                parts = ts.split([loaded], 2)  # each shard's rows gathered straight into its table
+                for part, where in parts:
+                    ts.load(_table(n, dim, optimizer), part, where)
                 del loaded
-                for part in parts:
-                    ts.load(_table(n, dim, optimizer), part)
                 restores.append((time.perf_counter() - start) / gib)
                 del parts
         _emit("checkpoint_save", saves, "s/GiB", state_gib=round(gib, 3))

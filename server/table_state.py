@@ -140,12 +140,30 @@ def apply_delta(base: State, change: State) -> State:
 
 
 def reshard(states: list[State], num_shards: int, ordered: bool = True) -> list[State]:
-    """Merge every shard's state and split it for num_shards shards by the stable key hash.
+    """Merge every shard's state and split it for num_shards shards by the stable key hash (see split).
 
-    Per-key arrays follow their keys (sorted by key; with ordered=False, in the order they came, which
-    is all `load` needs: no sort, and a shard that keeps every row gets the arrays themselves); sketches
-    are summed (a count-min sketch over the union of keys: never an under-estimate); counters are summed
-    onto shard 0, the version is shared.
+    Per-key arrays follow their keys, sorted by key; with ordered=False, in the order they came, which
+    is all `load` needs (no sort; a shard that keeps every row gets the arrays themselves).
+    """
+    out = []
+    for part, where in split(states, num_shards):
+        if ordered:
+            sub = part["keys"][where]
+            if sub.size > 1 and not np.logical_and.reduce(sub[:-1] <= sub[1:]):  # one state's keys come sorted
+                where = where[argsort_unique(sub)]
+        whole = not ordered and where.size == part["keys"].size
+        out.append({name: arr if not _per_key(name) or whole else take_rows(arr, where) for name, arr in part.items()})
+    return out
+
+
+def split(states: list[State], num_shards: int) -> list[tuple[State, np.ndarray]]:
+    """Every shard's part of the merged states, not yet gathered: (part, where) per shard, where the
+    part's per-key arrays are the merged ones (shared, not copied) and `where` lists the shard's
+    positions in them; its filter and meta are its own. `load(table, part, where)` gathers the rows
+    straight into the table's arrays, with no copy of the shard's rows in between.
+
+    Sketches are summed (a count-min sketch over the union of keys: never an under-estimate); counters
+    are summed onto shard 0, the version is shared.
     """
     if num_shards < 1 or not states:
         raise InvalidArgumentError(f"reshard needs states and num_shards >= 1, got {len(states)}, {num_shards}")
@@ -165,11 +183,12 @@ def reshard(states: list[State], num_shards: int, ordered: bool = True) -> list[
             merged[name] = np.array([sum(int(p.sum()) for p in parts)], np.int64)
         else:
             merged[name] = parts[0] if len(parts) == 1 else np.concatenate(parts)
-    out: list[State] = []
-    row_shard = shard_of(merged["keys"], num_shards)
+    out: list[tuple[State, np.ndarray]] = []
+    row_shard = shard_of(merged["keys"], num_shards) if num_shards > 1 else None
     pend_shard = shard_of(merged.get(_FILTER + "pending_keys", np.zeros(0, np.int64)), num_shards)
     for i in range(num_shards):
-        rows, pend = np.flatnonzero(row_shard == i), np.flatnonzero(pend_shard == i)
+        rows = np.arange(merged["keys"].size) if row_shard is None else np.flatnonzero(row_shard == i)
+        pend = np.flatnonzero(pend_shard == i)
         part: State = {}
         for name, arr in merged.items():
             if name == "meta":
@@ -178,14 +197,14 @@ def reshard(states: list[State], num_shards: int, ordered: bool = True) -> list[
                 part[name] = arr if i == 0 else np.zeros(1, np.int64)
             elif name.startswith(_FILTER) and name[len(_FILTER):] in _PER_KEY_FILTER:
                 part[name] = _sorted_take(merged[_FILTER + "pending_keys"], arr, pend)
-            elif name.startswith(_FILTER):
-                part[name] = arr
-            elif ordered:
-                part[name] = _sorted_take(merged["keys"], arr, rows)
             else:
-                part[name] = arr if rows.size == arr.shape[0] else take_rows(arr, rows)
-        out.append(part)
+                part[name] = arr
+        out.append((part, rows))
     return out
+
+
+def _per_key(name: str) -> bool:
+    return name != "meta" and not name.startswith(_FILTER)
 
 
 def _sorted_take(keys: np.ndarray, arr: np.ndarray, idx: np.ndarray) -> np.ndarray:
@@ -195,13 +214,14 @@ def _sorted_take(keys: np.ndarray, arr: np.ndarray, idx: np.ndarray) -> np.ndarr
     return take_rows(arr, idx)
 
 
-def load(table: DynamicTable, state: State) -> DynamicTable:
-    """Fill an empty table from a state (its own shard's part); returns the table.
+def load(table: DynamicTable, state: State, where: np.ndarray | None = None) -> DynamicTable:
+    """Fill an empty table from a state (its own shard's part; with `where`, the keys at those positions
+    of its per-key arrays, as `split` gives them); returns the table.
 
     Raises:
         InvalidArgumentError: the table is not empty, or the state does not fit its config.
     """
-    keys = state["keys"]
+    keys = state["keys"] if where is None else state["keys"][where]
     if table.live:
         raise InvalidArgumentError(f"{table.name}: restore needs an empty table, this one holds {table.live} keys")
     if keys.size > table.cfg.capacity:
@@ -220,7 +240,12 @@ def load(table: DynamicTable, state: State) -> DynamicTable:
                                    "(saved under another optimizer or eviction policy?)")
     rows = as_run(table.index.insert(keys))  # an empty table hands out one run: whole-array copies
     for name, arr in arrays.items():
-        arr[rows] = state[name]
+        if where is None:
+            arr[rows] = state[name]
+        elif isinstance(rows, slice):  # gathered straight into the table's own rows
+            take_rows(state[name], where, out=arr[rows])
+        else:
+            arr[rows] = take_rows(state[name], where)
     table.filter.load({k[len(_FILTER):]: v for k, v in state.items() if k.startswith(_FILTER)})
     meta = [int(x) for x in state["meta"]]
     table.version, table.epoch = meta[0], meta[1]

@@ -219,6 +219,11 @@ def test_checkpoint_states_in_row_order_and_older_sorted_files_restore_alike(hol
             got = [ts.snapshot(ts.load(DynamicTable(CFG, Adam(0.01)), part)) for part in parts]
             for g, w in zip(got, want):
                 assert_same(g, w)
+        # split + load(where): the rows go straight from the file's arrays into each table
+        gathered = [ts.snapshot(ts.load(DynamicTable(CFG, Adam(0.01)), part, where))
+                    for part, where in ts.split([new], m)]
+        for g, w in zip(gathered, want):
+            assert_same(g, w)
     for name, state in (("new", new), ("old", old)):
         keys_path, values_path = ts.export(state, tmp_path, name)
         np.testing.assert_array_equal(np.load(keys_path), old["keys"])
