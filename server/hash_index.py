@@ -214,9 +214,10 @@ class HashIndex:
         rows[:reuse] = self._free[self._nfree - reuse:self._nfree][::-1]
         self._nfree -= reuse
         rows[reuse:] = np.arange(self._next_row, self._next_row + n - reuse)
+        at = slice(self._next_row, self._next_row + n) if not reuse else rows  # fresh rows: one run, no index
         self._next_row += n - reuse
-        self.row_keys[rows] = keys
-        self.row_live[rows] = True
+        self.row_keys[at] = keys
+        self.row_live[at] = True
         fresh = self.live == 0 and self._tombs == 0 and self._old is None  # every slot empty
         (self._place_fresh if fresh and n else self._place)(keys, rows)
         self.live += n
@@ -278,16 +279,27 @@ class HashIndex:
         slots = self._slots
         n, size = keys.size, slots.size
         idx_bits = max(1, (n - 1).bit_length())
+        # in place where it can: at millions of keys (a restore) each temporary costs its page faults
         h = mix64(keys)
-        packed = (home_slot(h, size).view(np.uint64) << np.uint64(idx_bits)) | np.arange(n, dtype=np.uint64)
+        tag = self._tags(h)
+        tag += rows.astype(np.int32)
+        tag += np.int32(1)  # tag | row + 1: the tag's bits are above the row's
+        packed = h
+        packed &= np.uint64(size // BUCKET - 1)
+        packed <<= np.uint64(_BUCKET_BITS + idx_bits)  # (home slot, index) in one sortable value
+        packed |= np.arange(n, dtype=np.uint64)
         packed.sort()
-        order = (packed & np.uint64((1 << idx_bits) - 1)).astype(np.intp)
+        pos = (packed >> np.uint64(idx_bits)).view(np.int64)
+        order = packed.view(np.int64)
+        order &= (1 << idx_bits) - 1
         step = np.arange(n, dtype=np.int64)
-        pos = np.maximum.accumulate((packed >> np.uint64(idx_bits)).astype(np.int64) - step) + step
-        fits = pos < size
-        slots[pos[fits]] = (self._tags(h) | (rows + 1).astype(np.int32))[order[fits]]
-        if not fits.all():
-            rest = order[~fits]
+        pos -= step
+        np.maximum.accumulate(pos, out=pos)
+        pos += step  # strictly increasing: the keys that fit are a prefix
+        fit = int(np.searchsorted(pos, size))
+        np.put(slots, pos[:fit], tag.take(order[:fit]), mode="clip")
+        if fit < n:
+            rest = order[fit:]
             self._place(keys[rest], rows[rest])
 
     def _rebuild(self, need: int) -> None:
