@@ -122,3 +122,22 @@ def test_a_first_batch_into_an_empty_index_is_placed_without_probing_and_wraps_t
     np.testing.assert_array_equal(index.lookup(more[:0]), [])
     placed = index.insert(more)
     np.testing.assert_array_equal(index.lookup(more), placed)
+
+
+def test_the_next_slot_table_is_written_before_the_batch_that_starts_a_move() -> None:
+    """Its pages are committed over the inserts before the move (a stretch each), so the batch that starts
+    the move does not fault in a page per key (138 ms for 65,536 keys at 8 M keys here)."""
+    index = HashIndex(capacity=100_000, move_min=256)
+    rng = np.random.default_rng(5)
+    keys = np.unique(rng.integers(-(2**63), 2**63 - 1, 60_000, dtype=np.int64))
+    used = 0
+    for part in np.array_split(keys, 120):
+        size, spare = index._slots.size, index._spare
+        index.insert(part)
+        if index._slots.size > size:  # a move started with this batch
+            used += index._slots is spare
+        elif index._spare is not None:
+            assert (index.live + index._tombs) * 16 > size * 7  # only near the move: 8 B a slot for a while
+            assert 0 < index._spare_done <= index._spare.size
+    assert index.rebuilds >= 4 and used == index.rebuilds - 1  # the first batch outgrows the smallest table
+    np.testing.assert_array_equal(index.row_keys[index.lookup(keys)], keys)
