@@ -205,6 +205,8 @@ class DynamicTable:
             rows[missing] = self._create(new, self.version)[where]
             result = TableResult(self.version, inserted=new.size, evicted=evicted)
             missing = missing[:0]
+        else:
+            self.index.advance(keys.size)  # rows never move: only slots do
         if not missing.size:
             return take_rows(self.values, rows), result
         out = self.values[np.maximum(rows, 0)]
@@ -267,6 +269,8 @@ class DynamicTable:
         evicted = [self._remove(plan.victims)]
         if new.size:
             rows[new] = self._create(uniq[new], step)
+        else:
+            self.index.advance(uniq.size)  # rows never move: only slots do
         hit = rows >= 0
         every = bool(hit.all())
         live_rows = rows if every else rows[hit]
@@ -378,7 +382,7 @@ class DynamicTable:
     def _touch(self, rows: np.ndarray, counts: np.ndarray, step: int) -> None:
         if self.cfg.eviction.policy == "lfu":
             self.freq[rows] = (self._frequency(rows) + counts).astype(np.float32)
-        np.put(self.last_step, rows, step, mode="clip")  # np.put: about 2 x a fancy-index store here
+        self.last_step[rows] = step
         if self.touched_s.size:
-            np.put(self.touched_s, rows, int(self.clock()) - self.epoch, mode="clip")
-        np.put(self.dirty, rows, True, mode="clip")
+            self.touched_s[rows] = int(self.clock()) - self.epoch
+        self.dirty[rows] = True

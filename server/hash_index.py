@@ -39,8 +39,10 @@ _EMPTY = 0
 _TOMB = -1
 MIN_SLOTS = 1024
 # old slots moved per inserted key: while growing, a move of S old slots has S/2 inserts before the next
-# one starts (4: gone after S/4); churn with tombstones can start one sooner, which finishes the last first
-MOVE_PER_KEY = 4
+# one starts (8: gone after S/8); churn with tombstones can start one sooner, which finishes the last first.
+# Reads and updates of existing keys move as many per key too (advance), so a table that stops growing
+# mid-move does not look every key up in two tables for good.
+MOVE_PER_KEY = 8
 MOVE_MIN = 1 << 16
 TAIL = 64  # keys left in a batch's probing below which each round reads WINDOW slots per key
 WINDOW = 32
@@ -338,6 +340,12 @@ class HashIndex:
         self._cursor = end
         if end == old.size:
             self._old = None
+
+    def advance(self, n: int) -> None:
+        """Move MOVE_PER_KEY old slots per key of a batch of n that inserted nothing (a no-op unless a
+        move is under way): until the move ends, a key not moved yet is looked up in both tables."""
+        if self._old is not None and n:
+            self._move(MOVE_PER_KEY * n)
 
     def _prepare_spare(self, n: int) -> None:
         """Write the next stretch of the table a growing index moves into next (2 x this one's size, all of

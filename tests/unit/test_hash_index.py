@@ -141,3 +141,23 @@ def test_the_next_slot_table_is_written_before_the_batch_that_starts_a_move() ->
             assert 0 < index._spare_done <= index._spare.size
     assert index.rebuilds >= 4 and used == index.rebuilds - 1  # the first batch outgrows the smallest table
     np.testing.assert_array_equal(index.row_keys[index.lookup(keys)], keys)
+
+
+def test_lookups_of_a_table_that_stopped_growing_mid_move_finish_the_move() -> None:
+    """advance (called by a dynamic table's pulls and pushes that insert nothing) moves a bounded stretch
+    per key, so a table mid-move does not search two slot tables for good."""
+    from pscluster.server import hash_index
+
+    index = HashIndex(capacity=50_000, move_min=64)
+    keys = np.unique(np.random.default_rng(6).integers(-(2**63), 2**63 - 1, 20_000, dtype=np.int64))
+    rows = np.concatenate([index.insert(part) for part in np.array_split(keys, 40)])
+    while index._old is None:  # grow until a move is under way
+        more = np.arange(index.live, index.live + 100, dtype=np.int64) + 2**40
+        keys, rows = np.concatenate([keys, more]), np.concatenate([rows, index.insert(more)])
+    rounds = 0
+    while index._old is not None:
+        index.advance(16)
+        rounds += 1
+        np.testing.assert_array_equal(index.lookup(keys[::97]), rows[::97])
+    assert 0 < rounds <= index._slots.size // (hash_index.MOVE_PER_KEY * 16) + 1
+    np.testing.assert_array_equal(index.lookup(keys), rows)
