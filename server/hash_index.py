@@ -39,10 +39,11 @@ _EMPTY = 0
 _TOMB = -1
 MIN_SLOTS = 1024
 # old slots moved per inserted key: while growing, a move of S old slots has S/2 inserts before the next
-# one starts (8: gone after S/8); churn with tombstones can start one sooner, which finishes the last first.
-# Reads and updates of existing keys move as many per key too (advance), so a table that stops growing
-# mid-move does not look every key up in two tables for good.
-MOVE_PER_KEY = 8
+# one starts (16: gone after S/16, so a table is rarely left mid-move; 8 halved the longest batch but left
+# a table grown to 10 M keys mid-move, searching two slot tables); churn with tombstones can start a move
+# sooner, which finishes the last one first. Reads and updates of existing keys move as many per key too
+# (advance), so a table that stops growing mid-move does not look keys up in two tables for good.
+MOVE_PER_KEY = 16
 MOVE_MIN = 1 << 16
 TAIL = 64  # keys left in a batch's probing below which each round reads WINDOW slots per key
 WINDOW = 32
@@ -57,6 +58,29 @@ def _first(flags: np.ndarray) -> np.ndarray:
     for none."""
     low = np.bitwise_count((flags & (np.uint64(0) - flags)) - np.uint64(1))
     return np.asarray(low >> np.uint8(3))  # 8 bits a byte
+
+
+def _spread(pos: np.ndarray) -> np.ndarray:
+    """pos with the k-th key (in batch order) of a run of equal positions moved k slots on: keys of one
+    batch that want the same first free slot would take a probing round each (a move places millions
+    of keys, several a bucket); spread over the slots after it, most are placed in the first round. Any
+    slot a key skips is another key's target in the same round, so none stays empty before it."""
+    n = pos.size
+    idx_bits = max(1, (n - 1).bit_length())
+    packed = pos.view(np.uint64) << np.uint64(idx_bits)
+    packed |= np.arange(n, dtype=np.uint64)
+    packed.sort()
+    order = (packed & np.uint64((1 << idx_bits) - 1)).view(np.int64)
+    at = (packed >> np.uint64(idx_bits)).view(np.int64)
+    starts = np.ones(n, np.bool_)
+    np.not_equal(at[1:], at[:-1], out=starts[1:])
+    step = np.arange(n, dtype=np.int64)
+    first = np.maximum.accumulate(np.where(starts, step, 0))  # where each key's run starts, sorted
+    at += step
+    at -= first  # + its rank in the run
+    out = np.empty(n, np.int64)
+    out[order] = at
+    return out
 
 
 def home_slot(h: np.ndarray, size: int) -> np.ndarray:
@@ -260,7 +284,8 @@ class HashIndex:
         tag = self._tags(h) | (rows + 1).astype(np.int32)  # unique per row: who won a slot reads back
         if pos.size > TAIL:  # skip the taken slots of each home bucket in one read (keys share homes)
             taken = (slots.reshape(-1, BUCKET).take(pos >> _BUCKET_BITS, axis=0) <= 0).view(_U8).reshape(pos.size)
-            pos = (pos + _first(taken)) & mask  # the next bucket's first slot where none is free
+            pos += _first(taken)  # the next bucket's first slot where none is free
+            pos = _spread(pos) & mask
         while pos.size:
             if pos.size > TAIL:
                 cand, skip = pos, None
