@@ -274,7 +274,7 @@ class HashIndex:
         self.live -= rows.size
         return np.asarray(keys)
 
-    def _place(self, keys: np.ndarray, rows: np.ndarray) -> None:
+    def _place(self, keys: np.ndarray, rows: np.ndarray, spread: bool = False) -> None:
         """Put absent keys' rows into the first free (empty or deleted) slot of their chains: one slot
         per key a round while many are left, then WINDOW slots a round for the last TAIL (as _find)."""
         slots = self._slots
@@ -285,7 +285,9 @@ class HashIndex:
         if pos.size > TAIL:  # skip the taken slots of each home bucket in one read (keys share homes)
             taken = (slots.reshape(-1, BUCKET).take(pos >> _BUCKET_BITS, axis=0) <= 0).view(_U8).reshape(pos.size)
             pos += _first(taken)  # the next bucket's first slot where none is free
-            pos = _spread(pos) & mask
+            if spread:
+                pos = _spread(pos)
+            pos &= mask
         while pos.size:
             if pos.size > TAIL:
                 cand, skip = pos, None
@@ -360,7 +362,7 @@ class HashIndex:
         part = old[self._cursor:end]
         rows = (part[part > 0] & self._row_mask).astype(np.int64) - 1
         if rows.size:
-            self._place(self.row_keys[rows], rows)
+            self._place(self.row_keys[rows], rows, spread=True)  # several keys a bucket: see _spread
         part[part > 0] = _TOMB  # keeps the old probe chains of keys still to move intact
         self._cursor = end
         if end == old.size:
