@@ -283,8 +283,8 @@ class HashIndex:
         pos = home_slot(h, slots.size)
         tag = self._tags(h) | (rows + 1).astype(np.int32)  # unique per row: who won a slot reads back
         if pos.size > TAIL:  # skip the taken slots of each home bucket in one read (keys share homes)
-            taken = (slots.reshape(-1, BUCKET).take(pos >> _BUCKET_BITS, axis=0) <= 0).view(_U8).reshape(pos.size)
-            pos += _first(taken)  # the next bucket's first slot where none is free
+            free = (slots.reshape(-1, BUCKET).take(pos >> _BUCKET_BITS, axis=0) <= 0).view(_U8).reshape(pos.size)
+            pos += _first(free)  # the next bucket's first slot where none is free
             if spread:
                 pos = _spread(pos)
             pos &= mask
