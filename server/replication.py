@@ -345,11 +345,11 @@ class Replication:
         return reply
 
     def _key_lock(self, key: Key) -> threading.Lock:
-        with self._lock:
-            lock = self._key_locks.get(key)
-            if lock is None:
-                lock = self._key_locks[key] = threading.Lock()
-            return lock
+        lock = self._key_locks.get(key)  # a plain read on the common path: locks are only ever added
+        if lock is None:
+            with self._lock:
+                lock = self._key_locks.setdefault(key, threading.Lock())
+        return lock
 
     def _receive_one(self, f: pb.ReplicaForward, key: Key, tensors: list[np.ndarray],
                      owned: bool) -> tuple[pb.ReplicaOutcome.ValueType, Shard | None]:

@@ -31,15 +31,16 @@ def until(condition, what: str) -> None:
 
 
 def recording(link) -> list[tuple[bytes, np.ndarray]]:
-    """Every batch the link carries from now on, as the wire carried it (header, payload)."""
+    """Every batch the link carries from now on and the backup answered, as the wire carried it (header, payload)."""
     sent: list[tuple[bytes, np.ndarray]] = []
     plain = link.replicate
 
     def replicate(request, arrays, timeout):
         payload = np.concatenate([np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays]) \
             if arrays else np.empty(0, np.uint8)
-        sent.append((request.SerializeToString(), payload))
-        return plain(request, arrays, timeout)
+        reply = plain(request, arrays, timeout)
+        sent.append((request.SerializeToString(), payload))  # once the backup took it
+        return reply
 
     link.replicate = replicate
     return sent
