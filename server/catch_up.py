@@ -1,4 +1,4 @@
-"""Catch-up in chunks (replicas: 2): a shard's whole state reaches a new backup a bounded chunk of rows at a time.
+"""How a shard's whole state reaches a backup (replicas: 2): whole, or a bounded chunk of rows at a time.
 
 The primary copies chunk i (rows [start, end) of the value and of every slot) under the shard's lock at the
 version current then, queues it, and copies the next one only once the backup confirmed it
@@ -20,13 +20,32 @@ from typing import Literal
 
 import numpy as np
 from pscluster.proto import pscluster_pb2 as pb
+from pscluster.server import table_state
+from pscluster.server.dynamic_table import DynamicTable
 from pscluster.server.push_record import PushKey, PushRecord
-from pscluster.server.store import Shard, VariableStore
+from pscluster.server.store import Key, Shard, VariableStore, shard_name
 
 from pscluster import codec
 from pscluster.specs import spec_from_pb
+from pscluster.tables import TableConfig
 
 CHUNK_BYTES = 8 << 20  # value and slot bytes per chunk (bounded further by the frame limits: server/main.py)
+TABLE = "table/"  # a dynamic table's state arrays ride in an install's slots under this prefix
+
+
+def whole(f: pb.ReplicaForward, tensors: list[np.ndarray], owned: bool, dedup_window: int) -> Shard:
+    """The shard a whole-state install describes (not in the store yet); owned: the received buffers become
+    the shard (a catch-up costs the backup 1x its state, not 2x)."""
+    spec = spec_from_pb(f.spec)
+    value = tensors[0] if owned else np.array(tensors[0], copy=True)
+    slots = {name: t if owned else np.array(t, copy=True) for name, t in zip(sorted(f.slots), tensors[1:])}
+    record = PushRecord.from_state(json.loads(f.record) if f.record else {}, dedup_window, f.version)
+    table = None
+    if spec.table:
+        table = DynamicTable(TableConfig.from_json(spec.table), spec.optimizer, shard_name(spec))
+        table_state.load(table, {k[len(TABLE):]: v for k, v in slots.items() if k.startswith(TABLE)})
+        slots = {}
+    return Shard(spec, value, slots, f.version, record=record, table=table)
 
 
 def rows_per_chunk(shard: Shard, chunk_bytes: int) -> int | None:
@@ -67,6 +86,39 @@ class Staged:
     epoch: int
 
 
+class Stager:
+    """A backup's catch-ups in chunks under way, by shard (each shard's forwards come one at a time)."""
+
+    def __init__(self, dedup_window: int) -> None:
+        self._dedup_window = dedup_window
+        self._staged: dict[Key, Staged] = {}
+
+    def get(self, key: Key) -> Staged | None:
+        """Key's catch-up under way, if any."""
+        return self._staged.get(key)
+
+    def drop(self, key: Key) -> None:
+        """Forget key's catch-up under way (a whole install replaced it)."""
+        self._staged.pop(key, None)
+
+    def take(self, f: pb.ReplicaForward, key: Key,
+             tensors: list[np.ndarray]) -> tuple[Literal["applied", "held", "gap"], Shard | None, bool]:
+        """A chunk: (its outcome, the staged copy, whether it is complete: the caller installs it)."""
+        staged = self._staged.get(key)
+        if f.chunk_start == 0:  # a first chunk (or its resend: the updates after it come again too)
+            staged = self._staged[key] = begin(f, tensors, self._dedup_window)
+        elif staged is None:
+            return "gap", None, False  # its first chunk is missing (this PS restarted)
+        else:
+            done = add(staged, f, tensors)
+            if done != "applied":
+                return done, staged.shard, False
+        if f.chunk_more:
+            return "applied", staged.shard, False
+        del self._staged[key]
+        return "applied", staged.shard, True
+
+
 def begin(f: pb.ReplicaForward, tensors: list[np.ndarray], dedup_window: int) -> Staged:
     """Stage the first chunk of an install: the arrays at the shard's full shape, its first rows filled."""
     spec = spec_from_pb(f.spec)
@@ -103,11 +155,11 @@ def _fill(staged: Staged, tensors: list[np.ndarray]) -> None:
     staged.rows = end
 
 
-def apply_at(staged: Staged, version: int, grad: np.ndarray, local: np.ndarray | None, key: PushKey | None,
-             final_below: int) -> Literal["applied", "held", "gap"]:
-    """An update (the primary's number `version`) to the staged rows, as VariableStore.apply_at to a shard: rows
-    not staged yet get it with their chunk, which is copied after it."""
-    shard, rows = staged.shard, staged.rows
+def apply_at(staged: Staged, shard: Shard, version: int, grad: np.ndarray, local: np.ndarray | None,
+             key: PushKey | None, final_below: int) -> Literal["applied", "held", "gap"]:
+    """An update (the primary's number `version`) to the staged rows, as VariableStore.apply_at to a shard
+    (shard: staged.shard): rows not staged yet get it with their chunk, which is copied after it."""
+    rows = staged.rows
     part = Shard(shard.spec, shard.value[:rows], {name: s[:rows] for name, s in shard.slots.items()},
                  shard.version, record=shard.record)
     if local is None:

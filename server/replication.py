@@ -29,23 +29,21 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 
 import numpy as np
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.server import catch_up, table_ops, table_state
-from pscluster.server.dynamic_table import DynamicTable
-from pscluster.server.push_record import PushKey, PushRecord, push_key
+from pscluster.server.push_record import PushKey, push_key
 from pscluster.server.replica_links import tensors_of
 from pscluster.server.replicator import MAX_QUEUED_BYTES, ReplicaLink, Replicator, name_of
-from pscluster.server.store import Key, Shard, VariableStore, shard_name
+from pscluster.server.store import Key, Shard, VariableStore
 
 from pscluster import codec
 from pscluster.errors import InvalidArgumentError, UnavailableError
 from pscluster.optimizer_config import OptimizerConfig, optimizer_from_pb, optimizer_to_pb
-from pscluster.specs import spec_from_pb, spec_to_pb
-from pscluster.tables import TableConfig
+from pscluster.specs import spec_to_pb
 
-_TABLE = "table/"  # a dynamic table's state arrays ride in a catch-up's slots under this prefix
 log = logging.getLogger(__name__)
 
 PENDING = 1 << 62  # a catch-up's version before its state was queued: above any the backup can confirm
@@ -90,7 +88,7 @@ class Replication:
         self._copy_epoch: dict[Key, int] = {}
         self._key_locks: dict[Key, threading.Lock] = {}  # backup side: one forward of a shard at a time
         self.chunk_bytes = chunk_bytes  # a catch-up's chunk (server/catch_up.py)
-        self._staged: dict[Key, catch_up.Staged] = {}  # backup side: catch-ups in chunks, until their last
+        self._staged = catch_up.Stager(store.dedup_window)  # backup side: catch-ups in chunks, until their last
         store.on_applied = self.on_applied
         store.on_pulled = self.on_pulled
 
@@ -284,7 +282,7 @@ class Replication:
                 return
             state = dict(shard.slots)
             if shard.table is not None:  # a dynamic table's live rows, slots and admission state
-                state.update({_TABLE + name: arr for name, arr in table_state.snapshot(shard.table).items()})
+                state.update({catch_up.TABLE + name: arr for name, arr in table_state.snapshot(shard.table).items()})
             msg = pb.ReplicaForward(ref=pb.ShardRef(variable=key[0], shard_index=key[1]), epoch=role.epoch,
                                     version=shard.version, spec=spec_to_pb(shard.spec),
                                     value=codec.header(shard.value.dtype, shard.value.shape),
@@ -364,17 +362,21 @@ class Replication:
         if f.HasField("spec"):
             with self._lock:
                 same_stream = self._copy_epoch.get(key) == f.epoch
-            staged = self._staged.get(key)
-            if shard is not None and same_stream and shard.version >= f.version and staged is None:
+            if shard is not None and same_stream and shard.version >= f.version and not self._staged.get(key):
                 return pb.REPLICA_APPLIED, shard  # a resent install: this copy holds it and the updates after it
-            if f.chunk_start or f.chunk_more:
-                return self._chunk(f, key, tensors, staged)
-            self._staged.pop(key, None)
-            return pb.REPLICA_APPLIED, self._installed(f, self._install(f, tensors, owned))
-        staged = self._staged.get(key)
-        if staged is not None:  # a catch-up in chunks is under way: the update goes to the rows staged so far
-            return self._staged_update(f, staged, tensors), staged.shard
-        if shard is None:
+            if f.chunk_start or f.chunk_more:  # staged; the last chunk installs the staged copy
+                done, shard, complete = self._staged.take(f, key, tensors)
+                if complete and shard is not None:
+                    self._place(shard)
+                    self._installed(f, shard)
+                return (pb.REPLICA_GAP if done == "gap" else pb.REPLICA_APPLIED), shard or self.store.find(key)
+            self._staged.drop(key)
+            shard = catch_up.whole(f, tensors, owned, self.store.dedup_window)
+            self._place(shard)
+            return pb.REPLICA_APPLIED, self._installed(f, shard)
+        staged = self._staged.get(key)  # a catch-up in chunks under way: updates go to the rows staged so far
+        shard = staged.shard if staged is not None else shard
+        if shard is None or (f.pulled and staged is not None):  # a table's state is never staged
             return pb.REPLICA_GAP, shard
         if f.pulled:
             if shard.version == f.version:
@@ -391,8 +393,8 @@ class Replication:
             configured = _configure_at(shard, f.version, optimizer_from_pb(f.optimizer))
             return (pb.REPLICA_APPLIED if configured else pb.REPLICA_GAP), shard
         local = _ids(tensors[1], key) if f.has_rows else None
-        done = self.store.apply_at(shard, f.version, tensors[0], local, push_key(f.push_id) if f.push_id else None,
-                                   f.final_below)
+        apply = self.store.apply_at if staged is None else partial(catch_up.apply_at, staged)
+        done = apply(shard, f.version, tensors[0], local, push_key(f.push_id) if f.push_id else None, f.final_below)
         return (pb.REPLICA_GAP if done == "gap" else pb.REPLICA_APPLIED), shard
 
     def _installed(self, f: pb.ReplicaForward, shard: Shard) -> Shard:
@@ -400,52 +402,6 @@ class Replication:
         with self._lock:
             self._copy_epoch[shard.spec.key] = f.epoch
             self._pulls[shard.spec.key] = (f.version, f.pull_index)
-        return shard
-
-    def _chunk(self, f: pb.ReplicaForward, key: Key, tensors: list[np.ndarray],
-               staged: catch_up.Staged | None) -> tuple[pb.ReplicaOutcome.ValueType, Shard | None]:
-        """A chunk of a catch-up (server/catch_up.py): staged; the last one installs the staged copy."""
-        if f.chunk_start == 0:  # a first chunk (or its resend: the updates after it come again too)
-            staged = self._staged[key] = catch_up.begin(f, tensors, self.store.dedup_window)
-        elif staged is None:
-            return pb.REPLICA_GAP, self.store.find(key)  # its first chunk is missing (this PS restarted)
-        else:
-            done = catch_up.add(staged, f, tensors)
-            if done != "applied":
-                return (pb.REPLICA_GAP if done == "gap" else pb.REPLICA_APPLIED), staged.shard
-        if f.chunk_more:
-            return pb.REPLICA_APPLIED, staged.shard
-        del self._staged[key]
-        self._place(staged.shard)
-        return pb.REPLICA_APPLIED, self._installed(f, staged.shard)
-
-    def _staged_update(self, f: pb.ReplicaForward, staged: catch_up.Staged,
-                       tensors: list[np.ndarray]) -> pb.ReplicaOutcome.ValueType:
-        """An update, config change or pull while key's catch-up in chunks is staged."""
-        if f.pulled:
-            return pb.REPLICA_GAP  # a table's state goes whole, never in chunks: not a stream this PS knows
-        if f.HasField("optimizer"):
-            configured = _configure_at(staged.shard, f.version, optimizer_from_pb(f.optimizer))
-            return pb.REPLICA_APPLIED if configured else pb.REPLICA_GAP
-        key = staged.shard.spec.key
-        local = _ids(tensors[1], key) if f.has_rows else None
-        done = catch_up.apply_at(staged, f.version, tensors[0], local, push_key(f.push_id) if f.push_id else None,
-                                 f.final_below)
-        return pb.REPLICA_GAP if done == "gap" else pb.REPLICA_APPLIED
-
-    def _install(self, f: pb.ReplicaForward, tensors: list[np.ndarray], owned: bool = False) -> Shard:
-        spec = spec_from_pb(f.spec)
-        # owned: the received buffer becomes the shard (a catch-up costs the backup 1x its state, not 2x)
-        value = tensors[0] if owned else np.array(tensors[0], copy=True)
-        slots = {name: t if owned else np.array(t, copy=True) for name, t in zip(sorted(f.slots), tensors[1:])}
-        record = PushRecord.from_state(json.loads(f.record) if f.record else {}, self.store.dedup_window, f.version)
-        table = None
-        if spec.table:
-            table = DynamicTable(TableConfig.from_json(spec.table), spec.optimizer, shard_name(spec))
-            table_state.load(table, {k[len(_TABLE):]: v for k, v in slots.items() if k.startswith(_TABLE)})
-            slots = {}
-        shard = Shard(spec, value, slots, f.version, record=record, table=table)
-        self._place(shard)
         return shard
 
     def _place(self, shard: Shard) -> None:
