@@ -62,6 +62,24 @@ def payload_views(request: pb.ReplicateRequest, buf: np.ndarray) -> list[np.ndar
     return out
 
 
+COALESCE_BYTES = 64 << 10  # arrays up to this size leave in the send of the frame's head (as the client's)
+
+
+def _send_batch(sock: socket.socket, header: bytes, views: Sequence[np.ndarray]) -> None:
+    """The frame's head and then the arrays' bytes; small arrays are copied into one send with the head (a W2
+    batch: a weight and two biases, 4 sends -> 2), larger ones go straight from their buffers."""
+    pending = [framing.PREFIX.pack(len(header), sum(v.size for v in views)), header]
+    for v in views:
+        if v.size <= COALESCE_BYTES:
+            pending.append(v.tobytes())
+            continue
+        sock.sendall(b"".join(pending))
+        pending = []
+        framing.send_buffer(sock, v.data)
+    if pending:
+        sock.sendall(b"".join(pending))
+
+
 class GrpcLink:
     """The Replicate RPC to one backup PS over gRPC, with the cluster's token and TLS."""
 
@@ -147,10 +165,7 @@ class FrameLink:
                 if sock is None:
                     sock = self._connect(timeout)
                 sock.settimeout(timeout)
-                framing.send_frame(sock, header, sum(v.size for v in views))
-                for v in views:
-                    if v.size:
-                        framing.send_buffer(sock, v.data)
+                _send_batch(sock, header, views)
                 reply, payload_len = framing.read_reply(sock)
                 break
             except OSError as exc:
