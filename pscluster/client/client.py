@@ -85,6 +85,7 @@ class PSClient(ClusterOperations):
         self.routes = Routes(lambda: self.stubs, on_ps_list=self.set_ps_addresses) if settings.replicas > 1 else None
         self._nonfinite = {"rejected": 0, "skipped": 0}  # pushes stopped by gradients.screen (worker metrics)
         self._tensors: TensorTransport = GrpcTensors(self._net)
+        self._net.stalled = self.routes.moved_off if self.routes is not None else None
         if settings.bulk_transport:
             files = tls.files(settings)
             self._tensors = BulkTensors(BulkClient(

@@ -114,11 +114,14 @@ class Routes:
         log.info("replica table version %d: %d shards", newest.version, len(newest.roles))
         return True
 
-    def moved_off(self, ps: int, request: pb.BulkRequest) -> bool:
+    def moved_off(self, ps: int, request: pb.BulkRequest | pb.PushRequest | pb.PullRequest) -> bool:
         """Whether a newer table (asked now) puts some shard of a pull or push sent to PS ps elsewhere: a call
         still waiting on ps (SIGSTOPped) is given up and retried there."""
-        items = request.push.items if request.HasField("push") else \
-            request.pull.items if request.HasField("pull") else ()
+        if isinstance(request, pb.BulkRequest):
+            items: Sequence[Any] = request.push.items if request.HasField("push") else \
+                request.pull.items if request.HasField("pull") else ()
+        else:
+            items = request.items
         if not items:
             return False  # a token or step call: PS 0's, no shard's
         self.refresh()

@@ -8,18 +8,20 @@ once, around the whole operation (so `retry_for` is what a caller waits).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
 
 from pscluster.config import Settings
+from pscluster.errors import UnavailableError
 from pscluster.net import rpc
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 
 Call = tuple[int, str, Any]  # (PS task, method name, request)
+STALL_CHECK_S = 0.1  # as the bulk path's (pscluster/net/bulk.py): a Push or Pull without a reply asks this often
 
 
 class Channels:
@@ -33,6 +35,9 @@ class Channels:
         self.stubs = [pb_grpc.ParameterServerStub(ch) for ch in self._channels]
         self.pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.stubs)), thread_name_prefix="ps-stream")
         self._lock = threading.Lock()
+        # replicas: 2: stalled(ps, request) says a Push or Pull still unanswered is to be given up: the replica
+        # table moved its shards off a PS that stopped answering (SIGSTOP); else it waits rpc_timeout_s
+        self.stalled: Callable[[int, Any], bool] | None = None
 
     def what(self, ps: int, method: str) -> str:
         """How errors name a call: 'ps 1 (127.0.0.1:7001) Push'."""
@@ -59,14 +64,29 @@ class Channels:
         """
         futs = [getattr(self.stubs[ps], m).future(req, timeout=self.settings.rpc_timeout_s) for ps, m, req in calls]
         out, first = [], None
-        for (ps, method, _), fut in zip(calls, futs):
+        for (ps, method, req), fut in zip(calls, futs):
             try:
-                out.append(fut.result())
+                out.append(self._result(fut, ps, method, req))
             except grpc.RpcError as exc:
                 first = first or rpc.translate(exc, self.what(ps, method))
+            except UnavailableError as exc:
+                first = first or exc
         if first is not None:
             raise first from None  # the status says it all; grpc's own frames only bury it
         return out
+
+    def _result(self, fut: Any, ps: int, method: str, request: Any) -> Any:
+        """fut's reply; a Push or Pull to a PS the replica table no longer lists for its shards is cancelled."""
+        if self.stalled is None or method not in ("Push", "Pull"):
+            return fut.result()
+        while True:
+            try:
+                return fut.result(timeout=STALL_CHECK_S)
+            except grpc.FutureTimeoutError:
+                if self.stalled(ps, request):
+                    fut.cancel()
+                    raise UnavailableError(f"{self.what(ps, method)}: no reply and the replica table moved its "
+                                           "shards to another PS; retry there") from None
 
     def move(self, ps: int, address: str) -> bool:
         """PS ps now listens at address: open a channel there. False if it was already there."""

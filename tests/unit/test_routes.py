@@ -143,3 +143,46 @@ def test_a_clients_channels_follow_the_ps_list_as_it_grows_moves_and_shrinks() -
         assert net.stubs[:2] == first
     finally:
         net.close()
+
+
+class Silent:
+    """A gRPC future of a call to a SIGSTOPped PS: no reply until cancelled."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def result(self, timeout: float | None = None) -> object:
+        time.sleep(timeout or 0)
+        raise grpc.FutureTimeoutError()
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+
+def test_a_grpc_push_to_a_silent_ps_the_table_moved_its_shard_off_is_given_up_at_the_next_check() -> None:
+    """bulk_transport: false: the same bound as the bulk path's (tests/integration/test_stalled_reader.py);
+    before, the call waited rpc_timeout_s (60 s)."""
+    from pscluster.config import ClusterSpec, Settings
+    from pscluster.errors import UnavailableError
+    from pscluster.net.channels import Channels
+
+    silent = Silent()
+
+    class SilentPs:
+        class Push:
+            @staticmethod
+            def future(request: pb.PushRequest, timeout: float) -> Silent:
+                return silent
+
+    net = Channels(Settings(cluster=ClusterSpec(ps=["127.0.0.1:1"])), ["127.0.0.1:1"])
+    try:
+        net.stubs = [SilentPs()]  # type: ignore[list-item]
+        routes = Routes(lambda: [Stub(table(2, {("w", 0): 1}))])
+        net.stalled = routes.moved_off
+        started = time.monotonic()
+        with pytest.raises(UnavailableError, match="replica table moved"):
+            net.gather([(0, "Push", pb.PushRequest(items=[item("w", 0)]))])
+        assert time.monotonic() - started < 2 and silent.cancelled
+    finally:
+        net.pool.shutdown()
