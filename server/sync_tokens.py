@@ -14,12 +14,19 @@ bounded: a worker may start its step t only while t is at most `staleness` ahead
 completed by the slowest live worker (ps-lite's bounded delay); a worker not seen for
 `WORKER_LEASE_S` no longer counts as live.
 async: every take is granted at G and every report advances G.
+
+With replicas: 2 the state has a backup (server/sync_replicas.py forwards it whole after each change):
+`to_wire`/`from_wire` carry it, `reconfigure` is a backup's own take of a ConfigureSync (the settings its
+shards accumulate by, the token maps left to the primary's stream), and a report is idempotent (a
+client retries it on the promoted backup when the reply was lost).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
+
+from pscluster.errors import InvalidArgumentError
 
 Mode = Literal["async", "sync", "bounded"]
 MODES: tuple[Mode, ...] = ("async", "sync", "bounded")
@@ -148,6 +155,9 @@ class TokenState:
     clocks: dict[str, int] = field(default_factory=dict)  # bounded: steps completed per worker
     started: dict[str, int] = field(default_factory=dict)  # bounded: steps begun per worker
     last_seen: dict[str, float] = field(default_factory=dict)  # bounded: when each worker last took or reported
+    # bounded: the worker each held token was granted to: its clock counts the report, wherever the closure
+    # ran in the end (one handed back and run on another worker must not leave a step begun and never done)
+    holders: dict[int, str] = field(default_factory=dict)
 
 
 def decide(state: TokenState, event: Event, now: float) -> list[Action]:
@@ -160,6 +170,7 @@ def decide(state: TokenState, event: Event, now: float) -> list[Action]:
         state.issued.clear()
         state.tokens.clear()
         state.done.clear()
+        state.holders.clear()
         return [WakeWaiters()]
     if isinstance(event, StepDone):
         return _step_done(state, event, now)
@@ -185,9 +196,11 @@ def _sync_token(state: TokenState, closure_id: int, g: int, first: bool) -> Gran
     return Grant(closure_id, g, replica)
 
 
-def min_clock(state: TokenState, now: float) -> int:
-    """Steps completed by the slowest live worker (0 with none)."""
-    live = [c for w, c in state.clocks.items() if now - state.last_seen.get(w, now) <= WORKER_LEASE_S]
+def min_clock(state: TokenState, now: float, asking: str = "") -> int:
+    """Steps completed by the slowest live worker (0 with none); `asking`, a worker waiting for its token, counts
+    as live whatever its lease says (else a lone waiter whose lease ran out would wait for a clock of 0)."""
+    live = [c for w, c in state.clocks.items()
+            if w == asking or now - state.last_seen.get(w, now) <= WORKER_LEASE_S]
     return min(live) if live else 0
 
 
@@ -201,12 +214,13 @@ def _bounded_token(state: TokenState, closure_id: int, worker: str, now: float,
         if worker not in state.clocks:
             state.clocks[worker] = state.started[worker] = min_clock(state, now)  # a newcomer starts level
         state.last_seen[worker] = now
-    slowest = min_clock(state, now)
+    slowest = min_clock(state, now, worker)
     step = state.started[worker]
     if step - slowest > state.staleness:
         return AwaitSlowest(closure_id, worker, step - slowest, state.staleness)
     state.started[worker] = step + 1
     state.tokens[closure_id] = (step, 0)
+    state.holders[closure_id] = worker
     state.last_seen[worker] = now
     state.max_spread = max(state.max_spread, step - slowest)
     return Grant(closure_id, step, 0)
@@ -214,10 +228,14 @@ def _bounded_token(state: TokenState, closure_id: int, worker: str, now: float,
 
 def _step_done(state: TokenState, event: StepDone, now: float) -> list[Action]:
     if state.mode != "sync":
-        if state.mode == "bounded" and event.worker:
-            state.clocks[event.worker] = state.clocks.get(event.worker, 0) + 1
-            state.last_seen[event.worker] = now
-            state.tokens.pop(event.closure_id, None)
+        if state.mode == "bounded":
+            if state.tokens.pop(event.closure_id, None) is None:
+                return []  # a repeat (the reply was lost, the report retried): counted once
+            owner = state.holders.pop(event.closure_id, event.worker)
+            if owner:
+                state.clocks[owner] = state.clocks.get(owner, 0) + 1
+            if event.worker:
+                state.last_seen[event.worker] = now
         return [Advance(event.global_step + 1)]
     step = event.step
     if step != event.global_step:
@@ -233,3 +251,50 @@ def _step_done(state: TokenState, event: StepDone, now: float) -> list[Action]:
         del state.issued[old]
     state.tokens = {c: t for c, t in state.tokens.items() if t[0] >= step}
     return [Advance(step + 1)]
+
+
+# -- replication (replicas: 2) --------------------------------------------------------------------
+def reconfigure(state: TokenState, event: Configure) -> None:
+    """A ConfigureSync on the state's backup: take the settings (its own shards accumulate by them) and keep
+    the token maps, which only the primary's forwards change (a forward of the cleared maps may be here
+    already: clearing again would drop a grant made after it)."""
+    state.mode = event.mode
+    state.replicas_to_aggregate = max(1, event.replicas_to_aggregate)
+    state.total_num_replicas = max(state.replicas_to_aggregate, event.total_num_replicas)
+    state.staleness = event.staleness
+
+
+def to_wire(state: TokenState, global_step: int, now: float) -> dict[str, Any]:
+    """The whole state and G as JSON-able data for the backup; `last_seen` travels as ages (each process
+    reads its own clock)."""
+    return {"G": global_step, "mode": state.mode, "R": state.replicas_to_aggregate, "N": state.total_num_replicas,
+            "staleness": state.staleness, "max_spread": state.max_spread,
+            "issued": sorted(state.issued.items()),
+            "tokens": sorted([c, s, r] for c, (s, r) in state.tokens.items()),
+            "done": sorted([s, sorted(cs)] for s, cs in state.done.items()),
+            "clocks": state.clocks, "started": state.started, "holders": sorted(state.holders.items()),
+            "ages": {w: max(0.0, now - t) for w, t in state.last_seen.items()}}
+
+
+def from_wire(data: object, now: float) -> tuple[TokenState, int]:
+    """(state, G) from `to_wire`'s data, checked (it came over the network).
+
+    Raises:
+        InvalidArgumentError: not the shape `to_wire` makes.
+    """
+    try:
+        if not isinstance(data, dict) or data["mode"] not in MODES:
+            raise ValueError("not a sync state")
+        state = TokenState(mode=data["mode"], replicas_to_aggregate=int(data["R"]),
+                           total_num_replicas=int(data["N"]), staleness=int(data["staleness"]),
+                           max_spread=int(data["max_spread"]),
+                           issued={int(s): int(n) for s, n in data["issued"]},
+                           tokens={int(c): (int(s), int(r)) for c, s, r in data["tokens"]},
+                           done={int(s): {int(c) for c in cs} for s, cs in data["done"]},
+                           clocks={str(w): int(c) for w, c in data["clocks"].items()},
+                           started={str(w): int(c) for w, c in data["started"].items()},
+                           last_seen={str(w): now - float(a) for w, a in data["ages"].items()},
+                           holders={int(c): str(w) for c, w in data["holders"]})
+        return state, int(data["G"])
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise InvalidArgumentError(f"a replicated sync state is malformed: {exc!r}") from exc

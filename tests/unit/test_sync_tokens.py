@@ -1,6 +1,11 @@
 """The sync token queue and bounded-staleness clocks, fed events; no sockets, no sleeps, no threads."""
 
+import json
+
+import pytest
 from pscluster.server import sync_tokens as tok
+
+from pscluster.errors import InvalidArgumentError
 
 
 def configured(mode, r=1, n=1, staleness=0):
@@ -153,6 +158,20 @@ def test_a_bounded_worker_not_seen_for_a_lease_stops_holding_the_others_back():
     assert tok.min_clock(state, later) == 3
 
 
+def test_a_lone_waiter_whose_lease_ran_out_is_measured_against_its_own_clock():
+    # the end of a run: "slow" went idle, "fast" waits for it; both leases run out while it waits
+    state = configured("bounded", staleness=1)
+    take(state, 1, worker="slow", now=0.0)
+    done(state, 1, 0, g=0, worker="slow", now=0.0)
+    for cid in (2, 3, 4):
+        take(state, cid, worker="fast", now=0.0)
+        done(state, cid, cid - 2, g=0, worker="fast", now=0.0)
+    assert isinstance(take(state, 5, worker="fast", now=0.0), tok.AwaitSlowest)  # 3 vs slow's 1
+    later = tok.WORKER_LEASE_S + 0.5
+    # not a wait for a clock of 0 until the take times out (30 s): fast is the one live worker
+    assert retry(state, 5, worker="fast", now=later) == tok.Grant(5, 3, 0)
+
+
 def test_a_retry_does_not_renew_the_waiting_workers_lease():
     state = configured("bounded", staleness=0)
     take(state, 1, worker="slow", now=0.0)
@@ -168,4 +187,59 @@ def test_bounded_reports_advance_the_reporting_workers_clock_and_release_its_tok
     take(state, 1, worker="w")
     assert done(state, 1, 0, g=4, worker="w", now=2.0) == [tok.Advance(5)]
     assert state.clocks["w"] == 1 and state.last_seen["w"] == 2.0 and 1 not in state.tokens
+    take(state, 9, worker="")
     assert done(state, 9, 0, g=5, worker="") == [tok.Advance(6)]  # an anonymous report only advances G
+    assert state.clocks["w"] == 1
+
+
+def test_a_bounded_closure_handed_back_and_run_on_another_worker_counts_for_the_worker_it_began_on():
+    # w1 took tokens for closures 1 and 2, then handed them back (a PS's connection dropped); w2 ran them
+    state = configured("bounded", staleness=1)
+    take(state, 1, worker="w1")
+    take(state, 2, worker="w1")
+    take(state, 3, worker="w2")
+    assert take(state, 1, worker="w2") == tok.Grant(1, 0, 0)  # its token back, on the other worker
+    done(state, 1, 0, g=0, worker="w2")
+    done(state, 2, 1, g=1, worker="w2")
+    assert state.clocks == {"w1": 2, "w2": 0} and state.started == {"w1": 2, "w2": 1}
+    # so w1 is not left 2 steps begun and never done, holding itself back for good once w2 goes idle
+    assert take(state, 4, worker="w1", now=10.0) == tok.Grant(4, 2, 0)
+
+
+def test_a_bounded_report_retried_after_its_reply_was_lost_counts_once():
+    # the first report reached the old primary and its backup; the retry lands on the promoted backup
+    state = configured("bounded", staleness=3)
+    take(state, 1, worker="w")
+    assert done(state, 1, 0, g=0, worker="w") == [tok.Advance(1)]
+    assert done(state, 1, 0, g=1, worker="w") == []
+    assert state.clocks == {"w": 1}
+
+
+def test_the_wire_form_carries_the_whole_state_and_g_and_last_seen_as_ages():
+    state = configured("sync", 2, 3)
+    take(state, 1)
+    take(state, 2)
+    done(state, 1, 0, g=0)
+    state.clocks, state.started, state.last_seen = {"w": 3}, {"w": 4}, {"w": 10.0}
+    wire = json.loads(json.dumps(tok.to_wire(state, 7, now=12.5)))
+    copy, g = tok.from_wire(wire, now=100.0)
+    assert g == 7 and copy.last_seen == {"w": 97.5}
+    copy.last_seen = state.last_seen
+    assert copy == state
+    # the backup, promoted, goes on where the primary was: the third token, then the step completes
+    assert take(copy, 3) == tok.Grant(3, 0, 2)
+    assert done(copy, 2, 0, g=0) == [tok.Advance(1)]
+
+
+def test_a_malformed_wire_state_is_refused_by_name():
+    for bad in (None, {"mode": "sync"}, {**tok.to_wire(tok.TokenState(), 0, 0.0), "tokens": [[1, 2]]},
+                {**tok.to_wire(tok.TokenState(), 0, 0.0), "mode": "eager"}):
+        with pytest.raises(InvalidArgumentError, match="replicated sync state is malformed"):
+            tok.from_wire(bad, 0.0)
+
+
+def test_a_backups_own_configure_takes_the_settings_and_keeps_the_forwarded_tokens():
+    state = configured("sync", 2, 2)
+    take(state, 1)
+    tok.reconfigure(state, tok.Configure("sync", 2, 3, 0))
+    assert state.tokens == {1: (0, 0)} and state.issued == {0: 1} and state.total_num_replicas == 3
