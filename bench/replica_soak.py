@@ -12,8 +12,9 @@ A primary is never killed while a shard it holds has no in-sync backup (that is 
 checkpoint fallback, whose loss lost_updates() reports; docs/ps_failures.md).
 
 Oracle: async and bounded, every counter == closures completed; sync (R = N = 2), every counter ==
-global step; lost_updates() == 0. PS 0 holds the sync token queue and global step, which are not
-replicated yet: under sync and bounded PS 0 is never killed (stated in the result).
+global step; bounded, the global step == closures completed too (each report counted once); lost_updates()
+== 0. The sync token queue, bounded clocks and global step have a primary (PS 0 at first) and a backup like
+a shard, so any PS is a victim in every mode, the token queue's primary included.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import numpy as np
 
 import pscluster as ps
 from pscluster.ops.launcher import LocalCluster
+from pscluster.placement import SYNC_STATE_KEY
 
 NUM_PS = 3
 
@@ -61,11 +63,12 @@ def soak(mode: str = "async", kills: int = 34, interval: float = 2.0, seed: int 
     """`kills` SIGKILLs under `mode` training (async, sync or bounded); the counters must be exact.
     ballast_mib: an Adam variable of this size per PS (3x in state) that each catch-up carries."""
     rng = random.Random(seed)
-    victims = list(range(NUM_PS)) if mode == "async" else list(range(1, NUM_PS))
+    victims = list(range(NUM_PS))
     stop = threading.Event()
     completed = [0]
     errors: list[BaseException] = []
     kinds = {"in sync": 0, "mid-catch-up": 0, "mid-rejoin": 0}
+    sync_kills = 0  # kills of the PS holding the token queue, clocks and global step (its primary)
     checkpoints = {"saved": 0, "failed": 0}
     started = time.monotonic()
     with LocalCluster(NUM_PS, 2, supervise=True, replicas=2) as cluster:
@@ -83,8 +86,8 @@ def soak(mode: str = "async", kills: int = 34, interval: float = 2.0, seed: int 
                 coord.configure_sync("bounded", staleness=2)
 
             def all_in_sync() -> bool:
-                table = coord.replica_table()
-                return len(table) == 2 * NUM_PS and all(c.backup is not None and c.in_sync for c in table.values())
+                table = coord.replica_table()  # the counters, the ballast and the sync state's row
+                return len(table) == 2 * NUM_PS + 1 and all(c.backup is not None and c.in_sync for c in table.values())
 
             def catching_up() -> int | None:
                 for c in coord.replica_table().values():
@@ -133,6 +136,7 @@ def soak(mode: str = "async", kills: int = 34, interval: float = 2.0, seed: int 
                 _wait(all_in_sync, "every backup in sync before a kill", timeout=120.0)
                 kinds["in sync"] += 1
                 last = rng.choice(victims)
+                sync_kills += coord.replica_table()[SYNC_STATE_KEY].primary == last
                 gone_pid = cluster.ps[last].pid
                 cluster.kill(cluster.ps[last], signal.SIGKILL)
             stop.set()
@@ -142,13 +146,16 @@ def soak(mode: str = "async", kills: int = 34, interval: float = 2.0, seed: int 
             time.sleep(1.0)  # the coordinator notices the last kill (3 missed polls, 100 ms apart) before this
             _wait(all_in_sync, "every backup in sync at the end", timeout=120.0)
             values = [int(c.pull()) for c in counters]
-            steps = _retry(lambda: coord.sync_stats()["global_step"]) if mode == "sync" else None
+            steps = _retry(lambda: coord.sync_stats()["global_step"]) if mode != "async" else None
+            sync_holder = coord.replica_table()[SYNC_STATE_KEY].primary
             lost = coord.lost_updates
         finally:
             stop.set()
             coord.shutdown()
-    expected = steps if steps is not None else completed[0]  # SGD(1.0) on -1: +1 per update
+    expected = steps if mode == "sync" else completed[0]  # SGD(1.0) on -1: +1 per update
     return {"mode": mode, "kills": kills, "kinds": kinds, "closures": completed[0], "global_step": steps,
             "counters": values, "expected": expected, "lost_updates": lost, "checkpoints": checkpoints,
-            "seconds": time.monotonic() - started, "ps0_killed": 0 in victims, "ballast": len(ballast),
-            "exact": all(v == expected for v in values) and lost == 0}
+            "seconds": time.monotonic() - started, "victims": victims, "ballast": len(ballast),
+            "sync_state_kills": sync_kills, "sync_state_on_ps": sync_holder,
+            "exact": all(v == expected for v in values) and lost == 0
+            and (mode != "bounded" or steps == completed[0])}

@@ -435,12 +435,14 @@ def bench_b15_soak(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]
     runs = [replica_soak.soak(mode, kills=k, seed=i)
             for i, (mode, k) in enumerate(zip(("async", "sync", "bounded"), _split(args.soak_kills, 3)))]
     cells = "; ".join(f"{r['mode']}: {r['kills']} kills ({r['kinds']['mid-catch-up']} mid-catch-up, {r['kinds']['mid-rejoin']} "
-                      f"mid-rejoin), {r['closures']} "
-                      f"closures, counters {r['counters']} vs {r['expected']}, lost_updates {r['lost_updates']}, "
+                      f"mid-rejoin, {r['sync_state_kills']} of the token queue's primary), {r['closures']} "
+                      f"closures, counters {r['counters']} vs {r['expected']}"
+                      + (f", global step {r['global_step']}" if r["global_step"] is not None else "")
+                      + f", lost_updates {r['lost_updates']}, "
                       f"{r['checkpoints']['saved']} checkpoints, {r['seconds']:.0f} s" for r in runs)
     return {"runs": runs}, [("B15SOAK", "replicas: 2, 3 PS + 2 workers, a random PS SIGKILLed every ~2 s (mid-push, "
-                             "mid-checkpoint, mid-catch-up) under async, sync, bounded; PS 0 spared under sync and "
-                             "bounded (its token queue is not replicated); `python bench/run.py --only B15SOAK`",
+                             "mid-checkpoint, mid-catch-up) under async, sync, bounded; any PS, the one holding the "
+                             "sync token queue included; `python bench/run.py --only B15SOAK`",
                              cells, f"exact, 0 lost: {'met' if all(r['exact'] for r in runs) else 'NOT met'}")]
 
 

@@ -26,6 +26,7 @@ from pscluster.proto import pscluster_pb2 as pb
 
 from pscluster.errors import FailedPreconditionError, PsclusterError, UnavailableError
 from pscluster.net import rpc
+from pscluster.placement import SYNC_STATE_KEY
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,7 @@ class ReplicaKeeper:
         self._clock = clock
         self._interval = interval
         self.state = rp.ReplicaState(len(stubs), now=clock(), interval=interval)
-        self._keys: dict[int, Key] = {}  # ordinal -> shard key
+        self._keys: dict[int, Key] = {rp.SYNC_ORDINAL: SYNC_STATE_KEY}  # ordinal -> shard key (and the sync state)
         self._shard_counts: dict[int, int] = {}
         self._sent: dict[int, int] = {}  # the table version each PS acknowledged
         self._lost: dict[int, set[Key]] = {}  # ps -> shards that came back from a checkpoint there
@@ -90,9 +91,10 @@ class ReplicaKeeper:
             return {self._keys[o]: c for o, c in self.state.shards.items() if o in self._keys}
 
     def layout(self) -> dict[int, rp.Copies]:
-        """Shard ordinal -> where it lives now (the shards whose key the keeper learned)."""
+        """Shard ordinal -> where it lives now (the shards whose key the keeper learned; not the sync state,
+        which elastic moves leave where failovers put it)."""
         with self._lock:
-            return {o: c for o, c in self.state.shards.items() if o in self._keys}
+            return {o: c for o, c in self.state.shards.items() if o in self._keys and o != rp.SYNC_ORDINAL}
 
     def key_of(self, ordinal: int) -> Key:
         """The (variable, shard index) of a shard ordinal."""
@@ -288,6 +290,9 @@ class ReplicaKeeper:
                  len(table.roles))
 
     def _learn_shards(self, answers: list[pb.PsStatus | PsclusterError]) -> None:
+        with self._lock:
+            if rp.SYNC_ORDINAL not in self.state.shards:  # the sync state's row: as the PS tasks hold it, or new
+                self._place(rp.SYNC_ORDINAL, None)
         changed = [ps for ps, a in enumerate(answers)
                    if isinstance(a, pb.PsStatus) and self._shard_counts.get(ps) != a.num_shards]
         for ps in changed:
@@ -304,14 +309,19 @@ class ReplicaKeeper:
                     ordinal = info.spec.ordinal
                     if ordinal not in self._keys:
                         self._keys[ordinal] = (info.spec.variable, info.spec.shard_index)
-                    role = (self._adopted or {}).get(self._keys[ordinal])
-                    if ordinal not in self.state.shards and role is not None:
-                        # in sync once its primary says so (the next round), as after any assignment
-                        self.state.shards[ordinal] = rp.Copies(role.primary, role.backup if role.backup >= 0 else None,
-                                                               role.epoch)
-                    elif ordinal not in self.state.shards:  # on the PS its client placed it (k mod its P)
-                        for action in rp.decide(self.state, rp.ShardCreated(ordinal, ps)):
-                            self._note(action)
+                    if ordinal not in self.state.shards:  # on the PS its client placed it (k mod its P)
+                        self._place(ordinal, ps)
+
+    def _place(self, ordinal: int, ps: int | None) -> None:
+        """A shard new to this keeper (under self._lock): where the PS tasks' table has it, or its first place
+        (on PS ps; None: the rule's, for the sync state's row)."""
+        role = (self._adopted or {}).get(self._keys[ordinal])
+        if role is not None:
+            # in sync once its primary says so (the next round), as after any assignment
+            self.state.shards[ordinal] = rp.Copies(role.primary, role.backup if role.backup >= 0 else None, role.epoch)
+        else:
+            for action in rp.decide(self.state, rp.ShardCreated(ordinal, ps)):
+                self._note(action)
 
     def _send_table(self, answers: list[pb.PsStatus | PsclusterError]) -> None:
         """Send the table to the PS tasks that lack it, without waiting: a PS SIGSTOPped after its Status

@@ -24,6 +24,8 @@ Rules:
   drained by a scale) gets no new backup.
 - Initial backups are striped: shard k on primary p = k mod P goes to (p + 1 + (k // P) mod (P - 1)) mod P,
   so the shards of one PS are backed up by all the others and a dead PS spreads its load.
+- The sync state (token queue, bounded clocks, global step) is one more row, ordinal SYNC_ORDINAL: primary
+  PS 0 and backup PS 1 at first, then the same rules as a shard.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from pscluster.errors import InvalidArgumentError
 
 HEARTBEAT_INTERVAL_S = 0.1
 MISSED_HEARTBEATS = 3
+SYNC_ORDINAL = -1  # the sync state's row (real shards' ordinals start at 0)
 
 
 @dataclass(frozen=True)
@@ -175,6 +178,8 @@ def striped_backup(ordinal: int, num_ps: int) -> int:
     """The initial backup of the shard created `ordinal`-th (its primary is ordinal mod num_ps)."""
     if num_ps < 2:
         raise InvalidArgumentError(f"replicas: 2 needs at least 2 PS tasks, the cluster has {num_ps}")
+    if ordinal == SYNC_ORDINAL:
+        return 1
     primary = ordinal % num_ps
     return (primary + 1 + (ordinal // num_ps) % (num_ps - 1)) % num_ps
 
@@ -185,7 +190,8 @@ def decide(state: ReplicaState, event: ReplicaEvent) -> list[ReplicaAction]:
     if isinstance(event, ShardCreated):
         if event.ordinal in state.shards:
             return []
-        primary = event.ordinal % state.num_ps if event.primary is None else event.primary
+        primary = event.primary if event.primary is not None else 0 if event.ordinal == SYNC_ORDINAL else \
+            event.ordinal % state.num_ps
         backup = striped_backup(event.ordinal, state.num_ps)
         # the backup gets the shard's state from its primary: in sync once the primary says it confirmed it
         copies = Copies(primary, backup, 1)

@@ -1367,6 +1367,8 @@ class ReplicaForward(_message.Message):
     PULL_INDEX_FIELD_NUMBER: _builtins.int
     CHUNK_START_FIELD_NUMBER: _builtins.int
     CHUNK_MORE_FIELD_NUMBER: _builtins.int
+    SYNC_STATE_FIELD_NUMBER: _builtins.int
+    SKIPPED_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     """of the shard's (primary, backup) configuration; an older one is refused"""
     version: _builtins.int
@@ -1391,6 +1393,14 @@ class ReplicaForward(_message.Message):
     installs the shard with the last); the first chunk (chunk_start 0) carries the record
     """
     chunk_more: _builtins.bool
+    sync_state: _builtins.str
+    """set (ref: the sync-state key, "sync-state"[-1]): PS 0's sync token queue, bounded clocks and global step,
+    whole (JSON, server/sync_tokens.py's to_wire) after change `version`; the backup takes the newest
+    """
+    skipped: _builtins.bool
+    """a sync step skipped on the primary (no update: `version` stays): the backup notes push_id (sync:<step>) in
+    its push record, so a replica's retry of that step on a promoted backup returns at once
+    """
     @_builtins.property
     def ref(self) -> Global___ShardRef: ...
     @_builtins.property
@@ -1435,12 +1445,16 @@ class ReplicaForward(_message.Message):
         pull_index: _builtins.int = ...,
         chunk_start: _builtins.int = ...,
         chunk_more: _builtins.bool = ...,
+        sync_state: _builtins.str | None = ...,
+        skipped: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["grad", b"grad", "optimizer", b"optimizer", "ref", b"ref", "rows", b"rows", "spec", b"spec", "value", b"value"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_sync_state", b"_sync_state", "grad", b"grad", "optimizer", b"optimizer", "ref", b"ref", "rows", b"rows", "spec", b"spec", "sync_state", b"sync_state", "value", b"value"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_more", b"chunk_more", "chunk_start", b"chunk_start", "epoch", b"epoch", "final_below", b"final_below", "grad", b"grad", "has_rows", b"has_rows", "optimizer", b"optimizer", "pull_index", b"pull_index", "pulled", b"pulled", "push_id", b"push_id", "record", b"record", "ref", b"ref", "rows", b"rows", "slots", b"slots", "spec", b"spec", "value", b"value", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_sync_state", b"_sync_state", "chunk_more", b"chunk_more", "chunk_start", b"chunk_start", "epoch", b"epoch", "final_below", b"final_below", "grad", b"grad", "has_rows", b"has_rows", "optimizer", b"optimizer", "pull_index", b"pull_index", "pulled", b"pulled", "push_id", b"push_id", "record", b"record", "ref", b"ref", "rows", b"rows", "skipped", b"skipped", "slots", b"slots", "spec", b"spec", "sync_state", b"sync_state", "value", b"value", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__sync_state: _TypeAlias = _typing.Literal["sync_state"]  # noqa: Y015
+    _WhichOneofArgType__sync_state: _TypeAlias = _typing.Literal["_sync_state", b"_sync_state"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__sync_state) -> _WhichOneofReturnType__sync_state | None: ...
 
 Global___ReplicaForward: _TypeAlias = ReplicaForward  # noqa: Y015
 

@@ -17,6 +17,9 @@ import numpy as np
 from pscluster.errors import InvalidArgumentError
 
 PLACEMENT_VERSION = 1  # bump when ps_for_ordinal changes; recorded in checkpoints
+# replicas: 2: the replica table's entry for the sync token queue, bounded clocks and global step (held by
+# PS 0 at first, backed up like a shard); shard indices start at 0, so no variable's shard has this key
+SYNC_STATE_KEY = ("sync-state", -1)
 
 
 @dataclass(frozen=True)

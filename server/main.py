@@ -49,6 +49,7 @@ def start(settings: Settings) -> tuple[Listeners, int, ParameterServerCore]:
                                        lambda ps: link(core.addresses[ps], settings),
                                        timeout=settings.replication_timeout_s, step_timeout=settings.rpc_timeout_s,
                                        chunk_bytes=chunk)
+        core.replication.sync_state = sync  # the token queue, clocks and G are replicated like a shard
     if settings.restore:
         core.restore()
     bulk = None

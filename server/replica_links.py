@@ -28,10 +28,10 @@ from pscluster.net import framing, rpc, tls
 
 def tensors_of(f: pb.ReplicaForward) -> list[pb.Tensor]:
     """A forward's tensors in payload order: an install's value then its slots by name, none for a config
-    change, a table pull's keys, else grad then rows."""
+    change or the sync state, a table pull's keys, else grad then rows."""
     if f.HasField("spec"):
         return [f.value] + [f.slots[name] for name in sorted(f.slots)]
-    if f.HasField("optimizer"):
+    if f.HasField("optimizer") or f.HasField("sync_state") or f.skipped:
         return []
     if f.pulled:
         return [f.rows]  # a table pull's distinct keys

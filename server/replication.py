@@ -19,6 +19,9 @@ The coordinator tells each PS its roles (`set_roles`): for every shard, the epoc
   version number, adds each push id to its push record (exactly-once survives a promotion), and refuses
   a forward of an older epoch than it knows: a deposed primary gets STALE and its pushes' waiters get a
   retryable UnavailableError, so its workers go to the new primary.
+- The sync state (PS 0's token queue, bounded clocks and G; key SYNC_STATE_KEY) has a row of the table
+  too: its primary forwards the whole state after each change (`forward_sync`, on the same stream), a
+  token call's reply waits for the backup as a push's does, and a catch-up is one more such forward.
 """
 
 from __future__ import annotations
@@ -36,12 +39,14 @@ from pscluster.proto import pscluster_pb2 as pb
 from pscluster.server import catch_up, table_ops, table_state
 from pscluster.server.push_record import PushKey, push_key
 from pscluster.server.replica_links import tensors_of
+from pscluster.server.replica_notes import ReplicaNotes, SyncStateHolder, note_skipped
 from pscluster.server.replicator import MAX_QUEUED_BYTES, ReplicaLink, Replicator, name_of
 from pscluster.server.store import Key, Shard, VariableStore
 
 from pscluster import codec
 from pscluster.errors import InvalidArgumentError, UnavailableError
 from pscluster.optimizer_config import OptimizerConfig, optimizer_from_pb, optimizer_to_pb
+from pscluster.placement import SYNC_STATE_KEY
 from pscluster.specs import spec_to_pb
 
 log = logging.getLogger(__name__)
@@ -59,7 +64,7 @@ class Role:
     backup: int = -1
 
 
-class Replication:
+class Replication(ReplicaNotes):
     """A PS's replication roles, forwarders and backup side; owned by its ParameterServerCore."""
 
     def __init__(self, store: VariableStore, ps_index: int, connect: Callable[[int], ReplicaLink],
@@ -89,6 +94,7 @@ class Replication:
         self._key_locks: dict[Key, threading.Lock] = {}  # backup side: one forward of a shard at a time
         self.chunk_bytes = chunk_bytes  # a catch-up's chunk (server/catch_up.py)
         self._staged = catch_up.Stager(store.dedup_window)  # backup side: catch-ups in chunks, until their last
+        self.sync_state: SyncStateHolder | None = None  # the sync state's primary and backup side (PS 0's, at first)
         store.on_applied = self.on_applied
         store.on_pulled = self.on_pulled
 
@@ -134,6 +140,8 @@ class Replication:
             self.resync(key)
         for rep in self._current():
             rep.poke()
+        if self.sync_state is not None:
+            self.sync_state.roles_changed()
 
     def roles(self) -> tuple[int, list[Role]]:
         """The table this PS holds, and its version."""
@@ -170,6 +178,11 @@ class Replication:
         """Whether this PS is the primary of shard key now."""
         role = self._roles.get(key)
         return role is not None and role.primary == self.ps_index
+
+    def is_backup(self, key: Key) -> bool:
+        """Whether this PS is the backup of shard key now."""
+        role = self._roles.get(key)
+        return role is not None and role.backup == self.ps_index
 
     def check_primary(self, keys: Iterable[Key]) -> None:
         """UnavailableError (retryable: the client re-reads placement) unless this PS is the primary of keys."""
@@ -265,6 +278,10 @@ class Replication:
     def resync(self, key: Key, start: int = 0) -> None:
         """Queue shard key's whole state for its backup (catch-up), in order with its updates; a state larger
         than a chunk goes in chunks (server/catch_up.py): this queues the one from row `start`."""
+        if key == SYNC_STATE_KEY:
+            if self.sync_state is not None:
+                self.sync_state.send_state()
+            return
         shard = self.store.find(key)
         role, rep = self._replicator_of(key)
         if shard is None or role is None or rep is None:
@@ -359,6 +376,16 @@ class Replication:
         shard = self.store.find(key)
         if f.epoch < known:
             return pb.REPLICA_STALE, shard
+        if f.HasField("sync_state"):
+            if self.sync_state is None:
+                raise InvalidArgumentError(f"ps {self.ps_index} keeps no sync state; a forward of it is refused")
+            self.sync_state.install(f.epoch, f.version, f.sync_state)
+            return pb.REPLICA_APPLIED, shard
+        if f.skipped:  # a skipped sync step's note: into the copy, or the one staged by a catch-up in chunks
+            staged = self._staged.get(key)
+            target = staged.shard if staged is not None else shard
+            noted = target is not None and note_skipped(target, f.version, f.push_id)
+            return (pb.REPLICA_APPLIED if noted else pb.REPLICA_GAP), shard
         if f.HasField("spec"):
             with self._lock:
                 same_stream = self._copy_epoch.get(key) == f.epoch

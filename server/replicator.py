@@ -297,7 +297,7 @@ class Replicator:
                         continue  # an update of the staged rows: held once the last chunk is
                     if version > self.acked.get(key, -1):
                         self.acked[key] = version
-                    if msg.HasField("optimizer") or msg.HasField("spec"):
+                    if msg.HasField("optimizer") or msg.HasField("spec") or msg.skipped:
                         self._confirmed[key] = max(self._confirmed.get(key, 0), seq)
                 elif outcome == pb.REPLICA_GAP:
                     self._dirty.add(key)

@@ -17,6 +17,13 @@ for inspection.
 
 The token queue and the clocks are the pure state machine of sync_tokens.py; `SyncReplicas` is its
 executor (the condition variable, the waiting, G on the core) and keeps the shards' accumulators.
+
+replicas: 2: the token queue, the clocks and G have a primary (PS 0 at first) and a backup in the replica
+table, under SYNC_STATE_KEY. Only the primary answers TakeToken and StepDone (others: UNAVAILABLE, the
+client re-reads the table); after each change it forwards the whole state (sync_tokens.to_wire) on the
+replication stream and the reply waits until the backup holds it, as a push's reply does. A promoted backup
+goes on from the newest state it holds: a closure's retried take gets its token back (`tokens`), a retried
+report counts once.
 """
 
 from __future__ import annotations
@@ -31,10 +38,13 @@ import numpy as np
 from pscluster.server import sync_tokens as tok
 from pscluster.server.dynamic_table import sum_duplicates
 from pscluster.server.ps import ParameterServerCore
-from pscluster.server.push_record import push_key
+from pscluster.server.push_record import PushKey, push_key
+from pscluster.server.replica_notes import SkipNote
 from pscluster.server.store import PushItem, PushResult, Shard
+from pscluster.server.sync_state import SyncStateCopies
 
-from pscluster.errors import DeadlineExceededError, InvalidArgumentError, ResourceExhaustedError
+from pscluster.errors import DeadlineExceededError, InvalidArgumentError, ResourceExhaustedError, UnavailableError
+from pscluster.placement import SYNC_STATE_KEY
 
 MODES = tok.MODES
 WORKER_LEASE_S = tok.WORKER_LEASE_S
@@ -64,7 +74,7 @@ class Accumulator:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-class SyncReplicas:
+class SyncReplicas(SyncStateCopies):
     """Sync/bounded state of one PS task (token queue and clocks are used on PS 0): the executor of
     sync_tokens.decide plus the shards' accumulators."""
 
@@ -78,6 +88,13 @@ class SyncReplicas:
         self._acc: dict[tuple[str, int], Accumulator] = {}
         # shard -> (its last step settled, the version that step left): one entry per shard
         self._settled: dict[tuple[str, int], tuple[int, int]] = {}
+        # replicas: 2: shard -> (its last step skipped, the place of the note of it in the backup's queue):
+        # a skipped step's replies wait for the note (one entry per shard)
+        self._marks: dict[tuple[str, int], tuple[int, SkipNote | None]] = {}
+        # replicas: 2: changes of the token state made here (primary) or the newest taken (backup): the
+        # forwards' sequence; `_held`: (epoch, version) of the last forward taken as backup
+        self.version = 0
+        self._held = (0, 0)
 
     @property
     def mode(self) -> tok.Mode:
@@ -135,12 +152,19 @@ class SyncReplicas:
         if mode == "bounded" and staleness < 0:
             raise InvalidArgumentError(f"staleness must be >= 0, got {staleness}")
         checked: tok.Mode = "sync" if mode == "sync" else "bounded" if mode == "bounded" else "async"
+        event = tok.Configure(checked, replicas_to_aggregate, total_num_replicas, staleness)
+        replication = self._replication()
         with self._cond:
             self._acc.clear()
             self._settled.clear()
-            self._perform(tok.decide(self._state, tok.Configure(checked, replicas_to_aggregate, total_num_replicas,
-                                                                staleness), self._clock()))
-            return self.core.global_step
+            if replication is not None and replication.is_backup(SYNC_STATE_KEY):
+                tok.reconfigure(self._state, event)  # the token maps come from the primary's forwards
+                return self.core.global_step
+            self._perform(tok.decide(self._state, event, self._clock()))
+            version = self._changed(replication)
+            step = self.core.global_step
+        self._replicated(replication, version)
+        return step
 
     def _perform(self, actions: list[tok.Action]) -> None:
         # under self._cond
@@ -170,6 +194,30 @@ class SyncReplicas:
 
     def _accumulate(self, shard: Shard, item: PushItem | None, local: np.ndarray | None, push_id: str,
                     step: int) -> PushResult:
+        try:
+            return self._accumulate_one(shard, item, local, push_id, step)
+        finally:  # the push that settled a skipped step (told or refused) waits for its note as well
+            self._await_mark(shard.spec.key, step)
+
+    def _await_mark(self, key: tuple[str, int], step: int) -> None:
+        """With replicas: 2, return once the backup holds the note of `step` if it was skipped on this shard: a
+        promoted backup then knows the step settled, and a replica's retry of it returns at once there."""
+        with self._cond:
+            skipped, note = self._marks.get(key, (-1, None))
+        replication = self._replication()
+        if skipped == step and note is not None and replication is not None:
+            replication.wait_skipped(key, note, replication.timeout)
+
+    def _note_skip(self, shard: Shard, step_key: PushKey) -> SkipNote | None:
+        """Note a skipped step in the shard's push record and queue the note for its backup (its queue place)."""
+        replication = self._replication()
+        with shard.lock:
+            shard.record.add_key(step_key, shard.version)
+            note: SkipNote | None = replication.skipped(shard, step_key) if replication is not None else None
+            return note
+
+    def _accumulate_one(self, shard: Shard, item: PushItem | None, local: np.ndarray | None, push_id: str,
+                        step: int) -> PushResult:
         key = shard.spec.key
         with self._cond:
             acc = self._acc.get(key)
@@ -214,8 +262,11 @@ class SyncReplicas:
             r = shard.value.dtype.type(need)
             step_key = push_key(f"sync:{acc.step}")
             refused: ResourceExhaustedError | None = None
+            mark: SkipNote | None = None  # a skipped step's note in the backup's queue
+            skip = False
             if acc.count < need:  # skipped
                 result = PushResult(shard.version, False, shard.version)
+                mark, skip = self._note_skip(shard, step_key), True
                 with self._cond:
                     self.skipped += 1
             elif acc.dense is not None:
@@ -235,11 +286,14 @@ class SyncReplicas:
                     # it is told why
                     refused = exc
                     result = PushResult(shard.version, False, shard.version)
+                    mark, skip = self._note_skip(shard, step_key), True
                     with self._cond:
                         self.skipped += 1
             with self._cond:
                 self._acc[key] = Accumulator(acc.step + 1, earlier=frozenset(acc.contributors))
                 self._settled[key] = (acc.step, shard.version)
+                if skip:
+                    self._marks[key] = (acc.step, mark)
                 self._cond.notify_all()
             if refused is not None:
                 raise refused
@@ -261,7 +315,10 @@ class SyncReplicas:
             last, version = self._settled.get(key, (-1, 0))
             if not done:
                 return shard.version + 1
-            return version if last == step else shard.version
+            if last != step:
+                return int(shard.version)
+        self._await_mark(key, step)
+        return version
 
     # -- token queue and clocks (PS 0) -----------------------------------------------------------
     def take_token(self, closure_id: int, worker: str, timeout: float) -> tuple[int, int]:
@@ -271,6 +328,8 @@ class SyncReplicas:
         Raises:
             DeadlineExceededError: no token within timeout (the closure is handed back and rescheduled).
         """
+        replication = self._replication()
+        self._check_holder(replication)
         with self._cond:
             mode = self._state.mode  # a wait keeps the rules it began with
             event: tok.TakeToken | tok.RetryToken = tok.TakeToken(closure_id, worker, self.core.global_step)
@@ -278,20 +337,32 @@ class SyncReplicas:
             while True:
                 [answer] = tok.decide(self._state, event, self._clock())
                 if isinstance(answer, tok.Grant):
-                    return answer.step, answer.replica
+                    granted, version = answer, self._changed(replication)
+                    break
                 if not isinstance(answer, (tok.AwaitTokens, tok.AwaitSlowest)):
                     raise AssertionError(f"a take was answered with {answer}")  # decide's contract
+                if isinstance(event, tok.TakeToken):
+                    self._changed(replication)  # a bounded newcomer's clock, a worker's last take
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise DeadlineExceededError(answer.refusal(timeout))
                 self._cond.wait(remaining if answer.poll is None else min(remaining, answer.poll))
+                if replication is not None and not replication.is_primary(SYNC_STATE_KEY):
+                    raise UnavailableError(f"ps {self.core.ps_index} no longer holds the sync token queue; "
+                                           "re-read placement and take the token there (same closure id)")
                 event = tok.RetryToken(closure_id, worker, self.core.global_step, mode)
+        self._replicated(replication, version)
+        return granted.step, granted.replica
 
     def step_done(self, closure_id: int, step: int, worker: str) -> None:
         """A closure finished the pushes of its step; maybe advance G and release tokens."""
+        replication = self._replication()
+        self._check_holder(replication)
         with self._cond:
             self._perform(tok.decide(self._state, tok.StepDone(closure_id, step, worker, self.core.global_step),
                                      self._clock()))
+            version = self._changed(replication)
+        self._replicated(replication, version)
 
     # -- checkpoints -----------------------------------------------------------------------------
     def snapshot(self) -> SyncSnapshot:

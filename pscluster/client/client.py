@@ -41,7 +41,7 @@ from pscluster.net.bulk import BulkClient, BulkTensors
 from pscluster.net.channels import Channels
 from pscluster.net.grpc_tensors import GrpcTensors
 from pscluster.net.transport import PullPlan, PushPlan, TensorTransport, ValueTargets
-from pscluster.placement import Partitioner, ps_for_ordinal, split_rows
+from pscluster.placement import SYNC_STATE_KEY, Partitioner, ps_for_ordinal, split_rows
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 from pscluster.specs import OptimizerConfig, ShardSpec, spec_to_pb
@@ -471,12 +471,18 @@ class PSClient(ClusterOperations):
 
     # -- sync replicas ---------------------------------------------------------------------------
     def take_token(self, closure_id: int, worker: str, timeout: float = 30.0) -> tuple[int, int]:
-        """A sync token from PS 0's queue (blocks while none is free)."""
+        """A sync token from the token queue (PS 0's; with replicas: 2 its primary's; blocks while none is free).
+        A retry carries the same closure id, so a token granted before a failover is handed back."""
         request = pb.TokenRequest(closure_id=closure_id, worker=worker, timeout_s=timeout)
-        token = self._retrying(lambda: self._tensors.take_token(request))
+        token = self._retrying(lambda: self._tensors.take_token(request, self.sync_ps()))
         return int(token.step), int(token.replica)
 
     def step_done(self, closure_id: int, step: int, worker: str) -> None:
-        """Report that a closure finished its pushes for `step`."""
+        """Report that a closure finished its pushes for `step` (a retry counts once)."""
         request = pb.StepDoneRequest(closure_id=closure_id, step=step, worker=worker)
-        self._retrying(lambda: self._tensors.step_done(request))
+        self._retrying(lambda: self._tensors.step_done(request, self.sync_ps()))
+
+    def sync_ps(self) -> int:
+        """The PS holding the sync token queue and global step now: 0, or with replicas: 2 the primary of its row
+        in the newest replica table this client has seen."""
+        return self.routes.primary.get(SYNC_STATE_KEY, 0) if self.routes is not None else 0

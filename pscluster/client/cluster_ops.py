@@ -16,7 +16,7 @@ import numpy as np
 from pscluster import codec
 from pscluster.client.routes import Routes
 from pscluster.client.variables import Variable
-from pscluster.errors import InvalidArgumentError, NotFoundError
+from pscluster.errors import InvalidArgumentError, NotFoundError, PsclusterError
 from pscluster.optimizer_config import changes_to_json
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.tables import write_export
@@ -64,12 +64,31 @@ class ClusterOperations(ABC):
                                    total_num_replicas=total_num_replicas or replicas_to_aggregate, staleness=staleness)
         return int(self._gather([(ps, "ConfigureSync", req) for ps in range(self.num_ps)])[0].global_step)
 
+    @abstractmethod
+    def sync_ps(self) -> int:
+        """The PS holding the sync token queue and global step now."""
+
     def sync_step(self) -> pb.StepReply:
-        """PS 0's global step, mode and clocks, with stale drops summed over every PS."""
-        replies = self._gather([(ps, "GetStep", pb.StepRequest()) for ps in range(self.num_ps)])
-        first: pb.StepReply = replies[0]
-        first.dropped_stale = sum(r.dropped_stale for r in replies)
-        return first
+        """The global step, mode and clocks of the token queue's PS (PS 0; with replicas: 2 the primary of its
+        row), with stale drops summed over every PS (with replicas: 2, over those that answer)."""
+        if self.routes is None:
+            replies = self._gather([(ps, "GetStep", pb.StepRequest()) for ps in range(self.num_ps)])
+            first: pb.StepReply = replies[0]
+            first.dropped_stale = sum(r.dropped_stale for r in replies)
+            return first
+        self.routes.refresh()  # a failover may have moved the token queue since this client last looked
+        holder = self._retrying(lambda: (ps := self.sync_ps(), self._call(ps, "GetStep", pb.StepRequest(),
+                                                                           retry_for=0.0)))
+        reply: pb.StepReply = holder[1]
+        dropped = reply.dropped_stale
+        for ps in range(self.num_ps):
+            if ps != holder[0]:
+                try:
+                    dropped += self._call(ps, "GetStep", pb.StepRequest(), retry_for=0.0).dropped_stale
+                except PsclusterError:
+                    pass  # down (a backup holds its shards): its drops come back with it
+        reply.dropped_stale = dropped
+        return reply
 
     def checkpoint(self, step: int) -> list[str]:
         """Write a checkpoint of every PS task at `step` (call with pushes quiesced for consistency)."""

@@ -370,16 +370,16 @@ class BulkTensors:
         self._client.run(calls)
         return [c.reply.push for c in calls if c.reply is not None]
 
-    def take_token(self, request: pb.TokenRequest) -> pb.TokenReply:
-        """A sync token from PS 0 (the PS holds the reply while none is free)."""
-        call = BulkCall(0, pb.BulkRequest(take_token=request), wait_s=request.timeout_s)
+    def take_token(self, request: pb.TokenRequest, ps: int = 0) -> pb.TokenReply:
+        """A sync token from PS ps's queue (the PS holds the reply while none is free)."""
+        call = BulkCall(ps, pb.BulkRequest(take_token=request), wait_s=request.timeout_s)
         self._client.run([call])
         assert call.reply is not None
         return call.reply.token
 
-    def step_done(self, request: pb.StepDoneRequest) -> None:
-        """Report a closure's finished step to PS 0."""
-        self._client.run([BulkCall(0, pb.BulkRequest(step_done=request))])
+    def step_done(self, request: pb.StepDoneRequest, ps: int = 0) -> None:
+        """Report a closure's finished step to PS ps's queue."""
+        self._client.run([BulkCall(ps, pb.BulkRequest(step_done=request))])
 
     def moved(self, ps: int, address: str) -> None:
         """PS ps moved: its bulk port is asked again, at its new host."""

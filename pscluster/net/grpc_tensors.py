@@ -106,15 +106,15 @@ class GrpcTensors:
         return rpc.call(once, None, timeout=self._net.settings.rpc_timeout_s,
                         what=f"ps {ps} PushStream {ref.variable}")
 
-    def take_token(self, request: pb.TokenRequest) -> pb.TokenReply:
-        """A sync token from PS 0's queue (blocks while none is free)."""
-        reply: pb.TokenReply = self._net.call(0, "TakeToken", request,
+    def take_token(self, request: pb.TokenRequest, ps: int = 0) -> pb.TokenReply:
+        """A sync token from PS ps's queue (blocks while none is free)."""
+        reply: pb.TokenReply = self._net.call(ps, "TakeToken", request,
                                               timeout=request.timeout_s + self._net.settings.rpc_timeout_s)
         return reply
 
-    def step_done(self, request: pb.StepDoneRequest) -> None:
-        """Report a closure's finished step to PS 0."""
-        self._net.call(0, "StepDone", request)
+    def step_done(self, request: pb.StepDoneRequest, ps: int = 0) -> None:
+        """Report a closure's finished step to PS ps's queue."""
+        self._net.call(ps, "StepDone", request)
 
     def moved(self, ps: int, address: str) -> None:
         """Nothing of its own: the channels already hold the new stub."""

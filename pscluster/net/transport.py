@@ -33,11 +33,11 @@ class TensorTransport(Protocol):
         `values` (an accumulating PS) left its targets untouched.
         """
 
-    def take_token(self, request: pb.TokenRequest) -> pb.TokenReply:
-        """A sync token from PS 0's queue (blocks up to request.timeout_s while none is free)."""
+    def take_token(self, request: pb.TokenRequest, ps: int = 0) -> pb.TokenReply:
+        """A sync token from the token queue on PS ps (blocks up to request.timeout_s while none is free)."""
 
-    def step_done(self, request: pb.StepDoneRequest) -> None:
-        """Report a closure's finished step to PS 0."""
+    def step_done(self, request: pb.StepDoneRequest, ps: int = 0) -> None:
+        """Report a closure's finished step to the token queue on PS ps."""
 
     def moved(self, ps: int, address: str) -> None:
         """PS ps now listens at address (host:port of its gRPC server): drop connections to the old one."""

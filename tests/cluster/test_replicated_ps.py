@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import pscluster as ps
+from pscluster.placement import SYNC_STATE_KEY
 
 pytestmark = pytest.mark.cluster
 
@@ -86,8 +87,7 @@ def test_killing_the_backup_mid_push_holds_no_push_back_and_it_rejoins(fresh_clu
 
 
 def test_sync_training_survives_a_kill_of_a_primary_other_than_ps0(fresh_cluster):
-    # PS 0 holds the sync token queue and global step, which are not replicated yet (docs/ps_failures.md):
-    # the counter is put on PS 1, whose kill the replicas cover
+    # the counter is put on PS 1: its kill moves a shard's primary but not the token queue (PS 0's)
     cluster = fresh_cluster(2, 2, supervise=True, replicas=2)
     coord = ps.ClusterCoordinator(cluster.settings())
     try:
@@ -191,3 +191,43 @@ def test_pushes_to_a_sigstopped_primary_go_to_the_new_one_long_before_the_socket
         if stopped is not None:
             os.kill(stopped, signal.SIGCONT)
         coord.shutdown()
+
+
+def _kill_ps0_under(mode, fresh_cluster, **sync):
+    """Train `mode` on 2 PS + 2 workers with the counter and the token queue on PS 0, SIGKILL PS 0 mid-run;
+    returns (closures completed, counter, global step) once the restarted PS 0 is back as both backups."""
+    cluster = fresh_cluster(2, 2, supervise=True, replicas=2)
+    coord = ps.ClusterCoordinator(cluster.settings())
+    try:
+        coord.wait_for_workers(2)
+        counter = coord.create_variable("counter", shape=(), dtype="int64", optimizer=ps.SGD(1.0))  # on PS 0
+        keys = [("counter", 0), SYNC_STATE_KEY]
+        poll(lambda: all((c := primary_of(coord, k)) is not None and c.in_sync and c.primary == 0 for k in keys),
+             "the backups of the counter and of the token queue")
+        coord.configure_sync(mode, **sync)
+        values = [coord.schedule(increment, args=(counter,)) for _ in range(100)]
+        poll(lambda: int(counter.pull()) >= 10, "steps under way")
+        cluster.kill(cluster.ps[0], signal.SIGKILL)  # mid-step: tokens out, reports and pushes in flight
+        poll(lambda: primary_of(coord, SYNC_STATE_KEY).primary == 1, "the token queue's failover")
+        coord.join(timeout=30)
+        completed = sum(v.fetch() for v in values)
+        poll(lambda: all((c := primary_of(coord, k)).backup == 0 and c.in_sync for k in keys),
+             "the restarted PS 0 to rejoin as backup of both")
+        steps = coord.sync_stats()["global_step"]  # from the token queue's primary, PS 1 now
+        assert coord.lost_updates == 0
+        return completed, int(counter.pull()), steps
+    finally:
+        coord.shutdown()
+
+
+def test_sync_training_survives_a_kill_of_ps0_holding_the_token_queue(fresh_cluster):
+    completed, counter, steps = _kill_ps0_under("sync", fresh_cluster, replicas_to_aggregate=2,
+                                                total_num_replicas=2)
+    assert completed == 100
+    assert counter == steps == 50  # every step's averaged -1 applied once, G went on on PS 1 without a gap
+
+
+def test_bounded_training_survives_a_kill_of_ps0_holding_the_clocks(fresh_cluster):
+    completed, counter, steps = _kill_ps0_under("bounded", fresh_cluster, staleness=1)
+    assert completed == 100
+    assert counter == steps == 100  # each closure's increment once, each report counted once

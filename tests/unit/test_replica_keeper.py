@@ -13,6 +13,7 @@ from pscluster.coordinator.replica_keeper import ReplicaKeeper
 from pscluster.proto import pscluster_pb2 as pb
 
 from pscluster.errors import FailedPreconditionError
+from pscluster.placement import SYNC_STATE_KEY
 
 
 class Ps:
@@ -39,8 +40,8 @@ class Ps:
         return pb.SetRolesReply()
 
 
-def role(variable: str, epoch: int, primary: int, backup: int) -> pb.ShardRole:
-    return pb.ShardRole(ref=pb.ShardRef(variable=variable, shard_index=0), epoch=epoch, primary=primary,
+def role(variable: str, epoch: int, primary: int, backup: int, index: int = 0) -> pb.ShardRole:
+    return pb.ShardRole(ref=pb.ShardRef(variable=variable, shard_index=index), epoch=epoch, primary=primary,
                         backup=backup)
 
 
@@ -54,7 +55,9 @@ def sent(keeper: ReplicaKeeper) -> None:
 
 def test_a_restarted_coordinator_goes_on_from_the_table_the_ps_tasks_hold() -> None:
     # shard a (ordinal 0) moved from ps 0 to ps 2; ps 0 holds nothing now
-    moved = pb.SetRolesRequest(version=7, roles=[role("a", 3, 2, 1), role("b", 1, 1, 2), role("c", 1, 2, 1)])
+    # the sync state failed over from ps 0 to ps 1 too
+    moved = pb.SetRolesRequest(version=7, roles=[role("a", 3, 2, 1), role("b", 1, 1, 2), role("c", 1, 2, 1),
+                                                 role(SYNC_STATE_KEY[0], 2, 1, 2, SYNC_STATE_KEY[1])])
     older = pb.SetRolesRequest(version=5, roles=[role("a", 2, 0, 1)])
     stubs = [Ps(0, [], older), Ps(1, [("a", 0), ("b", 1), ("c", 2)], moved),
              Ps(2, [("a", 0), ("b", 1), ("c", 2)], moved)]
@@ -64,7 +67,9 @@ def test_a_restarted_coordinator_goes_on_from_the_table_the_ps_tasks_hold() -> N
         sent(keeper)
         table = keeper.table()
         assert (table[("a", 0)].primary, table[("a", 0)].backup, table[("a", 0)].epoch) == (2, 1, 3)
+        assert (table[SYNC_STATE_KEY].primary, table[SYNC_STATE_KEY].epoch) == (1, 2)
         assert all(0 not in (c.primary, c.backup) for c in table.values())
+        assert SYNC_STATE_KEY not in {keeper.key_of(o) for o in keeper.layout()}  # elastic moves leave it alone
         assert keeper.state.version >= 7  # PS tasks ignore a table older than theirs
         assert all(p.table.version >= 7 and {r.ref.variable: r.primary for r in p.table.roles}["a"] == 2
                    for p in stubs)  # and every PS got it, ps 0 included
@@ -80,6 +85,9 @@ def test_a_new_cluster_starts_from_the_initial_striped_placement() -> None:
         keeper._round()
         c = keeper.table()[("a", 0)]
         assert (c.primary, c.backup, c.epoch) == (0, 1, 1)
+        s = keeper.table()[SYNC_STATE_KEY]  # the sync state's row: PS 0 holds it, PS 1 backs it up
+        assert (s.primary, s.backup, s.epoch) == (0, 1, 1)
+        assert any(r.ref.shard_index == -1 and r.primary == 0 for r in stubs[1].table.roles)
     finally:
         keeper.stop()
 
@@ -133,9 +141,12 @@ def test_a_ps_joins_the_list_gets_no_copy_before_a_scale_and_leaves_once_it_hold
         assert keeper.state.inactive == {2} and keeper.table()[("a", 0)].backup == 1  # not active: no copy
         rp.decide(keeper.state, rp.ConnectionLost(1))  # no active PS left for a backup: the joined one, not none
         assert keeper.table()[("a", 0)].backup == 2
-        with pytest.raises(FailedPreconditionError, match="still holds 1 shard copies"):
+        # the sync state's row too: a drain does not move it (docs/ps_failures.md), so the leave is refused
+        assert keeper.table()[SYNC_STATE_KEY].backup == 2
+        with pytest.raises(FailedPreconditionError, match="still holds 2 shard copies"):
             keeper.leave(2)
         keeper.state.shards[0] = rp.Copies(0, 1, 10)
+        keeper.state.shards[rp.SYNC_ORDINAL] = rp.Copies(0, 1, 10)
         with pytest.raises(FailedPreconditionError, match="listed in the cluster file"):
             keeper.leave(1)
         keeper.leave(2)

@@ -206,3 +206,19 @@ def test_a_drained_ps_gets_no_new_backup_after_a_failover() -> None:
     rp.decide(state, rp.ConnectionLost(0))
     assert state.shards[0].primary == 1 and state.shards[2].primary == 2
     assert all(c.backup is not None and 3 not in (c.primary, c.backup) for c in state.shards.values())
+
+
+def test_the_sync_state_row_starts_on_ps_0_and_fails_over_and_rejoins_like_a_shard() -> None:
+    state = table(3, 3)
+    assert rp.decide(state, rp.ShardCreated(rp.SYNC_ORDINAL))[0] == rp.Assign(rp.SYNC_ORDINAL, rp.Copies(0, 1, 1), True)
+    rp.decide(state, rp.CaughtUp(rp.SYNC_ORDINAL, 1))
+    rp.decide(state, rp.ConnectionLost(0))  # PS 0 dies: its backup holds the token queue now
+    moved = state.shards[rp.SYNC_ORDINAL]
+    assert moved.primary == 1 and moved.epoch > 1 and moved.backup == 2 and not moved.in_sync
+    rp.decide(state, rp.CaughtUp(rp.SYNC_ORDINAL, moved.epoch))
+    rp.decide(state, rp.ConnectionLost(1))  # and then its new primary: the in-sync backup again
+    assert state.shards[rp.SYNC_ORDINAL].primary == 2 and not state.shards[rp.SYNC_ORDINAL].lost
+    actions = rp.decide(state, rp.Rejoined(0, 5.0))
+    now = state.shards[rp.SYNC_ORDINAL]
+    assert (now.primary, now.backup) == (2, 0)  # the restarted PS 0 catches up as its backup
+    assert rp.Assign(rp.SYNC_ORDINAL, now, True) in actions

@@ -58,6 +58,7 @@ def make_core(index: int, peers: dict[int, ParameterServerCore], links: dict[int
         return links.setdefault(ps, Link(peers[ps]))
 
     core.replication = Replication(core.store, index, connect, timeout=timeout)
+    core.replication.sync_state = core.sync
     return core
 
 
@@ -401,3 +402,58 @@ def test_a_catch_up_whose_snapshot_fails_is_tried_again_and_the_sender_lives_on(
         assert calls == [ROWS, ROWS] and rep._thread.is_alive()
     finally:
         rep.stop()
+
+
+def test_a_sync_push_retried_on_the_promoted_backup_after_its_step_was_skipped_returns_at_once(pair):
+    # a replica's gradient was not finite (R = N = 2): the step is skipped on the primary, which changes no
+    # version, then the primary died before replying to the finite replica: its retry on the new primary must
+    # not open the step again (the skipping replica got its reply and will not push it again)
+    a, b, _ = pair
+    create(a, "sgd")
+    for core in (a, b):
+        core.sync.configure("sync", 2, 2, 0)
+        core.replication.step_timeout = 3.0
+    roles(a, b)
+    skipping = threading.Thread(target=lambda: a.push("c1.0", 0, [PushItem(KEY, np.empty(0, np.float32))],
+                                                      skip_step=True))
+    skipping.start()
+    a.push("c2.0", 0, [PushItem(KEY, grad(3.0))])
+    skipping.join(timeout=5)
+    assert a.store.get(KEY).version == 0 and a.sync.skipped == 1  # skipped: nothing applied
+    b.replication.set_roles(*table(2, 2, 1))  # the primary died; the backup is promoted
+    started = time.monotonic()
+    again = b.push("c2.0", 0, [PushItem(KEY, grad(3.0))])[0]
+    assert time.monotonic() - started < 1.0  # not a wait for the skipping replica's push
+    assert not again.applied and b.store.get(KEY).version == 0 and b.sync.dropped == 0
+    third = threading.Thread(target=lambda: b.push("c3.0", 1, [PushItem(KEY, grad(1.0))]))
+    third.start()
+    b.push("c4.0", 1, [PushItem(KEY, grad(1.0))])  # the next step runs on the new primary
+    third.join(timeout=5)
+    assert b.store.get(KEY).version == 1 and b.store.get(KEY).value[0] == pytest.approx(1.0 - 0.1)
+
+
+def test_a_skipped_steps_replies_wait_for_its_note_on_the_backup(pair):
+    a, b, links = pair
+    create(a, "sgd")
+    for core in (a, b):
+        core.sync.configure("sync", 2, 2, 0)
+        core.replication.step_timeout = 3.0
+    roles(a, b)
+    replies: list = []
+
+    def skip() -> None:
+        try:
+            replies.append(a.push("c1.0", 0, [PushItem(KEY, np.empty(0, np.float32))], skip_step=True))
+        except UnavailableError as exc:
+            replies.append(exc)
+
+    skipping = threading.Thread(target=skip)
+    skipping.start()
+    links[1].cut.set()  # the backup stops answering before the step settles
+    with pytest.raises(UnavailableError, match="note of a skipped sync step"):
+        a.push("c2.0", 0, [PushItem(KEY, grad(3.0))])  # skipped, but the note is not on the backup
+    skipping.join(timeout=10)
+    assert isinstance(replies[0], UnavailableError)  # the other replica was not acknowledged either
+    links[1].cut.clear()
+    assert not a.push("c2.0", 0, [PushItem(KEY, grad(3.0))])[0].applied  # the retry, once the backup holds it
+    assert b.store.get(KEY).record.seen("sync:0") and b.store.get(KEY).version == 0

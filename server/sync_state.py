@@ -1,0 +1,91 @@
+"""replicas: 2 for the sync state: its primary forwards it whole after each change, its backup takes it.
+
+A mixin of sync_replicas.SyncReplicas (which owns the lock, the state and the core; see its docstring):
+the primary's side (`_changed` under the lock, `_replicated` after it, `send_state` for a new backup's
+catch-up) and the backup's (`install`), plus `roles_changed` for server/replication.py's SyncStateHolder.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from pscluster.server import sync_tokens as tok
+from pscluster.server.ps import ParameterServerCore
+
+from pscluster.errors import InvalidArgumentError
+from pscluster.placement import SYNC_STATE_KEY
+
+
+class SyncStateCopies:
+    """The sync state's replication (mixed into SyncReplicas, which sets these attributes)."""
+
+    core: ParameterServerCore
+    _cond: threading.Condition
+    _state: tok.TokenState
+    _clock: Callable[[], float]
+    # changes of the token state made here (primary) or the newest taken (backup): the forwards' sequence;
+    # `_held`: (epoch, version) of the last forward taken as backup
+    version: int
+    _held: tuple[int, int]
+
+    def _replication(self) -> Any:
+        """The core's Replication (a SyncStateHolder's peer), or None with one copy."""
+        return self.core.replication
+
+    def _changed(self, replication: Any) -> int:
+        """Under self._cond, after a change: forward the whole state if this PS is its primary; returns the
+        version the reply must see confirmed (0: nothing to wait for)."""
+        if replication is None or not replication.is_primary(SYNC_STATE_KEY):
+            return 0
+        self.version += 1
+        replication.forward_sync(self.version, self._wire())
+        return self.version
+
+    def _wire(self) -> str:
+        return json.dumps(tok.to_wire(self._state, self.core.global_step, self._clock()))
+
+    @staticmethod
+    def _replicated(replication: Any, version: int) -> None:
+        """Return once the backup holds the state up to `version` (not under self._cond: it may send)."""
+        if version:
+            replication.wait([(SYNC_STATE_KEY, version)])
+
+    def _check_holder(self, replication: Any) -> None:
+        if replication is not None:
+            replication.check_primary([SYNC_STATE_KEY])  # UnavailableError: the client re-reads the table
+
+    def send_state(self) -> None:
+        """The whole state for a new backup (a catch-up), queued in order with the changes."""
+        replication = self._replication()
+        with self._cond:
+            if replication is not None:
+                replication.forward_sync(self.version, self._wire(), catch_up=True)
+
+    def install(self, epoch: int, version: int, state: str) -> None:
+        """Take the primary's forwarded state unless an equal or newer one is held (a resend); a new epoch's
+        catch-up replaces whatever this PS held before (a deposed primary's own changes included).
+
+        Raises:
+            InvalidArgumentError: a malformed state (nothing changes).
+        """
+        try:
+            data = json.loads(state)
+        except ValueError as exc:
+            raise InvalidArgumentError(f"a replicated sync state is not JSON: {exc}") from exc
+        taken, step = tok.from_wire(data, self._clock())
+        with self._cond:
+            if (epoch, version) <= self._held:
+                return
+            self._held, self.version = (epoch, version), version
+            self._state = taken
+            self.core.global_step = step
+            self._cond.notify_all()
+
+    def roles_changed(self) -> None:
+        """Wake token waiters: a deposed holder's waiters give up (the client retries on the new one)."""
+        with self._cond:
+            self._cond.notify_all()
+

@@ -1,0 +1,146 @@
+"""replicas: 2 for the sync state (server/sync_replicas.py + replication.py): the token queue, the bounded
+clocks and G reach the backup before a token call's reply, the backup refuses token calls and older epochs,
+and once promoted it goes on where the primary was. Two in-process cores, the framed wire format, no sockets."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+from pscluster.proto import pscluster_pb2 as pb
+from pscluster.server.ps import ParameterServerCore
+from pscluster.server.replication import Role
+
+from pscluster.errors import InvalidArgumentError, UnavailableError
+from pscluster.placement import SYNC_STATE_KEY
+from tests.unit.test_replication import Link, make_core
+
+
+@pytest.fixture
+def pair():
+    peers: dict[int, ParameterServerCore] = {}
+    links: dict[int, Link] = {}
+    a, b = make_core(0, peers, links, timeout=0.5), make_core(1, peers, links, timeout=0.5)
+    peers.update({0: a, 1: b})
+    yield a, b, links, peers
+    for core in peers.values():
+        core.replication.stop()
+
+
+def assign(cores, version: int, epoch: int, primary: int, backup: int = -1) -> None:
+    for core in cores:
+        core.replication.set_roles(version, [Role(SYNC_STATE_KEY, epoch, primary, backup)])
+
+
+def configure(cores, mode: str, r: int = 1, n: int = 1, staleness: int = 0) -> None:
+    for core in cores:  # as ClusterOperations.configure_sync: every PS
+        core.sync.configure(mode, r, n, staleness)
+
+
+def test_a_sync_step_on_the_promoted_backup_goes_on_where_the_primary_was(pair):
+    a, b, _, _ = pair
+    assign((b, a), 1, 1, 0, 1)
+    configure((a, b), "sync", 2, 2)
+    assert a.sync.take_token(1, "w1", 1.0) == (0, 0)
+    assert a.sync.take_token(2, "w2", 1.0) == (0, 1)
+    a.sync.step_done(1, 0, "w1")  # acknowledged: the backup holds the report
+    assert b.sync.version == a.sync.version and b.global_step == 0
+    with pytest.raises(UnavailableError, match="not the primary of sync-state"):
+        b.sync.take_token(3, "w1", 1.0)  # only the primary hands out tokens: the client re-reads the table
+    assign((b,), 2, 2, 1)  # PS 0 died; its backup is promoted
+    assert b.sync.take_token(2, "w2", 1.0) == (0, 1)  # a retried take gets its token back
+    b.sync.step_done(1, 0, "w1")  # a retried report counts once: the step still waits for replica 1
+    assert b.global_step == 0
+    b.sync.step_done(2, 0, "w2")
+    assert b.global_step == 1
+    assert b.sync.take_token(3, "w1", 1.0) == (1, 0)  # the next step's tokens
+
+
+def test_bounded_clocks_and_g_survive_a_failover_and_a_retried_report_counts_once(pair):
+    a, b, _, _ = pair
+    assign((b, a), 1, 1, 0, 1)
+    configure((a, b), "bounded", staleness=1)
+    assert a.sync.take_token(10, "slow", 1.0) == (0, 0)
+    for cid in range(1, 3):
+        assert a.sync.take_token(cid, "fast", 1.0) == (cid - 1, 0)
+        a.sync.step_done(cid, cid - 1, "fast")
+    assert b.global_step == a.global_step == 2 and b.sync.clocks == {"fast": 2, "slow": 0}
+    assign((b,), 2, 2, 1)
+    b.sync.step_done(2, 1, "fast")  # the retry of a report the old primary counted
+    assert b.global_step == 2 and b.sync.clocks["fast"] == 2
+    with pytest.raises(Exception, match="2 steps ahead of the slowest"):
+        b.sync.take_token(3, "fast", 0.1)  # the clocks came along: fast is still held back
+    assert b.sync.take_token(10, "slow", 1.0) == (0, 0)  # its token back
+    b.sync.step_done(10, 0, "slow")
+    assert b.global_step == 3 and b.sync.clocks == {"fast": 2, "slow": 1}
+    assert b.sync.take_token(3, "fast", 1.0) == (2, 0)
+
+
+def test_a_token_reply_waits_for_the_backup_and_is_not_given_without_it(pair):
+    a, b, links, _ = pair
+    assign((b, a), 1, 1, 0, 1)
+    configure((a, b), "sync", 1, 1)
+    links[1].cut.set()
+    with pytest.raises(UnavailableError, match="did not confirm"):
+        a.sync.take_token(1, "w", 1.0)  # granted on the primary, not acknowledged: the client retries
+    links[1].cut.clear()
+    assert a.sync.take_token(1, "w", 1.0) == (0, 0)  # the retry: the same token, now held twice
+    assert json.loads(a.sync._wire())["tokens"] == [[1, 0, 0]]
+    assert b.sync._state.tokens == {1: (0, 0)}
+
+
+def test_a_waiting_take_on_a_deposed_holder_gives_up_at_once(pair):
+    a, b, _, _ = pair
+    assign((b, a), 1, 1, 0, 1)
+    configure((a, b), "sync", 1, 1)
+    a.sync.take_token(1, "w", 1.0)
+    errors: list[BaseException] = []
+
+    def take() -> None:
+        try:
+            a.sync.take_token(2, "w", 10.0)  # step 0's one token is out: it waits
+        except UnavailableError as exc:
+            errors.append(exc)
+
+    waiter = threading.Thread(target=take)
+    waiter.start()
+    waiter.join(timeout=0.2)
+    assert waiter.is_alive()
+    assign((a, b), 2, 2, 1)
+    waiter.join(timeout=2.0)
+    assert not waiter.is_alive() and "no longer holds the sync token queue" in str(errors[0])
+
+
+def test_a_new_backup_catches_up_the_whole_state_and_older_epochs_are_refused(pair):
+    a, b, _, peers = pair
+    assign((a,), 1, 1, 0)  # one copy: the backup is down
+    configure((a,), "sync", 2, 2)
+    a.sync.take_token(1, "w", 1.0)
+    fresh = make_core(1, peers, {}, timeout=0.5)  # restarted: it holds nothing
+    b.replication.stop()
+    peers[1] = fresh
+    assign((fresh, a), 2, 2, 0, 1)
+    assert SYNC_STATE_KEY in a.replication.catching_up() or fresh.sync._state.tokens
+    a.replication.wait([(SYNC_STATE_KEY, a.sync.version)])
+    assert a.replication.catching_up() == []
+    assert fresh.sync._state.tokens == {1: (0, 0)} and fresh.sync.mode == "sync"
+    # a forward of an older epoch (a deposed primary) is refused and changes nothing
+    stale = pb.ReplicateRequest(forwards=[pb.ReplicaForward(
+        ref=pb.ShardRef(variable=SYNC_STATE_KEY[0], shard_index=SYNC_STATE_KEY[1]), epoch=1, version=99,
+        sync_state=json.dumps({"mode": "async"}))])
+    assert fresh.replication.receive(stale).outcomes == [pb.REPLICA_STALE]
+    assert fresh.sync.mode == "sync"
+    stale.forwards[0].epoch = 2
+    with pytest.raises(InvalidArgumentError, match="malformed"):
+        fresh.replication.receive(stale)
+    assert fresh.sync.mode == "sync" and fresh.sync.version == a.sync.version
+
+
+def test_the_backups_own_configure_keeps_the_tokens_the_primary_forwarded(pair):
+    a, b, _, _ = pair
+    assign((b, a), 1, 1, 0, 1)
+    configure((a,), "sync", 2, 2)
+    a.sync.take_token(1, "w", 1.0)  # forwarded before the backup's own ConfigureSync arrives
+    b.sync.configure("sync", 2, 2, 0)
+    assert b.sync._state.tokens == {1: (0, 0)} and b.sync.accumulates
