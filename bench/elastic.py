@@ -57,7 +57,7 @@ def scale(cycles: int = 10, shards: int = 6, elements: int = 1, joins: int = 3) 
             counters = [coord.create_variable(f"counter{i}", shape=shape, dtype="int64", optimizer=ps.SGD(1.0))
                         for i in range(shards)]
             one = np.full(shape, -1, np.int64)
-            _wait(lambda: len(t := coord.replica_table()) == shards and all(c.in_sync for c in t.values()),
+            _wait(lambda: len(t := coord.replica_table()) == shards + 1 and all(c.in_sync for c in t.values()),
                   "every counter's backup")
 
             def pusher() -> None:
@@ -134,7 +134,7 @@ def scale_sync(cycles: int = 3, shards: int = 6) -> dict[str, Any]:
             coord.wait_for_workers(2)
             counters = [coord.create_variable(f"counter{i}", shape=(), dtype="int64", optimizer=ps.SGD(1.0))
                         for i in range(shards)]
-            _wait(lambda: len(t := coord.replica_table()) == shards and all(c.in_sync for c in t.values()),
+            _wait(lambda: len(t := coord.replica_table()) == shards + 1 and all(c.in_sync for c in t.values()),
                   "every counter's backup")
             coord.configure_sync("sync", replicas_to_aggregate=2, total_num_replicas=2)
             values = []

@@ -48,7 +48,7 @@ def test_draining_a_ps_and_bringing_it_back_under_load_counts_every_increment_on
         coord.wait_for_workers(2)
         counters = [coord.create_variable(f"counter{i}", shape=(), dtype="int64", optimizer=ps.SGD(1.0))
                     for i in range(COUNTERS)]
-        poll(lambda: len(t := coord.replica_table()) == COUNTERS and all(c.in_sync for c in t.values()),
+        poll(lambda: len(t := coord.replica_table()) == COUNTERS + 1 and all(c.in_sync for c in t.values()),
              "every counter's backup to hold it")
         # bad input changes nothing
         before = coord.replica_table()
@@ -115,7 +115,7 @@ def test_a_ps_the_cluster_file_does_not_list_joins_takes_shards_under_load_then_
         coord.wait_for_workers(2)
         counters = [coord.create_variable(f"counter{i}", shape=(), dtype="int64", optimizer=ps.SGD(1.0))
                     for i in range(COUNTERS)]
-        poll(lambda: len(t := coord.replica_table()) == COUNTERS and all(c.in_sync for c in t.values()),
+        poll(lambda: len(t := coord.replica_table()) == COUNTERS + 1 and all(c.in_sync for c in t.values()),
              "every counter's backup to hold it")
         values = [coord.schedule(increment, args=tuple(counters)) for _ in range(100)]
         poll(lambda: int(counters[0].pull()) >= 20, "pushes under way")
@@ -131,7 +131,7 @@ def test_a_ps_the_cluster_file_does_not_list_joins_takes_shards_under_load_then_
         # a variable created now is placed over the new list: one of its three shards on each PS
         wide = coord.create_variable("wide", shape=(6, 2), dtype="float32", optimizer=ps.SGD(1.0),
                                      partitioner=ps.FixedShardsPartitioner(3))
-        poll(lambda: len(t := coord.replica_table()) == COUNTERS + 3 and all(c.in_sync for c in t.values()),
+        poll(lambda: len(t := coord.replica_table()) == COUNTERS + 4 and all(c.in_sync for c in t.values()),
              "the new variable's backups")
         assert {c.primary for key, c in coord.replica_table().items() if key[0] == "wide"} == {0, 1, 2}
         capsys.readouterr()
