@@ -157,6 +157,7 @@ class SyncReplicas(SyncStateCopies):
         with self._cond:
             self._acc.clear()
             self._settled.clear()
+            self._marks.clear()
             if replication is not None and replication.is_backup(SYNC_STATE_KEY):
                 tok.reconfigure(self._state, event)  # the token maps come from the primary's forwards
                 return self.core.global_step
