@@ -180,7 +180,8 @@ class HealthState:
     failures: int = 0
     seen: dict[tuple[str, int, int], VersionRanges] = field(default_factory=dict)  # (var, shard, incarnation)
     # per restart: the PS, its old incarnation and the version each of its shards came back with
-    restores: list[tuple[int, int, dict[tuple[str, int], int]]] = field(default_factory=list)
+    # (ps, old incarnation, new incarnation, versions restored): one entry per restart
+    restores: list[tuple[int, int, int, dict[tuple[str, int], int]]] = field(default_factory=list)
 
 
 def decide(state: HealthState, event: Event, now: float) -> list[Action]:
@@ -195,7 +196,7 @@ def decide(state: HealthState, event: Event, now: float) -> list[Action]:
         return []
     if isinstance(event, Restored):
         old = state.incarnations[event.ps]
-        state.restores.append((event.ps, old, event.versions))
+        state.restores.append((event.ps, old, event.incarnation, event.versions))
         for (var, shard), version in event.versions.items():
             seen = state.seen.get((var, shard, old))
             if seen is not None:
@@ -240,12 +241,13 @@ def _polled(state: HealthState, event: Polled, now: float) -> list[Action]:
 
 
 def lost_by_variable(state: HealthState,
-                     lost_shards: Callable[[int], set[tuple[str, int]]] | None = None) -> dict[str, int]:
+                     lost_shards: Callable[[int, int], set[tuple[str, int]]] | None = None) -> dict[str, int]:
     """Reported versions of old incarnations beyond what their restart restored, per variable; with
-    `lost_shards` (replicas: 2) only for the shards of the restarted PS it names."""
+    `lost_shards(ps, incarnation)` (replicas: 2) only for the shards that restart of the PS came back with
+    from a checkpoint (asked per restart: a shard lost at one restart says nothing of another)."""
     out: dict[str, int] = {}
-    for ps, old, restored in state.restores:
-        only = lost_shards(ps) if lost_shards is not None else None
+    for ps, old, new, restored in state.restores:
+        only = lost_shards(ps, new) if lost_shards is not None else None
         for (var, shard), version in restored.items():
             if only is not None and (var, shard) not in only:
                 continue  # its backup took over: nothing acknowledged was lost

@@ -49,7 +49,7 @@ class PsMonitor:
 
     def __init__(self, client: PSClient, on_down: Callable[[], None], on_up: Callable[[], None],
                  interval: float = 0.5, on_fatal: Callable[[BaseException], None] | None = None,
-                 max_failures: int = 5, lost_shards: Callable[[int], set[tuple[str, int]]] | None = None,
+                 max_failures: int = 5, lost_shards: Callable[[int, int], set[tuple[str, int]]] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._client = client
         self._lost_shards = lost_shards

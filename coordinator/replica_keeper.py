@@ -52,7 +52,10 @@ class ReplicaKeeper:
         self._keys: dict[int, Key] = {rp.SYNC_ORDINAL: SYNC_STATE_KEY}  # ordinal -> shard key (and the sync state)
         self._shard_counts: dict[int, int] = {}
         self._sent: dict[int, int] = {}  # the table version each PS acknowledged
-        self._lost: dict[int, set[Key]] = {}  # ps -> shards that came back from a checkpoint there
+        # (ps, incarnation) -> shards that restart of the PS brought back from a checkpoint
+        self._lost: dict[tuple[int, int], set[Key]] = {}
+        self._incarnations: dict[int, int] = {}  # the incarnation each PS answered with last
+        self._rejoined: dict[int, int | None] = {}  # this round: PS back up -> its new incarnation (None: no restart)
         # the table the PS tasks hold when this keeper starts (a restarted coordinator goes on from it, not
         # from the initial placement: failovers and elastic moves changed it); None until asked
         self._adopted: dict[Key, pb.ShardRole] | None = None
@@ -80,10 +83,10 @@ class ReplicaKeeper:
         """The stub of every PS task of the list (the same list object as it grows: elastic.py shares it)."""
         return self._stubs
 
-    def lost_shards(self, ps: int) -> set[Key]:
-        """Shards that came back from a checkpoint on PS ps (both their copies had died)."""
+    def lost_shards(self, ps: int, incarnation: int) -> set[Key]:
+        """Shards that PS ps, restarted as `incarnation`, brought back from a checkpoint (both copies had died)."""
         with self._lock:
-            return set(self._lost.get(ps, set()))
+            return set(self._lost.get((ps, incarnation), set()))
 
     def table(self) -> dict[Key, rp.Copies]:
         """Shard key -> where it lives now."""
@@ -181,8 +184,10 @@ class ReplicaKeeper:
             self.state.inactive.discard(index)
             self.state.num_ps = len(self._stubs)
             self.state.version += 1
-            for book in (self._sent, self._shard_counts, self._lost):
+            for book in (self._sent, self._shard_counts, self._incarnations):
                 book.pop(index, None)
+            for restart in [r for r in self._lost if r[0] == index]:
+                del self._lost[restart]
             addresses = list(self.book.addresses)
         log.info("ps list epoch %d: ps %d left", self.book.epoch, index)
         if self._on_book is not None:
@@ -222,9 +227,14 @@ class ReplicaKeeper:
             state = self.state
             for ps, answer in enumerate(answers):
                 rec = state.ps.get(ps)  # None: it left the PS list since the round asked
+                if isinstance(answer, pb.PsStatus):
+                    before = self._incarnations.get(ps)
+                    self._incarnations[ps] = answer.incarnation
                 if rec is not None and isinstance(answer, pb.PsStatus):
                     if not rec.up:
                         self._sent.pop(ps, None)
+                        # marked down without a restart (missed heartbeats under load): its copies are whole
+                        self._rejoined[ps] = None if before == answer.incarnation else answer.incarnation
                         actions += rp.decide(state, rp.Rejoined(ps, now))
                     else:
                         rp.decide(state, rp.Heartbeat(ps, now))
@@ -253,9 +263,14 @@ class ReplicaKeeper:
         if isinstance(action, rp.Lost):
             log.warning("replica table: both copies of %s are gone; it waits for a checkpoint restore", key)
         elif isinstance(action, rp.Restored) and key is not None:
-            self._lost.setdefault(action.ps, set()).add(key)
-            log.warning("replica table: %s came back from a checkpoint on ps %d (epoch %d)", key, action.ps,
-                        action.epoch)
+            incarnation = self._rejoined.get(action.ps)
+            if incarnation is None:
+                log.warning("replica table: %s is back on ps %d (epoch %d), which did not restart: its copy is whole",
+                            key, action.ps, action.epoch)
+            else:
+                self._lost.setdefault((action.ps, incarnation), set()).add(key)
+                log.warning("replica table: %s came back from a checkpoint on ps %d (epoch %d)", key, action.ps,
+                            action.epoch)
         elif isinstance(action, rp.Assign) and key is not None:
             c = action.copies
             log.info("replica table: %s primary ps %d, backup %s, epoch %d", key, c.primary,

@@ -107,8 +107,19 @@ def test_replicated_only_the_shards_whose_copies_both_died_count_as_lost():
     h.decide(state, versions(1, *range(1, 9)), 0.0)
     h.decide(state, versions(1, *range(1, 5), variable="v"), 0.0)
     h.decide(state, h.Restored(0, 5, {("w", 0): 3, ("v", 0): 0}), 0.0)
-    assert h.lost_by_variable(state, lambda ps: {("v", 0)}) == {"v": 4}  # w's backup took over
+    assert h.lost_by_variable(state, lambda ps, inc: {("v", 0)} if (ps, inc) == (0, 5) else set()) == {"v": 4}  # w's backup took over
     assert h.lost_by_variable(state) == {"w": 5, "v": 4}
+
+
+def test_replicated_a_shard_lost_at_one_restart_says_nothing_of_an_earlier_one():
+    # restart 1 -> 5: w's backup took over (nothing lost); restart 5 -> 6: both copies of w had died
+    state = h.HealthState([1], replicated=True)
+    h.decide(state, versions(1, *range(1, 9)), 0.0)
+    h.decide(state, h.Restored(0, 5, {("w", 0): 0}), 0.0)
+    h.decide(state, versions(5, *range(9, 12)), 0.0)
+    h.decide(state, h.Restored(0, 6, {("w", 0): 10}), 0.0)
+    lost = {(0, 6): {("w", 0)}}
+    assert h.lost_by_variable(state, lambda ps, inc: lost.get((ps, inc), set())) == {"w": 1}  # version 11 only
 
 
 def test_a_ps_that_joined_the_list_is_first_seen_not_accounted_as_a_restart():

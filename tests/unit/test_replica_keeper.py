@@ -12,7 +12,7 @@ from pscluster.coordinator.ps_book import PsBook
 from pscluster.coordinator.replica_keeper import ReplicaKeeper
 from pscluster.proto import pscluster_pb2 as pb
 
-from pscluster.errors import FailedPreconditionError
+from pscluster.errors import FailedPreconditionError, UnavailableError
 from pscluster.placement import SYNC_STATE_KEY
 
 
@@ -183,5 +183,47 @@ def test_a_shard_created_on_a_ps_of_a_grown_list_keeps_its_primary_there() -> No
         keeper._round()
         c = keeper.table()[("a", 0)]
         assert (c.primary, c.backup) == (1, 0)
+    finally:
+        keeper.stop()
+
+
+class Flaky(Ps):
+    """A PS that can stop answering (down) and come back as the same process or a restarted one."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)  # type: ignore[arg-type]
+        self.down = False
+        self.incarnation = 1
+
+    def Status(self, request: pb.PsStatusRequest, timeout: float) -> pb.PsStatus:  # noqa: N802 - the RPC name
+        if self.down:
+            raise UnavailableError(f"ps {self.index} is down (the test)")
+        status = super().Status(request, timeout)
+        status.incarnation = self.incarnation
+        return status
+
+
+@pytest.mark.parametrize("restarted", [False, True])
+def test_a_shard_back_on_a_ps_counts_as_lost_only_when_that_ps_restarted(restarted: bool) -> None:
+    # both copies of shard a go down: the backup, then the primary. The primary answering again as the same
+    # process (it only missed heartbeats, as under load) kept its copy whole; a restarted one read a checkpoint
+    empty = pb.SetRolesRequest()
+    stubs = [Flaky(0, [("a", 0)], empty), Flaky(1, [], empty)]
+    keeper = ReplicaKeeper(stubs)
+    try:
+        keeper._round()
+        stubs[1].down = True
+        keeper._round()
+        assert keeper.table()[("a", 0)].backup is None
+        stubs[0].down = True
+        keeper._round()
+        assert keeper.table()[("a", 0)].lost  # both copies gone
+        stubs[0].down = False
+        stubs[0].incarnation = 2 if restarted else 1
+        keeper._round()
+        assert keeper.table()[("a", 0)].primary == 0 and not keeper.table()[("a", 0)].lost
+        assert keeper.lost_shards(0, stubs[0].incarnation) == ({("a", 0), SYNC_STATE_KEY} if restarted else set())
+        assert keeper.lost_shards(0, 1 if restarted else 2) == set()  # another restart says nothing of it
+        sent(keeper)
     finally:
         keeper.stop()
