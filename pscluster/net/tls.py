@@ -1,7 +1,7 @@
 """TLS and mutual TLS for every channel: gRPC credentials and `ssl` contexts from one set of files.
 
 Settings name a directory written by `pscluster certs` (`tls_dir`: ca.pem and <task>.pem/.key, where a
-task is ps-<i>, worker-<i> (else the shared `worker`), coordinator, or client for any other program) or
+task is ps-<i> (else the shared `ps`: a PS that joined), worker-<i> (else the shared `worker`), coordinator, or client for any other program) or
 the three files explicitly. With `require_client_cert`, every daemon also asks its peers for a certificate of the
 same CA and checks the peer's role (the `pscluster://role/<role>` SAN, or the common name's prefix)
 against what the call may do: a worker's certificate cannot submit closures (only the coordinator's
@@ -68,9 +68,10 @@ def files(settings: Settings) -> TlsFiles | None:
     if settings.tls_dir is None and settings.tls_ca_file is None:
         return None
     base, name = settings.tls_dir, task_name(settings)
-    if base is not None and settings.task_type == "worker" and not (base / f"{name}.pem").is_file() \
-            and (base / "worker.pem").is_file():
-        name = "worker"  # the certificate every worker may use (workers a cluster file does not list)
+    if base is not None and settings.task_type in ("ps", "worker") and not (base / f"{name}.pem").is_file() \
+            and (base / f"{settings.task_type}.pem").is_file():
+        # the certificate every worker (PS) may use: workers a cluster file does not list, PS tasks that join
+        name = settings.task_type
     ca = settings.tls_ca_file or (base / "ca.pem" if base else None)
     cert = settings.tls_cert_file or (base / f"{name}.pem" if base else None)
     key = settings.tls_key_file or (base / f"{name}.key" if base else None)
@@ -80,7 +81,8 @@ def files(settings: Settings) -> TlsFiles | None:
         if not path.is_file():
             raise ConfigError(f"TLS {what} file {path} does not exist (pscluster certs --cluster FILE --out DIR "
                               f"writes ca.pem and {name}.pem/.key"
-                              + (", and worker.pem/.key for any worker)" if name.startswith("worker") else ")"))
+                              + (f", and {settings.task_type}.pem/.key for any {settings.task_type})"
+                                 if settings.task_type in ("ps", "worker") else ")"))
     return TlsFiles(ca, cert, key, settings.require_client_cert)
 
 

@@ -3,7 +3,10 @@
     pscluster certs --cluster cluster.yaml --out tls/        # ca.pem, ps-0.pem/.key, ..., client.pem/.key
 
 A cluster file need not list its workers (they register with the coordinator when they start), so a
-`worker` certificate is always written: a worker without a `worker-<i>` of its own uses it.
+`worker` certificate is always written: a worker without a `worker-<i>` of its own uses it. Likewise a
+`ps` certificate: a PS that joins a running cluster (`pscluster ps --join`, docs/elastic.md) gets its task
+index only from the coordinator, so it uses `ps` for the JoinPs call and for any index without a
+`ps-<i>` (its role is `ps`, which mutual TLS checks; its host must be among the SANs: `--host`).
 
 Every certificate is signed by the new CA and carries its task's role in the subject's common name
 (`ps-0`, `worker-1`, `worker`, `coordinator`, `client`) and as a URI SAN `pscluster://role/<role>`, which is what
@@ -30,12 +33,12 @@ ROLES = ("ps", "worker", "coordinator", "client")
 
 
 def task_names(cluster: Mapping[str, Any], workers: int = 0) -> list[str]:
-    """Certificate names of a cluster spec: ps-i, worker-i (at least `workers` of them), `worker` (shared by
-    every worker without a certificate of its own: workers a cluster file does not list join at any
-    time), coordinator, client."""
+    """Certificate names of a cluster spec: ps-i, `ps` (shared by every PS without a certificate of its own:
+    PS tasks the cluster file does not list join at any time), worker-i (at least `workers` of them), `worker`
+    (likewise for workers), coordinator, client."""
     ps = list(cluster.get("ps", []) or [])
     listed = list(cluster.get("worker", []) or [])
-    names = [f"ps-{i}" for i in range(len(ps))]
+    names = [f"ps-{i}" for i in range(len(ps))] + ["ps"]
     names += [f"worker-{i}" for i in range(max(len(listed), workers))]
     return names + ["worker", "coordinator", "client"]
 

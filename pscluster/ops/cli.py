@@ -175,7 +175,7 @@ def _certs(args: argparse.Namespace) -> int:
     hosts = hosts_of(cluster, args.host)
     write_certs(pathlib.Path(args.out), names, hosts, days=args.days)
     print(f"wrote {args.out}/ca.pem and certificates for {', '.join(names)} (hosts: {', '.join(hosts)}; "
-          f"'worker' serves every worker without a worker-<i> of its own); keys are 0600, keep ca.key off the "
+          f"'worker' serves every worker without a worker-<i> of its own, 'ps' every PS that joins); keys are 0600, keep ca.key off the "
           f"task machines")
     return 0
 

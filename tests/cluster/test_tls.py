@@ -78,6 +78,41 @@ def test_a_mutual_tls_primary_forwards_to_its_backup_over_the_bulk_port(tls_clus
         coord.shutdown()
 
 
+@pytest.mark.parametrize("tls_cluster", [(True, 2)], ids=["replicas-2"], indirect=True)
+def test_a_third_ps_joins_a_mutual_tls_cluster_with_the_shared_ps_certificate(tls_cluster):
+    # `pscluster certs` wrote ps-0, ps-1 and `ps`: the joining PS has no ps-2 and presents `ps` for JoinPs, its
+    # replication links and its servers; it takes its share of the shards under load, no update lost
+    assert not (tls_cluster.workdir.parent / "tls" / "ps-2.pem").exists()
+    coord = ps.ClusterCoordinator(tls_cluster.settings())
+    try:
+        coord.wait_for_workers(2)
+        counters = [coord.create_variable(f"c{i}", shape=(), dtype="int64", optimizer=ps.SGD(1.0)) for i in range(4)]
+        deadline = time.monotonic() + 20
+        while not (len(t := coord.replica_table()) == 4 + 1 and  # + PS 0's sync state row
+                all(c.in_sync for c in t.values())):
+            assert time.monotonic() < deadline, "the backups never caught up over TLS"
+            time.sleep(0.01)
+        values = [coord.schedule(increment, args=tuple(counters)) for _ in range(60)]
+        joined = tls_cluster.add_ps()
+        assert joined.index == 2
+        coord.add_ps(2)  # under load
+        assert sum(1 for c in coord.replica_table().values() if c.primary == 2) >= 1
+        values += [coord.schedule(increment, args=tuple(counters)) for _ in range(60)]
+        coord.join(timeout=60)
+        assert sum(v.fetch() for v in values) == 120
+        assert [int(c.pull()) for c in counters] == [120] * 4
+        assert coord.client.status()[2].num_shards >= 1
+        assert coord.lost_updates == 0
+    finally:
+        coord.shutdown()
+
+
+def increment(*counters):
+    for counter in counters:
+        counter.push(np.array(-1, np.int64))
+    return 1
+
+
 def test_plaintext_and_foreign_certificates_are_refused_with_a_clear_error(tls_cluster, tmp_path):
     plain = validate({"cluster": tls_cluster.spec})
     with pytest.raises(UnavailableError, match="if the cluster uses TLS, this program needs the same CA"):
@@ -138,7 +173,7 @@ def test_certs_command_writes_a_ca_and_role_certificates_with_the_cluster_addres
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     names = {p.name for p in (tmp_path / "tls").iterdir()}
-    assert names == {f"{n}.{e}" for n in ("ca", "ps-0", "ps-1", "worker-0", "worker-1", "worker", "coordinator",
+    assert names == {f"{n}.{e}" for n in ("ca", "ps-0", "ps-1", "ps", "worker-0", "worker-1", "worker", "coordinator",
                                           "client") for e in ("pem", "key")}
     assert all(stat.S_IMODE(os.stat(tmp_path / "tls" / n).st_mode) == 0o600 for n in names if n.endswith(".key"))
     cert = x509.load_pem_x509_certificate((tmp_path / "tls" / "worker-1.pem").read_bytes())

@@ -47,7 +47,7 @@ def test_a_worker_the_cluster_file_does_not_list_uses_the_shared_worker_certific
 
     spec = {"ps": ["127.0.0.1:7001"], "coordinator": "127.0.0.1:7000"}  # no workers listed
     names = task_names(spec)
-    assert names == ["ps-0", "worker", "coordinator", "client"]
+    assert names == ["ps-0", "ps", "worker", "coordinator", "client"]
     write_certs(tmp_path / "tls", names, ["127.0.0.1"])
     settings = validate({"cluster": spec, "task_type": "worker", "task_index": 3, "tls_dir": str(tmp_path / "tls")})
     files = tls.files(settings)
@@ -56,3 +56,27 @@ def test_a_worker_the_cluster_file_does_not_list_uses_the_shared_worker_certific
     write_certs(tmp_path / "old", ["ps-0", "coordinator", "client"], ["127.0.0.1"])  # made before the shared one
     with pytest.raises(ConfigError, match=r"worker-3.pem does not exist .*worker.pem/.key for any worker"):
         tls.files(validate({"cluster": spec, "task_type": "worker", "task_index": 3, "tls_dir": str(tmp_path / "old")}))
+
+
+def test_a_ps_that_joined_uses_the_shared_ps_certificate_whose_role_is_ps(tmp_path):
+    import pytest
+    from cryptography import x509
+
+    from pscluster.config import validate
+    from pscluster.errors import ConfigError
+    from pscluster.ops.certs import task_names
+
+    spec = {"ps": ["127.0.0.1:7001"], "coordinator": "127.0.0.1:7000"}
+    write_certs(tmp_path / "tls", task_names(spec), ["127.0.0.1"])
+    grown = {**spec, "ps": [*spec["ps"], "127.0.0.1:7002"]}  # the coordinator's list once PS 1 joined
+    files = tls.files(validate({"cluster": grown, "task_type": "ps", "task_index": 1, "tls_dir": str(tmp_path / "tls")}))
+    assert files is not None and files.cert.name == "ps.pem" and files.key.name == "ps.key"
+    san = x509.load_pem_x509_certificate(files.cert.read_bytes()).extensions.get_extension_for_class(
+        x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.UniformResourceIdentifier) == [tls.ROLE_URI + "ps"]  # JoinPs checks it
+    tls.server_context(files)  # a usable certificate and key
+    listed = tls.files(validate({"cluster": grown, "task_type": "ps", "task_index": 0, "tls_dir": str(tmp_path / "tls")}))
+    assert listed is not None and listed.cert.name == "ps-0.pem"  # a listed PS keeps its own
+    write_certs(tmp_path / "old", ["ps-0", "coordinator", "client"], ["127.0.0.1"])  # made before the shared one
+    with pytest.raises(ConfigError, match=r"ps-1.pem does not exist .*ps.pem/.key for any ps"):
+        tls.files(validate({"cluster": grown, "task_type": "ps", "task_index": 1, "tls_dir": str(tmp_path / "old")}))
