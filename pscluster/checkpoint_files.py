@@ -2,7 +2,8 @@
 
     <checkpoint_dir>/step-<N>/ps-<i>-of-<P>.safetensors     one file per PS task, written atomically
 
-A step is complete when all P files are there. Each file holds its task's shards as
+A step is complete when all P files of one task count P are there (a save taken while the PS list
+changed may mix counts: then it is not complete, and `missing` says which files it lacks). Each file holds its task's shards as
 `<variable>/<shard>/value` (and `/slot/<name>`) tensors, and a `shards` JSON header with every shard's
 spec (full shape, row offset) and version. `read_variables` assembles whole variables from a step's
 files, which is what an evaluator needs (the safetensors files hold no pickles).
@@ -20,20 +21,47 @@ STEP_DIR = re.compile(r"step-(\d+)$")
 TASK_FILE = re.compile(r"ps-(\d+)-of-(\d+)\.safetensors$")
 
 
-def task_files(step_dir: pathlib.Path) -> tuple[dict[int, pathlib.Path], int | None]:
-    """The task files present in one step's directory by task index, and the task count they name."""
-    files: dict[int, pathlib.Path] = {}
-    total = None
+def _by_count(step_dir: pathlib.Path) -> dict[int, dict[int, pathlib.Path]]:
+    """The task files of one step's directory by the task count P they name, then by task index."""
+    groups: dict[int, dict[int, pathlib.Path]] = {}
     for f in step_dir.iterdir():
         fm = TASK_FILE.match(f.name)
         if fm:
-            files[int(fm.group(1))] = f
-            total = int(fm.group(2))
-    return files, total
+            groups.setdefault(int(fm.group(2)), {})[int(fm.group(1))] = f
+    return groups
+
+
+def task_files(step_dir: pathlib.Path) -> tuple[dict[int, pathlib.Path], int | None]:
+    """The task files present in one step's directory by task index, and the task count they name.
+
+    A save taken while the PS list changed (docs/elastic.md) may hold files of two counts: the complete
+    count if there is one, else the one with the most files (the larger on a tie), so the answer does not
+    depend on the directory's order."""
+    groups = _by_count(step_dir)
+    if not groups:
+        return {}, None
+    total = max(groups, key=lambda p: (set(groups[p]) == set(range(p)), len(groups[p]), p))
+    return groups[total], total
+
+
+def missing(step_dir: pathlib.Path) -> str:
+    """Why one step is not complete ('' if it is): the task files it lacks, and the counts it mixes."""
+    groups = _by_count(step_dir)
+    files, total = task_files(step_dir)
+    if total is None:
+        return "no task files"
+    if set(files) == set(range(total)):
+        return ""
+    lacks = ", ".join(f"ps-{i}-of-{total}" for i in range(total) if i not in files)
+    if len(groups) == 1:
+        return f"{lacks} missing (a save that did not finish)"
+    counts = " and ".join(str(p) for p in sorted(groups))
+    return (f"{lacks} missing; it holds files of P = {counts}: the PS list changed while it was saved "
+            "(a PS joined or left), so it is not restored")
 
 
 def complete_steps(root: pathlib.Path) -> list[tuple[int, list[pathlib.Path]]]:
-    """(step, files) of every complete step, oldest first."""
+    """(step, files) of every complete step (all P files of one task count P), oldest first."""
     out: list[tuple[int, list[pathlib.Path]]] = []
     if not root.is_dir():
         return out
@@ -44,6 +72,18 @@ def complete_steps(root: pathlib.Path) -> list[tuple[int, list[pathlib.Path]]]:
         files, total = task_files(step_dir)
         if total and set(files) == set(range(total)):
             out.append((int(m.group(1)), [files[i] for i in range(total)]))
+    return sorted(out)
+
+
+def newer_incomplete(root: pathlib.Path, than: int) -> list[tuple[int, str]]:
+    """(step, why) of every step newer than `than` that is not complete, oldest first."""
+    out: list[tuple[int, str]] = []
+    if not root.is_dir():
+        return out
+    for step_dir in root.iterdir():
+        m = STEP_DIR.match(step_dir.name)
+        if m and step_dir.is_dir() and int(m.group(1)) > than and (why := missing(step_dir)):
+            out.append((int(m.group(1)), why))
     return sorted(out)
 
 

@@ -18,6 +18,7 @@ from pscluster.server.handoff import ShardGate
 from pscluster.server.store import PushItem, PushResult, Shard, ShardSpec, VariableStore, ensure_created
 from pscluster.server.sync_hook import SyncHook
 
+from pscluster.checkpoint_files import newer_incomplete
 from pscluster.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from pscluster.optimizer_config import changes_from_json
 
@@ -69,6 +70,8 @@ class ParameterServerCore:
         if self.checkpoint_dir is None:
             raise FailedPreconditionError("restore requested without a checkpoint_dir")
         found = checkpoint.restore(self.store, self.checkpoint_dir, self.ps_index, self.num_ps)
+        for step, why in newer_incomplete(self.checkpoint_dir, -1 if found is None else found.step):
+            log.warning("ps %d: checkpoint step %d is not complete: %s", self.ps_index, step, why)
         if found is None:
             log.info("ps %d: no complete checkpoint in %s; starting empty", self.ps_index, self.checkpoint_dir)
             return -1

@@ -160,3 +160,36 @@ def test_a_task_removes_its_own_temporaries_whatever_their_pid_and_leaves_other_
         alive.kill()
         alive.wait(timeout=10)
     assert checkpoint.restore(VariableStore(), tmp_path, 0, 2).step == 1
+
+
+def test_a_step_saved_while_the_ps_list_grew_is_not_complete_and_says_which_files_it_lacks(tmp_path, caplog):
+    # step 1 by three PS tasks (one joined); step 2 while the list changed: PS 0 saved with P = 2, PS 1 and 2
+    # with P = 3 (whatever order the directory lists them in)
+    from pscluster.checkpoint_files import missing, newer_incomplete, task_files
+
+    stores = make_stores(3, num_shards=6)
+    for i, s in enumerate(stores):
+        checkpoint.save(s, tmp_path, 1, i, 3, keep=5)
+    checkpoint.save(stores[0], tmp_path, 2, 0, 2, keep=5)
+    for i in (1, 2):
+        checkpoint.save(stores[i], tmp_path, 2, i, 3, keep=5)
+    step2 = tmp_path / f"step-{2:012d}"
+    assert task_files(step2)[1] == 3 and sorted(task_files(step2)[0]) == [1, 2]
+    assert [step for step, _ in checkpoint.complete_steps(tmp_path)] == [1]
+    assert missing(step2) == ("ps-0-of-3 missing; it holds files of P = 2 and 3: the PS list changed while it was "
+                              "saved (a PS joined or left), so it is not restored")
+    assert missing(tmp_path / f"step-{1:012d}") == ""
+    assert newer_incomplete(tmp_path, 1) == [(2, missing(step2))]
+    # a whole-cluster restart: the two listed PS tasks (P = 2) take every shard of step 1, the joined one's too
+    cores = [ParameterServerCore(i, 2, checkpoint_dir=tmp_path) for i in range(2)]
+    with caplog.at_level("WARNING"):
+        assert [core.restore() for core in cores] == [1, 1]
+    assert "ps 0: checkpoint step 2 is not complete: ps-0-of-3 missing" in caplog.text
+    got = {sh.spec.shard_index: sh.value for core in cores for sh in core.store.shards()}
+    want = {sh.spec.shard_index: sh.value for s in stores for sh in s.shards()}
+    assert sorted(got) == list(range(6))
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k])
+    one = tmp_path / "one"
+    checkpoint.save(stores[0], one, 4, 0, 3, keep=5)
+    assert missing(one / f"step-{4:012d}") == "ps-1-of-3, ps-2-of-3 missing (a save that did not finish)"
