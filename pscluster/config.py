@@ -395,5 +395,11 @@ def validate(data: Mapping[str, Any]) -> Settings:
             field = ".".join(str(p) for p in err["loc"]) or "settings"
             value = err.get("input")
             shown = "" if isinstance(value, dict) else f" (got {value!r})"
+            loc = err["loc"]
+            if err["type"] == "extra_forbidden" and len(loc) == 2 and loc[0] == "cluster" and \
+                    loc[1] in Settings.model_fields:
+                # a setting written beside the addresses of a bare cluster file
+                shown += (f": `{loc[1]}` is a setting; a cluster file with settings puts the addresses under a "
+                          f"top-level `cluster:` key and the settings beside it")
             problems.append(f"{field}: {err['msg']}{shown}")
         raise ConfigError("invalid configuration: " + "; ".join(problems)) from exc

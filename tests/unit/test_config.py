@@ -157,3 +157,13 @@ def test_tf_config_evaluator_task_is_the_evaluator_role():
                      "task": {"type": "evaluator", "index": 0}})
     s = load_settings(None, env={"TF_CONFIG": tf})
     assert s.task_type == "evaluator" and s.cluster.coordinator == "127.0.0.1:7000"
+
+
+def test_a_setting_beside_the_addresses_of_a_bare_cluster_file_says_where_it_goes(tmp_path):
+    bare = tmp_path / "cluster.yaml"
+    bare.write_text('ps: ["127.0.0.1:7001", "127.0.0.1:7002"]\ncoordinator: "127.0.0.1:7000"\nreplicas: 2\n')
+    with pytest.raises(ConfigError, match=r"cluster\.replicas: .*`replicas` is a setting; .*top-level `cluster:` key"):
+        load_settings(bare)
+    full = tmp_path / "full.yaml"
+    full.write_text('cluster:\n  ps: ["127.0.0.1:7001", "127.0.0.1:7002"]\n  coordinator: "127.0.0.1:7000"\nreplicas: 2\n')
+    assert load_settings(full).replicas == 2
