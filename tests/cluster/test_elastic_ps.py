@@ -41,15 +41,21 @@ def holders(coord):
     return {ps_ for c in table.values() for ps_ in (c.primary, c.backup)}, table
 
 
+def in_sync_counters(coord: ps.ClusterCoordinator) -> list:
+    """COUNTERS one-shard int64 counters, once both workers are up and every counter's backup holds it."""
+    coord.wait_for_workers(2)
+    counters = [coord.create_variable(f"counter{i}", shape=(), dtype="int64", optimizer=ps.SGD(1.0))
+                for i in range(COUNTERS)]
+    poll(lambda: len(t := coord.replica_table()) == COUNTERS + 1 and all(c.in_sync for c in t.values()),
+         "every counter's backup to hold it")
+    return counters
+
+
 def test_draining_a_ps_and_bringing_it_back_under_load_counts_every_increment_once(fresh_cluster, capsys):
     cluster = fresh_cluster(3, 2, replicas=2)
     coord = ps.ClusterCoordinator(cluster.settings())
     try:
-        coord.wait_for_workers(2)
-        counters = [coord.create_variable(f"counter{i}", shape=(), dtype="int64", optimizer=ps.SGD(1.0))
-                    for i in range(COUNTERS)]
-        poll(lambda: len(t := coord.replica_table()) == COUNTERS + 1 and all(c.in_sync for c in t.values()),
-             "every counter's backup to hold it")
+        counters = in_sync_counters(coord)
         # bad input changes nothing
         before = coord.replica_table()
         with pytest.raises(InvalidArgumentError, match="unknown PS task 7"):
@@ -112,11 +118,7 @@ def test_a_ps_the_cluster_file_does_not_list_joins_takes_shards_under_load_then_
     cluster = fresh_cluster(2, 2, replicas=2)
     coord = ps.ClusterCoordinator(cluster.settings())
     try:
-        coord.wait_for_workers(2)
-        counters = [coord.create_variable(f"counter{i}", shape=(), dtype="int64", optimizer=ps.SGD(1.0))
-                    for i in range(COUNTERS)]
-        poll(lambda: len(t := coord.replica_table()) == COUNTERS + 1 and all(c.in_sync for c in t.values()),
-             "every counter's backup to hold it")
+        counters = in_sync_counters(coord)
         values = [coord.schedule(increment, args=tuple(counters)) for _ in range(100)]
         poll(lambda: int(counters[0].pull()) >= 20, "pushes under way")
         with pytest.raises(InvalidArgumentError, match="is not a host:port address"):
