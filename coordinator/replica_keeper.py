@@ -55,7 +55,6 @@ class ReplicaKeeper:
         # (ps, incarnation) -> shards that restart of the PS brought back from a checkpoint
         self._lost: dict[tuple[int, int], set[Key]] = {}
         self._incarnations: dict[int, int] = {}  # the incarnation each PS answered with last
-        self._rejoined: dict[int, int | None] = {}  # this round: PS back up -> its new incarnation (None: no restart)
         # the table the PS tasks hold when this keeper starts (a restarted coordinator goes on from it, not
         # from the initial placement: failovers and elastic moves changed it); None until asked
         self._adopted: dict[Key, pb.ShardRole] | None = None
@@ -223,6 +222,7 @@ class ReplicaKeeper:
         answers = list(self._pool.map(self._status, range(len(self._stubs))))
         now = self._clock()
         actions: list[rp.ReplicaAction] = []
+        rejoined: dict[int, int | None] = {}  # PS back up this round -> its new incarnation (None: no restart)
         with self._lock:
             state = self.state
             for ps, answer in enumerate(answers):
@@ -234,7 +234,7 @@ class ReplicaKeeper:
                     if not rec.up:
                         self._sent.pop(ps, None)
                         # marked down without a restart (missed heartbeats under load): its copies are whole
-                        self._rejoined[ps] = None if before == answer.incarnation else answer.incarnation
+                        rejoined[ps] = None if before == answer.incarnation else answer.incarnation
                         actions += rp.decide(state, rp.Rejoined(ps, now))
                     else:
                         rp.decide(state, rp.Heartbeat(ps, now))
@@ -255,15 +255,16 @@ class ReplicaKeeper:
                     if c.primary == ps and c.backup is not None and not c.in_sync and key not in pending:
                         actions += rp.decide(self.state, rp.CaughtUp(ordinal, c.epoch))
             for action in actions:
-                self._note(action)
+                self._note(action, rejoined)
         self._send_table(answers)
 
-    def _note(self, action: rp.ReplicaAction) -> None:
+    def _note(self, action: rp.ReplicaAction, rejoined: dict[int, int | None] | None = None) -> None:
+        """Log an action; rejoined: the round's PS tasks back up, with their new incarnation (None: no restart)."""
         key = self._keys.get(action.ordinal) if not isinstance(action, rp.Publish) else None
         if isinstance(action, rp.Lost):
             log.warning("replica table: both copies of %s are gone; it waits for a checkpoint restore", key)
         elif isinstance(action, rp.Restored) and key is not None:
-            incarnation = self._rejoined.get(action.ps)
+            incarnation = (rejoined or {}).get(action.ps)
             if incarnation is None:
                 log.warning("replica table: %s is back on ps %d (epoch %d), which did not restart: its copy is whole",
                             key, action.ps, action.epoch)
