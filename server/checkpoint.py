@@ -26,18 +26,20 @@ import os
 import pathlib
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 from pscluster.server import table_state
 from pscluster.server.dynamic_table import DynamicTable
 from pscluster.server.push_record import PushRecord
-from pscluster.server.store import Shard, ShardSpec, VariableStore, shard_name
+from pscluster.server.store import Key, Shard, ShardSpec, VariableStore, shard_name
 from pscluster.server.tensor_files import TensorFile, write
 
 from pscluster.checkpoint_files import STEP_DIR as _STEP
+from pscluster.checkpoint_files import TASK_FILE
 from pscluster.checkpoint_files import complete_steps as complete_steps
-from pscluster.checkpoint_files import task_files
 from pscluster.errors import FailedPreconditionError, InvalidArgumentError
 from pscluster.optimizer_config import config_from_dict
 from pscluster.placement import PLACEMENT_VERSION, ps_for_ordinal
@@ -64,8 +66,10 @@ def _fsync_dir(path: pathlib.Path) -> None:
 
 
 def save(store: VariableStore, root: pathlib.Path, step: int, ps_index: int, num_ps: int,
-         keep: int, extra: dict[str, object] | None = None) -> pathlib.Path:
-    """Write this task's shards at `step` atomically, then prune to the newest `keep` steps."""
+         keep: int, extra: dict[str, object] | None = None,
+         holds: Callable[[Key], bool] | None = None) -> pathlib.Path:
+    """Write this task's shards at `step` atomically, then prune to the newest `keep` steps; `holds`: the
+    shards to write (None: all; replicas: 2 leaves out copies the replica table gives this task no role for)."""
     step_dir = root / f"step-{step:012d}"
     step_dir.mkdir(parents=True, exist_ok=True)
     final = step_dir / f"ps-{ps_index}-of-{num_ps}.safetensors"
@@ -77,6 +81,8 @@ def save(store: VariableStore, root: pathlib.Path, step: int, ps_index: int, num
             meta = []
             needs: set[int] = set()
             for shard in shards:
+                if holds is not None and not holds(shard.spec.key):
+                    continue
                 base = f"{shard.spec.variable}/{shard.spec.shard_index}"
                 tensors[f"{base}/value"] = shard.value
                 for name, slot in shard.slots.items():
@@ -178,19 +184,27 @@ def _table_part(files: list[pathlib.Path], base: str) -> tuple[table_state.State
                                   "increment builds on; restore an older complete step or a full one")
 
 
-def _step_files(root: pathlib.Path, step: int) -> list[pathlib.Path]:
-    """The task files present in one step's directory, complete step or not."""
+def _writer_files(root: pathlib.Path, step: int, writer: int) -> list[pathlib.Path]:
+    """Task `writer`'s files in one step's directory (any task count P; complete step or not).
+
+    An increment builds on its own writer's earlier saves: with replicas: 2 a primary and its backup both
+    save a table shard, each with its own chain, and a copy that came to a task by an elastic move starts a
+    chain of its own there; another task's file of the same step holds another lineage."""
     step_dir = root / f"step-{step:012d}"
-    return [f for _, f in sorted(task_files(step_dir)[0].items())] if step_dir.is_dir() else []
+    if not step_dir.is_dir():
+        return []
+    return sorted(f for f in step_dir.iterdir() if (m := TASK_FILE.match(f.name)) and int(m.group(1)) == writer)
 
 
-def _table_state(root: pathlib.Path, own: table_state.State, chain: list[int], base: str) -> table_state.State:
-    """A table shard's whole state: the full state of chain[0] with every later increment applied in order."""
+def _table_state(root: pathlib.Path, own: table_state.State, chain: list[int], base: str,
+                 writer: int) -> table_state.State:
+    """A table shard's whole state: the full state of chain[0] with every later increment applied in order
+    (task `writer` saved all of them)."""
     if not chain:
         return own
     # a base need not be a complete step: this task's own save of it may have landed while another task's
     # failed (the chain grows with every local save); its file is all an increment builds on
-    steps = {s: files for s in chain if (files := _step_files(root, s))}
+    steps = {s: files for s in chain if (files := _writer_files(root, s, writer))}
     missing = [s for s in chain if s not in steps]
     if missing:
         raise FailedPreconditionError(f"{base}: the increments saved at {chain} need steps {missing}, which are gone "
@@ -203,26 +217,48 @@ def _table_state(root: pathlib.Path, own: table_state.State, chain: list[int], b
     return table_state.apply_delta(state, own)
 
 
-def restore(store: VariableStore, root: pathlib.Path, ps_index: int, num_ps: int) -> Restored | None:
-    """Load the newest complete step's shards that belong to this task; None if there is none."""
+def restore(store: VariableStore, root: pathlib.Path, ps_index: int, num_ps: int,
+            held: bool = False) -> Restored | None:
+    """Load the newest complete step's shards that belong to this task; None if there is none.
+
+    A shard belongs here when its ordinal maps to this task under `num_ps` (placement: what a whole
+    cluster restarting from the files needs), and with `held` (replicas: 2) also when this task's own file
+    of the step lists it: the task held the shard then, as primary or backup, wherever elastic moves and
+    failovers had put it, and the replica table may name it to bring the shard back (both copies died).
+    A shard saved by several tasks (a primary and its backup, each at its own instant) comes from its copy
+    with the highest version, the newest state saved (ties: a full table state before an increment, then
+    the lowest task index), so every restoring task takes the same copy.
+    """
     steps = complete_steps(root)
     if not steps:
         return None
     step, files = steps[-1]
-    loaded = 0
     extra: dict[str, object] = {}
-    for path in files:
+    best: dict[str, tuple[tuple[int, int, int], int, dict[str, Any]]] = {}  # base -> (rank, file index, entry)
+    own: set[str] = set()
+    for index, path in enumerate(files):
         with TensorFile(path) as fh:
             header = fh.metadata()
-            if path.name.startswith("ps-0-of-"):
-                extra = json.loads(header.get("extra", "{}"))
-            for entry in json.loads(header["shards"]):
+        if index == 0:
+            extra = json.loads(header.get("extra", "{}"))
+        for entry in json.loads(header["shards"]):
+            base = f"{entry['spec']['variable']}/{entry['spec']['shard_index']}"
+            rank = (int(entry["version"]), -len(entry.get("table_chain", [])), -index)
+            if base not in best or rank > best[base][0]:
+                best[base] = (rank, index, entry)
+            if held and index == ps_index:
+                own.add(base)
+    chosen: dict[int, list[tuple[str, dict[str, Any]]]] = {}
+    for base, (_, index, entry) in best.items():
+        if base in own or ps_for_ordinal(int(entry["spec"]["ordinal"]), num_ps) == ps_index:
+            chosen.setdefault(index, []).append((base, entry))
+    loaded = 0
+    for index, entries in sorted(chosen.items()):
+        with TensorFile(files[index]) as fh:
+            for base, entry in entries:
                 raw = entry["spec"]
                 spec = ShardSpec(**{**raw, "full_shape": tuple(raw["full_shape"]), "shape": tuple(raw["shape"]),
                                     "optimizer": config_from_dict(raw["optimizer"])})
-                if ps_for_ordinal(spec.ordinal, num_ps) != ps_index:
-                    continue
-                base = f"{spec.variable}/{spec.shard_index}"
                 value = fh.get(f"{base}/value")
                 slots = {name: fh.get(f"{base}/slot/{name}")
                          for name in ([] if spec.table else spec.optimizer.slot_names())}
@@ -232,7 +268,7 @@ def restore(store: VariableStore, root: pathlib.Path, ps_index: int, num_ps: int
                     table = DynamicTable(TableConfig.from_json(spec.table), spec.optimizer, shard_name(spec))
                     prefix = f"{base}/table/"
                     state = {k[len(prefix):]: fh.get(k) for k in fh.keys() if k.startswith(prefix)}
-                    table_state.load(table, _table_state(root, state, entry.get("table_chain", []), base))
+                    table_state.load(table, _table_state(root, state, entry.get("table_chain", []), base, index))
                 store.install(Shard(spec, value, slots, entry["version"], entry["version"], record, table=table))
                 loaded += 1
     return Restored(step, loaded, extra)

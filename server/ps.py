@@ -8,8 +8,8 @@ import os
 import pathlib
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from pscluster.proto import pscluster_pb2 as pb
@@ -21,6 +21,9 @@ from pscluster.server.sync_hook import SyncHook
 from pscluster.checkpoint_files import newer_incomplete
 from pscluster.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from pscluster.optimizer_config import changes_from_json
+
+if TYPE_CHECKING:
+    from pscluster.server.replication import Role
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +55,33 @@ class ParameterServerCore:
         self.gate = ShardGate(ps_index)  # shards frozen while they move to another PS (server/handoff.py)
         self.addresses: list[str] = []  # the PS list (the cluster file's, then the coordinator's: ps_book.py)
         self.ps_epoch = 0
+        # replicas: 2: shards a restore loaded that no replica table has named this PS for yet (restore)
+        self._unclaimed: set[tuple[str, int]] = set()
 
     def take_ps_list(self, addresses: Sequence[str], epoch: int) -> None:
         """The coordinator's PS list (it rides SetRoles): replication links to a PS that joined, and the P
         of checkpoint file names, follow it. An empty or older list changes nothing."""
         if addresses and epoch >= self.ps_epoch:
             self.addresses, self.ps_epoch, self.num_ps = list(addresses), epoch, len(addresses)
+
+    def take_roles(self, version: int, roles: Sequence[Role], addresses: Sequence[str], epoch: int) -> None:
+        """The coordinator's replica table and PS list (SetRoles); a restored copy the table gives another
+        PS's role is dropped (see restore)."""
+        replication = self.replication
+        if replication is None:
+            raise FailedPreconditionError(f"ps {self.ps_index} runs with replicas: 1; start the cluster with "
+                                          "replicas: 2")
+        self.take_ps_list(addresses, epoch)  # before the roles: links need the address
+        replication.set_roles(version, roles)
+        if not self._unclaimed:
+            return
+        _, table = replication.roles()
+        named = {r.key: self.ps_index in (r.primary, r.backup) for r in table if r.key in self._unclaimed}
+        for key, mine in named.items():
+            self._unclaimed.discard(key)
+            if not mine and self.store.remove(key):
+                log.info("ps %d: dropped the restored copy of %s[%d]: the replica table has it on other PS tasks",
+                         self.ps_index, key[0], key[1])
 
     def replicas(self) -> SyncHook:
         """The sync-replica state, for the servicers."""
@@ -69,7 +93,13 @@ class ParameterServerCore:
         """Load the newest complete checkpoint into the store; returns its step or -1."""
         if self.checkpoint_dir is None:
             raise FailedPreconditionError("restore requested without a checkpoint_dir")
-        found = checkpoint.restore(self.store, self.checkpoint_dir, self.ps_index, self.num_ps)
+        # replicas: 2: the shards this task held at the save too (it may be named to bring back a shard whose
+        # two copies died, wherever moves put it: docs/elastic.md); the first table that places a restored
+        # copy elsewhere drops it (take_roles)
+        held = self.replication is not None
+        found = checkpoint.restore(self.store, self.checkpoint_dir, self.ps_index, self.num_ps, held=held)
+        if held:
+            self._unclaimed = {s.spec.key for s in self.store.shards()}
         for step, why in newer_incomplete(self.checkpoint_dir, -1 if found is None else found.step):
             log.warning("ps %d: checkpoint step %d is not complete: %s", self.ps_index, step, why)
         if found is None:
@@ -282,9 +312,19 @@ class ParameterServerCore:
         with self._save_lock:
             extra: dict[str, object] = {"sync": self.sync.snapshot() if self.sync is not None else None}
             path = checkpoint.save(self.store, self.checkpoint_dir, step, self.ps_index, self.num_ps,
-                                   self.keep_checkpoints, extra)
+                                   self.keep_checkpoints, extra, self._holds())
             self.global_step = max(self.global_step, step)
             return path
+
+    def _holds(self) -> Callable[[tuple[str, int]], bool] | None:
+        """replicas: 2: the shards a save writes: those the replica table names this PS for, and those it does
+        not know yet (just created). A copy it names other PS tasks for is stale (a restored copy not yet
+        dropped, a deposed holder's) and must not compete with the live copies in the step's files."""
+        if self.replication is None:
+            return None
+        _, table = self.replication.roles()
+        others = {r.key for r in table if self.ps_index not in (r.primary, r.backup)}
+        return lambda key: key not in others
 
     def total_bytes(self) -> int:
         """Bytes held in shard values."""

@@ -116,10 +116,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return self._replication("Replicate").receive(request)
 
     def SetRoles(self, request: pb.SetRolesRequest, context: grpc.ServicerContext) -> pb.SetRolesReply:
-        replication = self._replication("SetRoles")
-        self.core.take_ps_list(request.ps_addresses, request.ps_epoch)  # before the roles: links need the address
-        replication.set_roles(
-            request.version, [Role(_key(r.ref), r.epoch, r.primary, r.backup) for r in request.roles])
+        self._replication("SetRoles")
+        self.core.take_roles(request.version, [Role(_key(r.ref), r.epoch, r.primary, r.backup) for r in request.roles],
+                             request.ps_addresses, request.ps_epoch)
         return pb.SetRolesReply()
 
     def GetRoles(self, request: pb.GetRolesRequest, context: grpc.ServicerContext) -> pb.SetRolesRequest:
