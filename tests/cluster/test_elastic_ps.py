@@ -16,6 +16,7 @@ import pytest
 import pscluster as ps
 from pscluster.errors import FailedPreconditionError, InvalidArgumentError
 from pscluster.ops import cli
+from pscluster.tables import TableConfig
 
 pytestmark = pytest.mark.cluster
 
@@ -151,5 +152,89 @@ def test_a_ps_the_cluster_file_does_not_list_joins_takes_shards_under_load_then_
         assert [int(c.pull()) for c in counters] == [completed] * COUNTERS
         assert coord.lost_updates == 0
         np.testing.assert_array_equal(wide.pull(), np.zeros((6, 2), np.float32))  # its PS 2 shard moved off
+    finally:
+        coord.shutdown()
+
+
+def _model(coord):
+    """A dense (Adam), a fixed sparse (Adagrad) and a dynamic table (Adam) variable, 3 shards each."""
+    three = ps.FixedShardsPartitioner(3)
+    return (coord.create_variable("w", shape=(6, 4), dtype="float32", optimizer=ps.Adam(0.1), partitioner=three),
+            coord.create_variable("emb", shape=(30, 4), dtype="float32", optimizer=ps.Adagrad(0.5), sparse=True,
+                                  partitioner=three),
+            coord.create_variable("tab", shape=(None, 4), dtype="float32", optimizer=ps.Adam(0.05), sparse=True,
+                                  table=TableConfig(dim=4, capacity=1_000), partitioner=three))
+
+
+ROWS, KEYS = np.array([0, 7, 12, 23, 29]), np.array([-9, 4, 10**12, 77, 5], np.int64)
+
+
+def _train(coord, model, n):
+    """Push n fixed gradients (push ids from n: a retry applies once) to every variable."""
+    w, emb, tab = model
+    rng = np.random.default_rng(n)
+    coord.client.push([(w, rng.standard_normal((6, 4)).astype(np.float32))], push_id=f"w{n}")
+    coord.client.push_rows(emb, ROWS, rng.standard_normal((5, 4)).astype(np.float32))
+    coord.client.push_rows(tab, KEYS, rng.standard_normal((5, 4)).astype(np.float32))
+
+
+def _values(coord, model):
+    w, emb, tab = model
+    return [w.pull(), emb.pull(), coord.client.pull_rows(tab, KEYS)]
+
+
+def _in_sync(coord, shards=10):
+    poll(lambda: len(t := coord.replica_table()) == shards and all(c.in_sync for c in t.values()),
+         "every shard's backup to hold it")
+
+
+def test_a_checkpoint_after_moves_restores_values_and_slots_exactly_on_a_ps_restart_and_a_whole_restart(
+        fresh_cluster, tmp_path):
+    """After a drain, shard k's holders are not k mod P. A checkpoint then puts every shard back exactly,
+    (a) in the running cluster when both holders of every shard restart and (b) in a whole new cluster with
+    the file's P. The same gradient pushed after the save and after each restore gives the same values: the
+    optimizer slots (Adam's m, v, step; Adagrad's accumulator; the table's rows and slots) came back too."""
+    ckpt = tmp_path / "ckpt"
+    cluster = fresh_cluster(3, 0, replicas=2, supervise=False, checkpoint_dir=ckpt)
+    coord = ps.ClusterCoordinator(cluster.settings(auto_checkpoint=False))
+    try:
+        model = _model(coord)
+        _in_sync(coord)
+        for n in range(3):
+            _train(coord, model, n)
+        coord.remove_ps(2)  # PS 2's primaries and backups move to PS 0 and 1
+        assert 2 not in holders(coord)[0]
+        for n in range(3, 5):
+            _train(coord, model, n)
+        coord.checkpoint(5)
+        saved = _values(coord, model)
+        _train(coord, model, 99)
+        after = _values(coord, model)
+        # (a) both copies of every shard die: each comes back from the checkpoint on a holder, wherever it is
+        for daemon in cluster.ps[:2]:
+            cluster.kill(daemon)
+        for daemon in cluster.ps[:2]:
+            cluster.restart(daemon)
+        poll(lambda: all(c.in_sync and not c.lost for c in coord.replica_table().values()),
+             "the shards back from the checkpoint", timeout=30)
+        for got, want in zip(_values(coord, model), saved):
+            np.testing.assert_array_equal(got, want)
+        _train(coord, model, 99)
+        for got, want in zip(_values(coord, model), after):
+            np.testing.assert_array_equal(got, want)
+    finally:
+        coord.shutdown()
+    cluster.stop()
+    # (b) the whole cluster restarts from the files with the cluster file's P
+    again = fresh_cluster(3, 0, replicas=2, supervise=False, checkpoint_dir=ckpt, restore=True)
+    coord = ps.ClusterCoordinator(again.settings(auto_checkpoint=False))
+    try:
+        model = _model(coord)
+        _in_sync(coord)
+        for got, want in zip(_values(coord, model), saved):
+            np.testing.assert_array_equal(got, want)
+        _train(coord, model, 99)
+        for got, want in zip(_values(coord, model), after):
+            np.testing.assert_array_equal(got, want)
     finally:
         coord.shutdown()
