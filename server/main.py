@@ -38,6 +38,7 @@ def start(settings: Settings) -> tuple[Listeners, int, ParameterServerCore]:
                              lambda: core.store.rejected_nonfinite)
     if settings.replicas > 1:
         from pscluster.server.catch_up import CHUNK_BYTES
+        from pscluster.server.link_pool import LinkPool
         from pscluster.server.replica_links import FrameLink, GrpcLink
         from pscluster.server.replication import Replication
 
@@ -45,8 +46,11 @@ def start(settings: Settings) -> tuple[Listeners, int, ParameterServerCore]:
         # a catch-up chunk with room beside it in a frame (max_tensor_bytes) or a gRPC message
         chunk = min(CHUNK_BYTES, settings.max_tensor_bytes // 2, settings.max_message_bytes // 2)
         core.addresses = list(settings.cluster.ps)  # SetRoles brings the coordinator's list (a PS that joined)
+        # links opened now and whenever the list changes, not inside the SetRoles that ends a move's freeze
+        pool = core.links = LinkPool(lambda address: link(address, settings))
+        pool.prepare(core.addresses, core.own_address())
         core.replication = Replication(core.store, settings.task_index,
-                                       lambda ps: link(core.addresses[ps], settings),
+                                       lambda ps: pool.take(core.addresses[ps]),
                                        timeout=settings.replication_timeout_s, step_timeout=settings.rpc_timeout_s,
                                        chunk_bytes=chunk)
         core.replication.sync_state = sync  # the token queue, clocks and G are replicated like a shard
@@ -63,21 +67,23 @@ def start(settings: Settings) -> tuple[Listeners, int, ParameterServerCore]:
         settings, lambda s: pb_grpc.add_ParameterServerServicer_to_server(servicer, s),
         name=f"ps{settings.task_index}")
     if core.replication is not None:
-        return _ReplicatingListeners(server, bulk, core.replication), port, core
+        return _ReplicatingListeners(server, bulk, core.replication, core.links), port, core
     return Listeners(server, bulk), port, core
 
 
 class _ReplicatingListeners(Listeners):
     """replicas: 2: stopping the listeners also stops and joins the replication threads (after the ports close)."""
 
-    def __init__(self, server: Any, frames: Any, replication: Any) -> None:
+    def __init__(self, server: Any, frames: Any, replication: Any, links: Any) -> None:
         super().__init__(server, frames)
         self._replication = replication
+        self._links = links
 
     def stop(self, grace: float | None) -> threading.Event:
-        """Stop both ports, then the replicators."""
+        """Stop both ports, then the replicators, then close the links none of them took."""
         done = super().stop(grace)
         self._replication.stop()
+        self._links.close()
         return done
 
 

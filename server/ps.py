@@ -52,6 +52,7 @@ class ParameterServerCore:
         self.bulk_port = 0
         self.metrics: Any = None  # a PsMetrics, installed by main.start()
         self.replication: Any = None  # a server.replication.Replication with replicas: 2 (None: one copy)
+        self.links: Any = None  # its server.link_pool.LinkPool: replica links opened when the PS list arrives
         self.gate = ShardGate(ps_index)  # shards frozen while they move to another PS (server/handoff.py)
         self.addresses: list[str] = []  # the PS list (the cluster file's, then the coordinator's: ps_book.py)
         self.ps_epoch = 0
@@ -62,7 +63,14 @@ class ParameterServerCore:
         """The coordinator's PS list (it rides SetRoles): replication links to a PS that joined, and the P
         of checkpoint file names, follow it. An empty or older list changes nothing."""
         if addresses and epoch >= self.ps_epoch:
+            changed = list(addresses) != self.addresses
             self.addresses, self.ps_epoch, self.num_ps = list(addresses), epoch, len(addresses)
+            if changed and self.links is not None:  # before a move makes this PS anyone's primary (link_pool.py)
+                self.links.prepare(self.addresses, self.own_address())
+
+    def own_address(self) -> str:
+        """This PS's address in the PS list ('' before it is in one)."""
+        return self.addresses[self.ps_index] if 0 <= self.ps_index < len(self.addresses) else ""
 
     def take_roles(self, version: int, roles: Sequence[Role], addresses: Sequence[str], epoch: int) -> None:
         """The coordinator's replica table and PS list (SetRoles); a restored copy the table gives another
