@@ -14,6 +14,11 @@ keeper's table (replica_keeper.py) and the PS's freeze (server/handoff.py):
 
 The freeze (2 to 3) is what a shard's writers wait for, and it is measured per shard. A backup that only
 changes PS needs step 1 alone. Moves run one at a time and a second scale while one runs is refused.
+
+The sync state's row (the token queue, bounded clocks and G: SYNC_STATE_KEY) is not in the plan: its
+primary stays where failovers put it (PS 0 at first; a drained listed PS keeps serving it), and a backup
+on a PS that leaves the active set moves to an active one (step 1 alone, after the shards), so a joined PS
+that held it can leave. A joined PS that is the row's primary still cannot (the keeper's leave says so).
 """
 
 from __future__ import annotations
@@ -181,12 +186,13 @@ class Elastic:
                     frozen = self._move(ordinal, after[ordinal], cancelled)
                     if frozen is not None:
                         freezes.append(frozen)
+            synced = self._move_sync_backup(active, cancelled)
         except BaseException:
             # the scale did not happen: the tasks active before may take new backups again (a failover's)
             self._keeper.set_inactive(everyone - set(was))
             raise
         self.active = active
-        moved = len(rb.moves(before, after))
+        moved = len(rb.moves(before, after)) + synced
         log.info("scale: active PS %s; %d copies moved; freeze per moved primary max %.1f ms", active, moved,
                  1e3 * max(freezes, default=0.0))
         return ScaleReport(active, moved, freezes)
@@ -200,6 +206,27 @@ class Elastic:
             if ps is not None and ps not in (dest.primary, dest.backup):
                 self._drop(ordinal, ps)
         return frozen
+
+    def _move_sync_backup(self, active: list[int], cancelled: Callable[[], bool]) -> int:
+        """Move the sync state's backup off a PS outside `active` onto the active PS (not its primary) holding
+        the fewest backups; 1 if it moved. Its primary keeps serving token calls: no freeze, and token calls
+        wait for the new backup as they do after a failover gives the row a new backup (it catches up from
+        the primary's next forward of the whole state)."""
+        c = self._keeper.sync_row()
+        if c is None or c.lost or c.backup is None or c.backup in active:
+            return 0
+        backups = {ps: 0 for ps in active if ps != c.primary}
+        if not backups:
+            return 0
+        for copies in self._keeper.layout().values():
+            if copies.backup in backups:
+                backups[copies.backup] += 1
+        dest = min(backups, key=lambda ps: (backups[ps], ps))
+        self._keeper.reassign(rp.SYNC_ORDINAL, c.primary, dest, c.epoch)
+        self._wait_in_sync(rp.SYNC_ORDINAL, cancelled)
+        log.info("scale: the sync state's backup moved from ps %d to ps %d (primary ps %d)", c.backup, dest,
+                 c.primary)
+        return 1
 
     def _drop(self, ordinal: int, ps: int) -> None:
         key = self._keeper.key_of(ordinal)
@@ -250,7 +277,7 @@ class Elastic:
 
     def _wait_in_sync(self, ordinal: int, cancelled: Callable[[], bool]) -> None:
         deadline = self._clock() + self._catch_up
-        while not self._keeper.layout()[ordinal].in_sync:
+        while not self._keeper.copies(ordinal).in_sync:
             if cancelled():
                 key = self._keeper.key_of(ordinal)
                 raise AbortedError(f"scale stopped while {key[0]}[{key[1]}]'s new backup caught up: its caller went "

@@ -98,6 +98,16 @@ class ReplicaKeeper:
         with self._lock:
             return {o: c for o, c in self.state.shards.items() if o in self._keys and o != rp.SYNC_ORDINAL}
 
+    def copies(self, ordinal: int) -> rp.Copies:
+        """Where shard `ordinal` (or the sync state's row, SYNC_ORDINAL) lives now."""
+        with self._lock:
+            return self.state.shards[ordinal]
+
+    def sync_row(self) -> rp.Copies | None:
+        """Where the sync state's row lives now (None before the keeper placed it)."""
+        with self._lock:
+            return self.state.shards.get(rp.SYNC_ORDINAL)
+
     def key_of(self, ordinal: int) -> Key:
         """The (variable, shard index) of a shard ordinal."""
         with self._lock:
@@ -174,6 +184,11 @@ class ReplicaKeeper:
             self.book.check_leave(index)
             held = sorted(self._keys.get(o, o) for o, c in self.state.shards.items()
                           if index in (c.primary, c.backup) and not c.lost)
+            row = self.state.shards.get(rp.SYNC_ORDINAL)
+            if row is not None and row.primary == index and not row.lost:
+                raise FailedPreconditionError(f"ps {index} is the primary of the sync state (the token queue, "
+                                              f"{SYNC_STATE_KEY}): a scale moves only its backup; it stays in the "
+                                              "PS list (drained) until a failover moves the primary")
             if held:
                 raise FailedPreconditionError(f"ps {index} still holds {len(held)} shard copies (e.g. {held[0]}): "
                                               "drain it first (remove_ps)")

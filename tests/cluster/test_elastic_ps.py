@@ -16,6 +16,7 @@ import pytest
 import pscluster as ps
 from pscluster.errors import FailedPreconditionError, InvalidArgumentError
 from pscluster.ops import cli
+from pscluster.placement import SYNC_STATE_KEY
 from pscluster.tables import TableConfig
 
 pytestmark = pytest.mark.cluster
@@ -236,5 +237,41 @@ def test_a_checkpoint_after_moves_restores_values_and_slots_exactly_on_a_ps_rest
         _train(coord, model, 99)
         for got, want in zip(_values(coord, model), after):
             np.testing.assert_array_equal(got, want)
+    finally:
+        coord.shutdown()
+
+
+def test_a_joined_ps_holding_the_token_queues_backup_leaves_a_sync_job_with_every_step_exact(fresh_cluster):
+    """PS 1, the sync state's backup, dies under a sync job: the row's new backup is the joined PS 2 (the only
+    other active PS). Scaling back to 2 PS moves that backup to PS 1 (no freeze: PS 0 keeps granting tokens)
+    and PS 2 leaves. Every step applies once: counters == global step == 20 (40 closures, R = 2)."""
+    cluster = fresh_cluster(2, 2, replicas=2)
+    coord = ps.ClusterCoordinator(cluster.settings())
+    try:
+        counters = in_sync_counters(coord)
+        joined = cluster.add_ps()
+        coord.add_ps(joined.index)
+        coord.configure_sync("sync", replicas_to_aggregate=2, total_num_replicas=2)
+        values = [coord.schedule(increment, args=tuple(counters)) for _ in range(40)]
+        poll(lambda: int(counters[0].pull()) >= 5, "sync steps under way")
+        cluster.kill(cluster.ps[1])  # the supervisor restarts it
+        poll(lambda: (row := coord.replica_table()[SYNC_STATE_KEY]).backup == 2 and row.in_sync,
+             "the token queue's new backup on the joined PS", timeout=30)
+        deadline = time.monotonic() + 30
+        while True:  # refused, changing nothing, until the keeper sees the restarted PS 1 answer
+            try:
+                shrunk = cluster.scale(coord, 2)
+                break
+            except FailedPreconditionError:
+                assert time.monotonic() < deadline, "PS 1 did not come back"
+                time.sleep(0.1)
+        row = coord.replica_table()[SYNC_STATE_KEY]
+        assert (row.primary, row.backup) == (0, 1) and shrunk.active == [0, 1]
+        assert 2 not in holders(coord)[0] and joined.proc.poll() is not None  # it left the list and stopped
+        coord.join(timeout=60)
+        assert sum(v.fetch() for v in values) == 40
+        assert [int(c.pull()) for c in counters] == [20] * COUNTERS
+        assert coord.global_step == 20
+        assert coord.lost_updates == 0
     finally:
         coord.shutdown()

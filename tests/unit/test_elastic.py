@@ -27,7 +27,13 @@ class Keeper:
             rp.decide(self.state, rp.CaughtUp(k, 1))
 
     def layout(self) -> dict[int, rp.Copies]:
-        return dict(self.state.shards)
+        return {o: c for o, c in self.state.shards.items() if o != rp.SYNC_ORDINAL}
+
+    def copies(self, ordinal: int) -> rp.Copies:
+        return self.state.shards[ordinal]
+
+    def sync_row(self) -> rp.Copies | None:
+        return self.state.shards.get(rp.SYNC_ORDINAL)
 
     def key_of(self, ordinal: int) -> tuple[str, int]:
         return (f"v{ordinal}", 0)
@@ -267,3 +273,20 @@ def test_scale_ps_stops_when_its_caller_went_away_and_join_ps_answers_with_the_l
     assert asked == [False, True] and list(reply.active) == [0, 1] and reply.moves == 2
     joined = servicer.JoinPs(pb.JoinPsRequest(address="h:3"), context)  # type: ignore[arg-type]
     assert (joined.index, list(joined.ps_addresses), joined.ps_epoch) == (2, ["h:1", "h:2", "h:3"], 1)
+
+
+@pytest.mark.parametrize("holder", ["backup", "primary"])
+def test_the_sync_states_backup_moves_off_a_drained_ps_without_a_freeze_and_its_primary_stays(holder) -> None:
+    elastic, keeper, _, log = make()
+    # the token queue's row after failovers: its backup (or its primary) on PS 2
+    primary, backup = (0, 2) if holder == "backup" else (2, 0)
+    keeper.state.shards[rp.SYNC_ORDINAL] = rp.Copies(primary, backup, 3, in_sync=True)
+    report = elastic.remove(2)
+    row = keeper.sync_row()
+    assert row is not None and row.in_sync
+    assert not any(e[0] == "freeze" and e[2] == "v-1" for e in log)  # token calls never refused
+    if holder == "backup":
+        assert (row.primary, row.backup) == (0, 1) and ("table", rp.SYNC_ORDINAL, 0, 1) in log
+        assert report.moved == make()[0].remove(2).moved + 1  # the same drain without the row, plus its backup
+    else:  # its primary keeps serving token calls where it is (a drained listed PS keeps running)
+        assert (row.primary, row.backup) == (2, 0) and not any(e[:2] == ("table", rp.SYNC_ORDINAL) for e in log)
