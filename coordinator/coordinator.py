@@ -252,7 +252,7 @@ class ClusterCoordinator(CoordinatorAPI):
         """A drained PS task, or one that joined the PS list, takes its share of the shards (docs/elastic.md)."""
         elastic = self._elastic_ready()
         if self._sync_config is not None and elastic.joined(task):  # it missed the mode's fan-out
-            self.client._call(task, "ConfigureSync", self._sync_config, retry_for=JOIN_GRACE_S)
+            self.client.configure_sync_on(task, self._sync_config, retry_for=JOIN_GRACE_S)
         return elastic.add(task, cancelled)
 
     def remove_ps(self, task: int, cancelled: Callable[[], bool] = never) -> ScaleReport:

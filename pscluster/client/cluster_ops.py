@@ -64,6 +64,11 @@ class ClusterOperations(ABC):
                                    total_num_replicas=total_num_replicas or replicas_to_aggregate, staleness=staleness)
         return int(self._gather([(ps, "ConfigureSync", req) for ps in range(self.num_ps)])[0].global_step)
 
+    def configure_sync_on(self, ps: int, config: pb.SyncConfigRequest, retry_for: float | None = None) -> int:
+        """Set the update mode on one PS task (one that joined the PS list after configure_sync: elastic PS);
+        returns its global step. retry_for: how long an unavailable PS is retried (None: the client's)."""
+        return int(self._call(ps, "ConfigureSync", config, retry_for=retry_for).global_step)
+
     @abstractmethod
     def sync_ps(self) -> int:
         """The PS holding the sync token queue and global step now."""

@@ -249,9 +249,9 @@ def test_a_joined_ps_holding_the_token_queues_backup_leaves_a_sync_job_with_ever
     coord = ps.ClusterCoordinator(cluster.settings())
     try:
         counters = in_sync_counters(coord)
-        joined = cluster.add_ps()
-        coord.add_ps(joined.index)
         coord.configure_sync("sync", replicas_to_aggregate=2, total_num_replicas=2)
+        joined = cluster.add_ps()
+        coord.add_ps(joined.index)  # it missed the mode's fan-out: add_ps gives it the mode (configure_sync_on)
         values = [coord.schedule(increment, args=tuple(counters)) for _ in range(40)]
         poll(lambda: int(counters[0].pull()) >= 5, "sync steps under way")
         cluster.kill(cluster.ps[1])  # the supervisor restarts it
