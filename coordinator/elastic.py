@@ -15,10 +15,10 @@ keeper's table (replica_keeper.py) and the PS's freeze (server/handoff.py):
 The freeze (2 to 3) is what a shard's writers wait for, and it is measured per shard. A backup that only
 changes PS needs step 1 alone. Moves run one at a time and a second scale while one runs is refused.
 
-The sync state's row (the token queue, bounded clocks and G: SYNC_STATE_KEY) is not in the plan: its
-primary stays where failovers put it (PS 0 at first; a drained listed PS keeps serving it), and a backup
-on a PS that leaves the active set moves to an active one (step 1 alone, after the shards), so a joined PS
-that held it can leave. A joined PS that is the row's primary still cannot (the keeper's leave says so).
+The sync state's row (the token queue, bounded clocks and G: SYNC_STATE_KEY) is not in the plan: after
+the shards, a copy of it on a PS that leaves the active set moves to an active one, a backup by step 1
+alone, a primary by the same three steps with its token calls frozen (server/ps.py), so a PS that held
+it can be drained and leave.
 """
 
 from __future__ import annotations
@@ -186,7 +186,9 @@ class Elastic:
                     frozen = self._move(ordinal, after[ordinal], cancelled)
                     if frozen is not None:
                         freezes.append(frozen)
-            synced = self._move_sync_backup(active, cancelled)
+            synced, sync_frozen = self._move_sync_row(active, cancelled)
+            if sync_frozen is not None:
+                freezes.append(sync_frozen)
         except BaseException:
             # the scale did not happen: the tasks active before may take new backups again (a failover's)
             self._keeper.set_inactive(everyone - set(was))
@@ -207,26 +209,38 @@ class Elastic:
                 self._drop(ordinal, ps)
         return frozen
 
-    def _move_sync_backup(self, active: list[int], cancelled: Callable[[], bool]) -> int:
-        """Move the sync state's backup off a PS outside `active` onto the active PS (not its primary) holding
-        the fewest backups; 1 if it moved. Its primary keeps serving token calls: no freeze, and token calls
-        wait for the new backup as they do after a failover gives the row a new backup (it catches up from
-        the primary's next forward of the whole state)."""
+    def _move_sync_row(self, active: list[int], cancelled: Callable[[], bool]) -> tuple[int, float | None]:
+        """Move the sync state's row off PS tasks outside `active`: a backup there goes to the active PS (not
+        the primary) holding the fewest backups, with no freeze (token calls wait for the new backup, as after
+        a failover gives the row one); a primary there moves like a shard's, to its in-sync backup if that
+        is active, with a freeze of the token calls (server/ps.py: waiting TakeTokens retry on the new
+        primary with their closure ids). Returns (copies moved, the freeze if the primary moved)."""
         c = self._keeper.sync_row()
-        if c is None or c.lost or c.backup is None or c.backup in active:
-            return 0
-        backups = {ps: 0 for ps in active if ps != c.primary}
-        if not backups:
-            return 0
+        if c is None or c.lost or (c.primary in active and (c.backup is None or c.backup in active)):
+            return 0, None
+        backups = {ps: 0 for ps in active}
         for copies in self._keeper.layout().values():
             if copies.backup in backups:
                 backups[copies.backup] += 1
-        dest = min(backups, key=lambda ps: (backups[ps], ps))
-        self._keeper.reassign(rp.SYNC_ORDINAL, c.primary, dest, c.epoch)
-        self._wait_in_sync(rp.SYNC_ORDINAL, cancelled)
-        log.info("scale: the sync state's backup moved from ps %d to ps %d (primary ps %d)", c.backup, dest,
-                 c.primary)
-        return 1
+
+        def fewest(but: int | None) -> int | None:
+            return min((ps for ps in backups if ps != but), key=lambda ps: (backups[ps], ps), default=None)
+
+        if c.primary in active:
+            backup = fewest(c.primary)
+            if backup is None:
+                return 0, None
+            self._keeper.reassign(rp.SYNC_ORDINAL, c.primary, backup, c.epoch)
+            self._wait_in_sync(rp.SYNC_ORDINAL, cancelled)
+            log.info("scale: the sync state's backup moved from ps %s to ps %d (primary ps %d)", c.backup, backup,
+                     c.primary)
+            return 1, None
+        primary = c.backup if c.backup is not None and c.backup in active else fewest(None)
+        if primary is None:
+            return 0, None
+        place = rb.Place(primary, fewest(primary))
+        frozen = self._switch(rp.SYNC_ORDINAL, c, place, cancelled)
+        return len(rb.moves({0: rb.Place(c.primary, c.backup)}, {0: place})), frozen
 
     def _drop(self, ordinal: int, ps: int) -> None:
         key = self._keeper.key_of(ordinal)

@@ -187,8 +187,7 @@ class ReplicaKeeper:
             row = self.state.shards.get(rp.SYNC_ORDINAL)
             if row is not None and row.primary == index and not row.lost:
                 raise FailedPreconditionError(f"ps {index} is the primary of the sync state (the token queue, "
-                                              f"{SYNC_STATE_KEY}): a scale moves only its backup; it stays in the "
-                                              "PS list (drained) until a failover moves the primary")
+                                              f"{SYNC_STATE_KEY}): drain it first (remove_ps moves the queue)")
             if held:
                 raise FailedPreconditionError(f"ps {index} still holds {len(held)} shard copies (e.g. {held[0]}): "
                                               "drain it first (remove_ps)")

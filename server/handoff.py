@@ -73,7 +73,8 @@ class ShardGate:
     def _waiting(self, key: Key) -> int:
         return sum(n for (k, _), n in self._inflight.items() if k == key)
 
-    def freeze(self, key: Key, lease_s: float, drain: Callable[[float], None], between_steps: bool = False) -> None:
+    def freeze(self, key: Key, lease_s: float, drain: Callable[[float], None], between_steps: bool = False,
+               on_frozen: Callable[[], None] | None = None) -> None:
         """Refuse new pushes for key, wait for those admitted already, then run drain(deadline) (wait for the
         backup to confirm the shard's version). The freeze is a lease of lease_s counted from its last
         progress (its start, a push admitted or finished, the drain's start and end): a slow drain under load
@@ -83,6 +84,10 @@ class ShardGate:
         stay open: their other replicas' pushes are still admitted, the next step's are refused, and the
         freeze waits until the open steps settled (the move falls between two steps).
 
+        on_frozen (outside this gate's lock): called once new calls are refused, before the wait for those
+        admitted: it wakes admitted calls that wait for something the freeze holds back (the sync state's
+        token waiters), so that they leave with a retryable error instead of holding the freeze.
+
         Raises:
             DeadlineExceededError: no push was admitted or finished for lease_s (the shard is thawed).
         """
@@ -91,6 +96,9 @@ class ShardGate:
             if between_steps:
                 self._open[key] = frozenset(step for k, step in self._inflight if k == key)
             self._progress[key] = 0
+        if on_frozen is not None:
+            on_frozen()
+        with self._cond:
             seen = 0
             while self._waiting(key) > 0:
                 now = self._clock()
@@ -127,6 +135,12 @@ class ShardGate:
             for key in keys:
                 self._end(key)
             self._cond.notify_all()
+
+    def is_frozen(self, key: Key) -> bool:
+        """Whether key is frozen now (its lease has not ended)."""
+        with self._cond:
+            until = self._frozen.get(key)
+            return until is not None and self._clock() < until
 
     def frozen(self) -> list[Key]:
         """Shards frozen now (their lease has not ended)."""

@@ -21,6 +21,7 @@ from pscluster.server.sync_hook import SyncHook
 from pscluster.checkpoint_files import newer_incomplete
 from pscluster.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
 from pscluster.optimizer_config import changes_from_json
+from pscluster.placement import SYNC_STATE_KEY
 
 if TYPE_CHECKING:
     from pscluster.server.replication import Role
@@ -195,12 +196,14 @@ class ParameterServerCore:
         if not 0 < lease_s <= 60:
             raise InvalidArgumentError(f"a freeze lease must be in (0, 60] seconds, got {lease_s}")
         replication.check_primary([key])
-        shard = self.store.get(key)
         _, roles = replication.roles()
         role = next(r for r in roles if r.key == key)  # check_primary found it
         if role.backup != successor:
             raise FailedPreconditionError(f"{key[0]}[{key[1]}]: ps {successor} is not its backup (ps {role.backup} "
                                           "is): the successor catches up as backup before the freeze")
+        if key == SYNC_STATE_KEY and self.sync is not None:
+            return self._freeze_sync_state(self.sync, lease_s)
+        shard = self.store.get(key)
 
         def drain(deadline: float) -> None:
             replication.wait([(key, shard.version)], max(0.0, deadline - time.monotonic()))
@@ -208,6 +211,18 @@ class ParameterServerCore:
         # a sync job: the steps with a push in flight settle first (their pushes wait for each other)
         self.gate.freeze(key, lease_s, drain, between_steps=self.sync is not None and self.sync.accumulates)
         return int(shard.version)
+
+    def _freeze_sync_state(self, sync: Any, lease_s: float) -> int:
+        """The sync state's row moves (elastic.py): refuse new token calls, wake the waiting ones (they retry on
+        the new primary with the same closure id), wait for those admitted, then for the backup to hold the
+        newest state; its version."""
+        replication = self.replication
+
+        def drain(deadline: float) -> None:
+            replication.wait([(SYNC_STATE_KEY, sync.current_version())], max(0.0, deadline - time.monotonic()))
+
+        self.gate.freeze(SYNC_STATE_KEY, lease_s, drain, on_frozen=sync.roles_changed)
+        return int(sync.current_version())
 
     def thaw_shard(self, key: tuple[str, int], drop: bool = False) -> bool:
         """End a shard's freeze (its move switched the table, or was abandoned); drop: also remove this PS's

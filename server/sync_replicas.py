@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import numpy as np
 from pscluster.server import sync_tokens as tok
@@ -331,6 +331,10 @@ class SyncReplicas(SyncStateCopies):
         """
         replication = self._replication()
         self._check_holder(replication)
+        with self._admitted(replication):
+            return self._take_token(replication, closure_id, worker, timeout)
+
+    def _take_token(self, replication: Any, closure_id: int, worker: str, timeout: float) -> tuple[int, int]:
         with self._cond:
             mode = self._state.mode  # a wait keeps the rules it began with
             event: tok.TakeToken | tok.RetryToken = tok.TakeToken(closure_id, worker, self.core.global_step)
@@ -351,6 +355,11 @@ class SyncReplicas(SyncStateCopies):
                 if replication is not None and not replication.is_primary(SYNC_STATE_KEY):
                     raise UnavailableError(f"ps {self.core.ps_index} no longer holds the sync token queue; "
                                            "re-read placement and take the token there (same closure id)")
+                if replication is not None and self.core.gate.is_frozen(SYNC_STATE_KEY):
+                    # the queue moves to another PS (elastic.py): a waiter would hold the freeze, while the
+                    # StepDone calls that release its tokens are refused; it retries there (same closure id)
+                    raise UnavailableError(f"the sync token queue is moving off ps {self.core.ps_index}; retry "
+                                           "(placement changes within milliseconds)")
                 event = tok.RetryToken(closure_id, worker, self.core.global_step, mode)
         self._replicated(replication, version)
         return granted.step, granted.replica
@@ -359,11 +368,12 @@ class SyncReplicas(SyncStateCopies):
         """A closure finished the pushes of its step; maybe advance G and release tokens."""
         replication = self._replication()
         self._check_holder(replication)
-        with self._cond:
-            self._perform(tok.decide(self._state, tok.StepDone(closure_id, step, worker, self.core.global_step),
-                                     self._clock()))
-            version = self._changed(replication)
-        self._replicated(replication, version)
+        with self._admitted(replication):
+            with self._cond:
+                self._perform(tok.decide(self._state, tok.StepDone(closure_id, step, worker, self.core.global_step),
+                                         self._clock()))
+                version = self._changed(replication)
+            self._replicated(replication, version)
 
     # -- checkpoints -----------------------------------------------------------------------------
     def snapshot(self) -> SyncSnapshot:

@@ -7,10 +7,11 @@ catch-up) and the backup's (`install`), plus `roles_changed` for server/replicat
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from pscluster.server import sync_tokens as tok
 from pscluster.server.ps import ParameterServerCore
@@ -56,6 +57,18 @@ class SyncStateCopies:
     def _check_holder(self, replication: Any) -> None:
         if replication is not None:
             replication.check_primary([SYNC_STATE_KEY])  # UnavailableError: the client re-reads the table
+
+    def _admitted(self, replication: Any) -> contextlib.AbstractContextManager[None]:
+        """A token call on the queue's primary, held in flight for a move's freeze (server/handoff.py): while
+        the queue moves to another PS (elastic.py) a new call gets a retryable "moving" error."""
+        if replication is None:
+            return contextlib.nullcontext()
+        return cast("contextlib.AbstractContextManager[None]", self.core.gate.admit([SYNC_STATE_KEY]))
+
+    def current_version(self) -> int:
+        """The newest change of the state made here (what a move's drain waits for the backup to hold)."""
+        with self._cond:
+            return self.version
 
     def send_state(self) -> None:
         """The whole state for a new backup (a catch-up), queued in order with the changes."""

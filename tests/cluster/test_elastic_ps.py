@@ -91,14 +91,20 @@ def test_draining_a_ps_and_bringing_it_back_under_load_counts_every_increment_on
         # a sync job: each move falls between two steps (the open step's gradients still land on the old
         # primary, the next step's go to the new one); every step applies its one update exactly once
         coord.configure_sync("sync", replicas_to_aggregate=2, total_num_replicas=2)
-        values = [coord.schedule(increment, args=tuple(counters)) for _ in range(60)]
+        values = [coord.schedule(increment, args=tuple(counters)) for _ in range(80)]
         poll(lambda: int(counters[0].pull()) >= completed + 5, "sync steps under way")
         assert len(coord.add_ps(2).freezes_s) == 2  # under sync training
-        coord.join(timeout=30)
-        assert sum(v.fetch() for v in values) == 60
-        assert [int(c.pull()) for c in counters] == [completed + 30] * COUNTERS  # 30 steps of R = 2 closures
-        assert coord.lost_updates == 0
-        completed += 30
+        # PS 0, the token queue's primary, drained under sync training: the queue moves to its backup PS 1
+        # with its token calls frozen (a waiting TakeToken retries there with its closure id)
+        assert coord.replica_table()[SYNC_STATE_KEY].primary == 0
+        assert coord.remove_ps(0).active == [1, 2]
+        row = coord.replica_table()[SYNC_STATE_KEY]
+        assert (row.primary, row.backup) == (1, 2) and 0 not in holders(coord)[0]
+        coord.join(timeout=60)
+        assert sum(v.fetch() for v in values) == 80
+        assert [int(c.pull()) for c in counters] == [completed + 40] * COUNTERS  # 40 steps of R = 2 closures
+        assert coord.global_step == 40 and coord.lost_updates == 0
+        completed += 40
         table = {key: (c.primary, c.backup) for key, c in coord.replica_table().items()}
         coord.configure_sync("async")
         coord.shutdown()

@@ -276,17 +276,21 @@ def test_scale_ps_stops_when_its_caller_went_away_and_join_ps_answers_with_the_l
 
 
 @pytest.mark.parametrize("holder", ["backup", "primary"])
-def test_the_sync_states_backup_moves_off_a_drained_ps_without_a_freeze_and_its_primary_stays(holder) -> None:
+def test_the_sync_states_copy_on_a_drained_ps_moves_a_backup_without_a_freeze_and_a_primary_with_one(holder) -> None:
     elastic, keeper, _, log = make()
     # the token queue's row after failovers: its backup (or its primary) on PS 2
     primary, backup = (0, 2) if holder == "backup" else (2, 0)
     keeper.state.shards[rp.SYNC_ORDINAL] = rp.Copies(primary, backup, 3, in_sync=True)
+    without = make()[0].remove(2)  # the same drain without the row
     report = elastic.remove(2)
     row = keeper.sync_row()
-    assert row is not None and row.in_sync
-    assert not any(e[0] == "freeze" and e[2] == "v-1" for e in log)  # token calls never refused
-    if holder == "backup":
-        assert (row.primary, row.backup) == (0, 1) and ("table", rp.SYNC_ORDINAL, 0, 1) in log
-        assert report.moved == make()[0].remove(2).moved + 1  # the same drain without the row, plus its backup
-    else:  # its primary keeps serving token calls where it is (a drained listed PS keeps running)
-        assert (row.primary, row.backup) == (2, 0) and not any(e[:2] == ("table", rp.SYNC_ORDINAL) for e in log)
+    assert row is not None and row.in_sync and 2 not in (row.primary, row.backup)
+    freezes = [e for e in log if e[0] == "freeze" and e[2] == "v-1"]
+    if holder == "backup":  # token calls are never refused
+        assert (row.primary, row.backup) == (0, 1) and ("table", rp.SYNC_ORDINAL, 0, 1) in log and not freezes
+        assert report.moved == without.moved + 1 and len(report.freezes_s) == len(without.freezes_s)
+    else:  # frozen on PS 2, switched to its in-sync backup PS 0, then thawed; PS 1 the new backup
+        assert freezes == [("freeze", 2, "v-1", 0)] and (row.primary, row.backup) == (0, 1)
+        switch = log.index(("table", rp.SYNC_ORDINAL, 0, 1))
+        assert log.index(freezes[0]) < switch < log.index(("thaw", 2, "v-1"))
+        assert report.moved == without.moved + 2 and len(report.freezes_s) == len(without.freezes_s) + 1

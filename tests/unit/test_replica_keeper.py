@@ -141,8 +141,8 @@ def test_a_ps_joins_the_list_gets_no_copy_before_a_scale_and_leaves_once_it_hold
         assert keeper.state.inactive == {2} and keeper.table()[("a", 0)].backup == 1  # not active: no copy
         rp.decide(keeper.state, rp.ConnectionLost(1))  # no active PS left for a backup: the joined one, not none
         assert keeper.table()[("a", 0)].backup == 2
-        # the sync state's row too: a leave is refused while the PS holds any copy (a scale moves the row's
-        # backup first: elastic.py), and while it is the row's primary, which a scale does not move
+        # the sync state's row too: a leave is refused while the PS holds any copy of it (a scale moves the
+        # row first: elastic.py)
         assert keeper.table()[SYNC_STATE_KEY].backup == 2
         with pytest.raises(FailedPreconditionError, match="still holds 2 shard copies"):
             keeper.leave(2)

@@ -144,3 +144,35 @@ def test_the_backups_own_configure_keeps_the_tokens_the_primary_forwarded(pair):
     a.sync.take_token(1, "w", 1.0)  # forwarded before the backup's own ConfigureSync arrives
     b.sync.configure("sync", 2, 2, 0)
     assert b.sync._state.tokens == {1: (0, 0)} and b.sync.accumulates
+
+
+def test_a_move_of_the_queue_freezes_token_calls_wakes_a_waiting_take_and_the_new_primary_goes_on(pair):
+    a, b, _, _ = pair
+    assign((b, a), 1, 1, 0, 1)
+    configure((a, b), "sync", 1, 1)
+    assert a.sync.take_token(1, "w", 1.0) == (0, 0)
+    errors: list[BaseException] = []
+
+    def take() -> None:
+        try:
+            a.sync.take_token(2, "w", 10.0)  # step 0's one token is out: it waits for step 0's report
+        except UnavailableError as exc:
+            errors.append(exc)
+
+    waiter = threading.Thread(target=take)
+    waiter.start()
+    waiter.join(timeout=0.2)
+    assert waiter.is_alive()
+    # the move (elastic.py): the freeze wakes the waiter instead of waiting 10 s for it, and returns the
+    # version its backup holds
+    version = a.freeze_shard(SYNC_STATE_KEY, 1, lease_s=2.0)
+    waiter.join(timeout=2.0)
+    assert not waiter.is_alive() and "moving off ps 0" in str(errors[0])
+    assert version == a.sync.version == b.sync.version
+    with pytest.raises(UnavailableError, match="moving off ps 0"):
+        a.sync.step_done(1, 0, "w")  # refused while frozen: nothing changes here
+    assert a.sync.version == version
+    assign((b, a), 2, 2, 1, 0)  # the switch: PS 1 primary, PS 0 its backup
+    a.thaw_shard(SYNC_STATE_KEY)
+    b.sync.step_done(1, 0, "w")  # the client's retry, on the new primary
+    assert b.global_step == 1 and b.sync.take_token(2, "w", 1.0) == (1, 0)
