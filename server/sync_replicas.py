@@ -351,15 +351,16 @@ class SyncReplicas(SyncStateCopies):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise DeadlineExceededError(answer.refusal(timeout))
+                if replication is not None and self.core.gate.is_frozen(SYNC_STATE_KEY):
+                    # the queue moves to another PS (elastic.py): a waiter would hold the freeze, while the
+                    # StepDone calls that release its tokens are refused; it retries there (same closure id).
+                    # Checked under self._cond before each wait: the freeze's wake-up cannot slip in between.
+                    raise UnavailableError(f"the sync token queue is moving off ps {self.core.ps_index}; retry "
+                                           "(placement changes within milliseconds)")
                 self._cond.wait(remaining if answer.poll is None else min(remaining, answer.poll))
                 if replication is not None and not replication.is_primary(SYNC_STATE_KEY):
                     raise UnavailableError(f"ps {self.core.ps_index} no longer holds the sync token queue; "
                                            "re-read placement and take the token there (same closure id)")
-                if replication is not None and self.core.gate.is_frozen(SYNC_STATE_KEY):
-                    # the queue moves to another PS (elastic.py): a waiter would hold the freeze, while the
-                    # StepDone calls that release its tokens are refused; it retries there (same closure id)
-                    raise UnavailableError(f"the sync token queue is moving off ps {self.core.ps_index}; retry "
-                                           "(placement changes within milliseconds)")
                 event = tok.RetryToken(closure_id, worker, self.core.global_step, mode)
         self._replicated(replication, version)
         return granted.step, granted.replica
