@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import grpc
@@ -66,7 +67,7 @@ class Channels:
         out, first = [], None
         for (ps, method, req), fut in zip(calls, futs):
             try:
-                out.append(self._result(fut, ps, method, req))
+                out.append(self.result(fut, ps, method, req))
             except grpc.RpcError as exc:
                 first = first or rpc.translate(exc, self.what(ps, method))
             except UnavailableError as exc:
@@ -75,16 +76,21 @@ class Channels:
             raise first from None  # the status says it all; grpc's own frames only bury it
         return out
 
-    def _result(self, fut: Any, ps: int, method: str, request: Any) -> Any:
-        """fut's reply; a Push or Pull to a PS the replica table no longer lists for its shards is cancelled."""
+    def result(self, fut: Any, ps: int, method: str, request: Any, cancel: Callable[[], object] | None = None) -> Any:
+        """fut's reply (a gRPC future, or a pool future draining a stream); a Push or Pull to a PS the replica
+        table no longer lists for its shards is given up: `cancel` (default fut.cancel) ends the call.
+
+        Raises:
+            UnavailableError: the call was given up (retryable: the retry goes to the shards' new primary).
+        """
         if self.stalled is None or method not in ("Push", "Pull"):
             return fut.result()
         while True:
             try:
                 return fut.result(timeout=STALL_CHECK_S)
-            except grpc.FutureTimeoutError:
+            except (grpc.FutureTimeoutError, FutureTimeout):
                 if self.stalled(ps, request):
-                    fut.cancel()
+                    (cancel or fut.cancel)()
                     raise UnavailableError(f"{self.what(ps, method)}: no reply and the replica table moved its "
                                            "shards to another PS; retry there") from None
 

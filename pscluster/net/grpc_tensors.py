@@ -31,28 +31,43 @@ class GrpcTensors:
         return nbytes > self._net.settings.stream_threshold_bytes and not item.HasField("ids")
 
     def pull(self, plan: PullPlan) -> None:
-        """Fill each target with its item's tensor."""
+        """Fill each target with its item's tensor.
+
+        Raises:
+            PsclusterError: the first failed call's (after every call has finished or been given up).
+        """
         c = self._net
         unary: PullPlan = defaultdict(list)
-        streams: list[Future[None]] = []
+        streams: list[tuple[int, pb.PullItem, Any, Future[None]]] = []
         for ps, items in plan.items():
             for item, target in items:
                 if self._streams(target.nbytes, item):
-                    streams.append(c.pool.submit(self._pull_stream, ps, item, target))
+                    # started here, drained on the pool: this thread can cancel a call a stopped PS never answers
+                    call = c.stubs[ps].PullStream(item, timeout=c.settings.rpc_timeout_s)
+                    streams.append((ps, item, call, c.pool.submit(self._drain, ps, item, call, target)))
                 else:
                     unary[ps].append((item, target))
         calls = [(ps, "Pull", pb.PullRequest(items=[i for i, _ in items])) for ps, items in unary.items()]
-        for (ps, _, _), reply in zip(calls, c.gather(calls)):
-            for (_, target), tensor in zip(unary[ps], reply.tensors):
-                target[...] = codec.decode(tensor).reshape(target.shape)
-        for fut in streams:
-            fut.result()
+        first: PsclusterError | None = None
+        try:
+            for (ps, _, _), reply in zip(calls, c.gather(calls)):
+                for (_, target), tensor in zip(unary[ps], reply.tensors):
+                    target[...] = codec.decode(tensor).reshape(target.shape)
+        except PsclusterError as exc:
+            first = exc
+        for ps, item, call, fut in streams:
+            try:
+                c.result(fut, ps, "Pull", pb.PullRequest(items=[item]), cancel=call.cancel)
+            except PsclusterError as exc:
+                first = first or exc
+        if first is not None:
+            raise first
 
-    def _pull_stream(self, ps: int, item: pb.PullItem, target: np.ndarray) -> None:
+    def _drain(self, ps: int, item: pb.PullItem, call: Any, target: np.ndarray) -> None:
         flat = target.reshape(-1).view(np.uint8)
         pos = 0
         try:
-            for chunk in self._net.stubs[ps].PullStream(item, timeout=self._net.settings.rpc_timeout_s):
+            for chunk in call:
                 if chunk.HasField("header"):
                     continue
                 flat[pos:pos + len(chunk.data)] = np.frombuffer(chunk.data, np.uint8)
@@ -67,11 +82,11 @@ class GrpcTensors:
         of a fused push-pull come back only for PS tasks none of whose items streamed."""
         c = self._net
         unary: dict[int, list[pb.PushItem]] = defaultdict(list)
-        streams: list[Future[pb.PushReply]] = []
+        streams: list[tuple[int, pb.ShardRef, Any]] = []
         for ps, items in plan.items():
             for item, part in items:
                 if self._streams(part.nbytes, item):
-                    streams.append(c.pool.submit(self._push_stream, ps, head, item.ref, part))
+                    streams.append((ps, item.ref, self._push_stream(ps, head, item.ref, part)))
                 else:
                     full = pb.PushItem()
                     full.CopyFrom(item)
@@ -81,14 +96,29 @@ class GrpcTensors:
                                              final_below=head.final_below, skip_step=head.skip_step,
                                              return_values=head.return_values and len(items) == len(plan[ps])))
                  for ps, items in unary.items()]
-        replies: list[pb.PushReply] = list(c.gather(calls))
+        first: PsclusterError | None = None
+        replies: list[pb.PushReply] = []
+        try:
+            replies = list(c.gather(calls))
+        except PsclusterError as exc:
+            first = exc
         for (ps, _, _), reply in zip(calls, replies):
             if targets and len(reply.values) == len(targets[ps]):
                 for target, tensor in zip(targets[ps], reply.values):
                     target[...] = codec.decode(tensor).reshape(target.shape)
-        return replies + [fut.result() for fut in streams]
+        for ps, ref, fut in streams:
+            try:
+                replies.append(c.result(fut, ps, "Push", pb.PushRequest(items=[pb.PushItem(ref=ref)])))
+            except grpc.RpcError as exc:
+                first = first or rpc.translate(exc, f"ps {ps} PushStream {ref.variable}")
+            except PsclusterError as exc:
+                first = first or exc
+        if first is not None:
+            raise first from None  # the status says it all; grpc's own frames only bury it
+        return replies
 
-    def _push_stream(self, ps: int, head: pb.PushRequest, ref: pb.ShardRef, grad: np.ndarray) -> pb.PushReply:
+    def _push_stream(self, ps: int, head: pb.PushRequest, ref: pb.ShardRef, grad: np.ndarray) -> Any:
+        """The started PushStream call of one item (a gRPC future of its PushReply)."""
         grad = np.ascontiguousarray(grad, dtype=grad.dtype.newbyteorder("<"))
         flat = grad.reshape(-1).view(np.uint8)
         chunk = self._net.settings.chunk_bytes
@@ -100,11 +130,7 @@ class GrpcTensors:
             for start in range(0, flat.size, chunk):
                 yield pb.PushChunk(data=flat[start:start + chunk].tobytes())
 
-        def once(_request: Any, timeout: float) -> pb.PushReply:
-            return self._net.stubs[ps].PushStream(messages(), timeout=timeout)
-
-        return rpc.call(once, None, timeout=self._net.settings.rpc_timeout_s,
-                        what=f"ps {ps} PushStream {ref.variable}")
+        return self._net.stubs[ps].PushStream.future(messages(), timeout=self._net.settings.rpc_timeout_s)
 
     def take_token(self, request: pb.TokenRequest, ps: int = 0) -> pb.TokenReply:
         """A sync token from PS ps's queue (blocks while none is free)."""
