@@ -4,7 +4,7 @@ from pscluster.client.datasets import MAX_ITERATORS, PerWorkerDataset, WorkerDat
 
 
 def draw(worker, handle):
-    return next(worker.iterator(handle.iterator_id, handle.fn_bytes))
+    return next(worker.iterator(handle.iterator_id, handle.fn_bytes, handle.skipped))
 
 
 def test_each_iter_call_starts_a_fresh_iterator_as_tf_does():
@@ -29,3 +29,21 @@ def test_a_worker_keeps_at_most_max_iterators_and_restarts_an_evicted_one():
         draw(worker, iter(ds))
     assert len(worker._iterators) == MAX_ITERATORS
     assert draw(worker, first) == 0  # evicted: starts over
+
+
+def test_a_skipped_dataset_starts_each_workers_iterator_past_its_first_elements_and_refuses_a_bad_count():
+    import pickle
+
+    import pytest
+
+    from pscluster.errors import InvalidArgumentError
+
+    ds = PerWorkerDataset(lambda info: iter(range(10 * info.worker_index, 10 * info.worker_index + 9)))
+    skipped = ds.skip(2).skip(1)  # counts add up, as tf.data's skips do
+    w0, w1 = WorkerDatasets(WorkerInfo("w0", 0)), WorkerDatasets(WorkerInfo("w1", 1))
+    handle = pickle.loads(pickle.dumps(iter(skipped)))  # as a closure's argument travels to a worker
+    assert [draw(w0, handle), draw(w0, handle), draw(w1, handle)] == [3, 4, 13]
+    assert draw(w0, iter(ds)) == 0  # the dataset skipped from is unchanged
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(InvalidArgumentError, match="skip: count"):
+            ds.skip(bad)

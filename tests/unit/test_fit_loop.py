@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from pscluster.client.context import ClosureScope
+from pscluster.client.datasets import PerWorkerDataset, WorkerDatasets, WorkerInfo
 from pscluster.errors import FailedPreconditionError, InvalidArgumentError
 from pscluster.training import (
     BackupAndRestore,
@@ -353,3 +355,51 @@ def crash_at_call(n):
             raise Crash("killed in validation")
         return {"loss": 1.0}
     return validation
+
+
+class WorkersCoordinator(InPlaceCoordinator):
+    """Closures run in place in turn on `workers` in-process workers, in a closure scope, so a per-worker dataset
+    draws as on real workers; each coordinator has fresh workers, as a rerun's new worker processes are."""
+
+    def __init__(self, workers=2, **kwargs):
+        super().__init__(**kwargs)
+        self.workers = [WorkerDatasets(WorkerInfo(f"w{i}", i)) for i in range(workers)]
+
+    def num_workers(self):
+        return len(self.workers)
+
+    def schedule(self, fn, args=(), kwargs=None):
+        with ClosureScope(self.scheduled, client=None, worker=self.workers[self.scheduled % len(self.workers)]):
+            return super().schedule(fn, args, kwargs)
+
+
+def test_a_resumed_fit_draws_past_the_batches_the_killed_run_trained_on_not_the_first_ones_again(tmp_path):
+    """The rerun's workers build their iterators afresh: without the skip, the closures after the restored step
+    trained on the batches those before it had (a resumed examples/tutorial_mnist.py saw fewer distinct batches)."""
+    drawn = []
+
+    def train_step(iterator):
+        batch = next(iterator)
+        if batch == "kill":
+            raise Crash("killed")
+        drawn.append(batch)
+        return {"loss": 1.0}
+
+    def batches(info):  # each worker's endless stream; the program is killed at worker 0's batch 4
+        for i in itertools.count():
+            yield "kill" if (info.worker_index, i) == (0, 4) and not drawn_again else (info.worker_index, i)
+
+    drawn_again = []
+    with pytest.raises(Crash):
+        fit(WorkersCoordinator(), train_step, PerWorkerDataset(batches), epochs=3, steps_per_epoch=4,
+            learning_rate=1.0, callbacks=[BackupAndRestore(tmp_path / "backup")], verbose=0)
+    assert drawn[:8] == [(w, i) for i in range(4) for w in (0, 1)]  # 8 closures, then worker 0's 5th batch kills it
+    drawn.clear()
+    drawn_again.append(True)
+    # the PS tasks restored an automatic checkpoint taken after 6 closures (the 7th and 8th updates are lost)
+    again = WorkersCoordinator(global_step=6)
+    fit(again, train_step, PerWorkerDataset(batches), epochs=3, steps_per_epoch=4, learning_rate=1.0,
+        callbacks=[BackupAndRestore(tmp_path / "backup")], verbose=0)
+    assert again.scheduled == 12 - 6
+    # each worker starts past its share (6 // 2 = 3) of the batches the restored closures drew
+    assert drawn == [(w, i) for i in range(3, 6) for w in (0, 1)]
