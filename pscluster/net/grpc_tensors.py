@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import Any
 
 import grpc
@@ -19,6 +19,8 @@ from pscluster.net import rpc
 from pscluster.net.channels import Channels
 from pscluster.net.transport import PullPlan, PushPlan, ValueTargets
 from pscluster.proto import pscluster_pb2 as pb
+
+DRAIN_END_S = 5.0  # a cancelled PullStream's reader stops at its next chunk; bounded all the same
 
 
 class GrpcTensors:
@@ -60,6 +62,8 @@ class GrpcTensors:
                 c.result(fut, ps, "Pull", pb.PullRequest(items=[item]), cancel=call.cancel)
             except PsclusterError as exc:
                 first = first or exc
+                # a given-up stream's drain ends (cancelled: at once) before a retry writes the same target
+                wait([fut], timeout=DRAIN_END_S)
         if first is not None:
             raise first
 
