@@ -82,11 +82,13 @@ def test_tutorial_killed_mid_epoch_resumes_at_the_checkpointed_step_with_its_cal
     acc = float(re.search(r"held-out test accuracy: ([0-9.]+)", text).group(1))
     # Well above chance (0.1): a resume that restored garbage ends near it. Resuming costs no accuracy: the
     # restored PS state is the checkpoint's bit for bit (values, Adam m and v, update counts, learning rate: the
-    # next update equals the uninterrupted cluster's), and the rerun draws past the batches the restored closures
-    # trained on (test_fit_loop; replaying them cost 0.020 +- 0.008 in single-process torch, 40 paired seeds).
+    # next update equals the uninterrupted cluster's: test_restore_state), and the rerun draws past the batches the
+    # restored closures trained on (test_fit_loop; replaying them cost 0.020 +- 0.008 in single-process torch,
+    # 40 paired seeds).
     # What varies is 24 asynchronous steps on the steep part of the curve, resumed or not. On 2 cores shared at
     # load 4-27 (2026-11-26): 9 uninterrupted runs 0.378-0.774 (median 0.52; 4 more failed: closures lost their
     # heartbeat-starved workers 10 times), 10 resumed before the data fix 0.419-0.703 (median 0.595), 10 after
     # it 0.324-0.678 (median 0.54; 1 more ended without an accuracy, its output not kept); a resumed run applies
-    # 1-3 updates more (the checkpoint labelled G holds up to G + 3). 3 x 16 steps narrows little (0.54-0.78 over 8 runs) and took 178 s instead of 66 s here.
+    # 1-3 updates more (the checkpoint labelled G holds up to G + 3). 3 x 16 steps narrows little (0.54-0.78
+    # over 8 runs) and took 178 s instead of 66 s here.
     assert acc >= 0.25, text
