@@ -6,16 +6,20 @@ until the counter's backup is in sync, SIGKILLs the counter's primary, and measu
 first push acknowledged after the killed process is gone (necessarily by the promoted backup). At the
 end the counter must equal the number of acknowledged pushes, and lost_updates() must be 0.
 
-cost(runs): W2 (bench/training.py) async and sync with replicas: 1 and 2, alternating in the same run.
+cost(runs): W2 (bench/training.py) async and sync with replicas: 1 and 2, alternating in the same run, with
+each process's CPU per step; and async with one worker, where the cluster does not fill the 2 cores.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pathlib
 import signal
 import statistics
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -101,16 +105,87 @@ def failover(kills: int = 100, sigstop: bool = False) -> dict[str, Any]:
             "exact": total == len(acked) and lost == 0}
 
 
-def cost(runs: int = 3) -> dict[str, Any]:
-    """W2 async and sync steps/s with replicas: 1 and 2, alternating (medians over `runs` pairs)."""
-    out: dict[str, Any] = {}
-    for mode, extra in (("async", {}), ("sync", {"replicas_to_aggregate": 2, "total_num_replicas": 2})):
-        pairs = [(training.w2(mode=mode, **extra), training.w2(mode=mode, replicas=2, **extra))  # type: ignore[arg-type]
-                 for _ in range(runs)]
-        one = statistics.median(a["steps_per_s"] for a, _ in pairs)
-        two = statistics.median(b["steps_per_s"] for _, b in pairs)
+# the cost trials: (name, training.w2 keywords); "async_1w" is the unsaturated one: with one worker the
+# cluster's processes need less than the machine's 2 cores, so the backup's CPU is not taken from a worker
+COST_MODES: list[tuple[str, dict[str, Any]]] = [
+    ("async", {"mode": "async"}),
+    ("sync", {"mode": "sync", "replicas_to_aggregate": 2, "total_num_replicas": 2}),
+    ("async_1w", {"mode": "async", "num_workers": 1}),
+]
+
+
+class ProcessCpu:
+    """A training.w2 probe: CPU (user + system, /proc) and voluntary context switches (threads woken after a
+    wait, summed over threads) of every process of the cluster around the timed steps."""
+
+    def __init__(self) -> None:
+        self.cpu_s: dict[str, float] = {}
+        self.switches: dict[str, int] = {}
+
+    @staticmethod
+    def _read(pid: int) -> tuple[float, int]:
+        fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        switches = 0
+        for status in pathlib.Path(f"/proc/{pid}/task").glob("*/status"):
+            try:
+                text = status.read_text()
+            except OSError:  # a thread that ended in between
+                continue
+            switches += sum(int(line.split()[1]) for line in text.splitlines()
+                            if line.startswith("voluntary_ctxt_switches"))
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), switches
+
+    @contextlib.contextmanager
+    def __call__(self, cluster: LocalCluster) -> Iterator[None]:
+        procs = {"driver": os.getpid()}
+        procs.update({f"ps{d.index}": d.pid for d in cluster.ps})
+        procs.update({f"worker{d.index}": d.pid for d in cluster.workers})
+        before = {name: self._read(pid) for name, pid in procs.items()}
+        yield
+        after = {name: self._read(pid) for name, pid in procs.items()}
+        self.cpu_s = {name: after[name][0] - before[name][0] for name in procs}
+        self.switches = {name: after[name][1] - before[name][1] for name in procs}
+
+
+def _trial(replicas: int, steps: int, **kw: Any) -> dict[str, Any]:
+    probe = ProcessCpu()
+    r = training.w2(replicas=replicas, steps=steps, probe=probe, **kw)
+    cpu = {name: 1000.0 * s / steps for name, s in probe.cpu_s.items()}
+    return {"steps_per_s": r["steps_per_s"], "accuracy": r["accuracy"], "cpu_ms": cpu,
+            "wakeups": {name: n / steps for name, n in probe.switches.items()}}
+
+
+def _median_of(trials: list[dict[str, Any]], field: str) -> dict[str, float]:
+    return {name: statistics.median(t[field][name] for t in trials) for name in trials[0][field]}
+
+
+def cost(runs: int = 3, steps: int = 2000, modes: Sequence[str] | None = None) -> dict[str, Any]:
+    """W2 steps/s with replicas: 1 and 2, alternating in the same run (medians over `runs` pairs), per mode of
+    COST_MODES, with each process's CPU ms and voluntary context switches per step (medians).
+
+    `cpu_bound_cost` is what the CPU alone predicts when every core is busy (steps/s ~ cores / CPU per step of
+    all processes): 1 - total CPU per step with 1 copy / with 2."""
+    out: dict[str, Any] = {"load_before": os.getloadavg()[0]}
+    for mode, kw in COST_MODES:
+        if modes is not None and mode not in modes:
+            continue
+        pairs = [(_trial(1, steps, **kw), _trial(2, steps, **kw)) for _ in range(runs)]
+        ones, twos = [a for a, _ in pairs], [b for _, b in pairs]
+        one = statistics.median(a["steps_per_s"] for a in ones)
+        two = statistics.median(b["steps_per_s"] for b in twos)
+        cpu1, cpu2 = _median_of(ones, "cpu_ms"), _median_of(twos, "cpu_ms")
+        ps1 = [v for k, v in cpu1.items() if k.startswith("ps")]
+        ps2 = [v for k, v in cpu2.items() if k.startswith("ps")]
         out[mode] = {"replicas_1": one, "replicas_2": two, "cost": 1 - two / one,
-                     "accuracy_2": statistics.median(b["accuracy"] for _, b in pairs)}
+                     "ratios": [b["steps_per_s"] / a["steps_per_s"] for a, b in pairs],
+                     "accuracy_2": statistics.median(b["accuracy"] for b in twos),
+                     "cpu_ms_1": cpu1, "cpu_ms_2": cpu2,
+                     "wakeups_1": _median_of(ones, "wakeups"), "wakeups_2": _median_of(twos, "wakeups"),
+                     "ps_cpu_ms_1": statistics.mean(ps1), "ps_cpu_ms_2": statistics.mean(ps2),
+                     "total_cpu_ms_1": sum(cpu1.values()), "total_cpu_ms_2": sum(cpu2.values()),
+                     "cpu_bound_cost": 1 - sum(cpu1.values()) / sum(cpu2.values()),
+                     "cores_busy_1": one * sum(cpu1.values()) / 1000, "cores_busy_2": two * sum(cpu2.values()) / 1000}
+    out["load_after"] = os.getloadavg()[0]
     return out
 
 

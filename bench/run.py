@@ -365,7 +365,6 @@ def bench_b15(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
     f = replicas.failover(kills=args.kills)
     st = replicas.failover(kills=args.stops, sigstop=True)
     c = replicas.cost(runs=args.runs)
-    a, s = c["async"], c["sync"]
     return {"failover": f, "stop": st, "cost": c}, [
         ("B15", f"replicas: 2, 2 PS, SIGKILL of a counter's primary x {f['kills']} while a driver pushes back to back",
          f"kill -> first acknowledged push on the new primary p50 {f['p50_ms']:.0f} ms, p99 {f['p99_ms']:.0f} ms "
@@ -379,11 +378,41 @@ def bench_b15(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
          f"(max {st['max_ms']:.0f}; socket_timeout_s is 30 s); counter {st['counter']} = "
          f"{st['acknowledged']} acknowledged, lost_updates {st['lost_updates']}",
          f"p99 <= 1 s, exact: {'met' if st['p99_ms'] <= 1000 and st['exact'] else 'NOT met'}"),
-        ("B15", "replication's cost on W2 (B2 async, B3 sync R = N = 2), replicas: 2 vs 1 alternating in the same run",
+    ] + _cost_rows("B15", c)
+
+
+def _cost_rows(rid: str, c: dict[str, Any]) -> list[Row]:
+    """The rows of replicas.cost: the goals' figures (B2 async, B3 sync), then where each one's CPU went."""
+    a, s = c["async"], c["sync"]
+    load = f"load {c['load_before']:.1f} -> {c['load_after']:.1f}"
+    rows: list[Row] = [
+        (rid, "replication's cost on W2 (B2 async, B3 sync R = N = 2), replicas: 2 vs 1 alternating in the same run",
          f"async {a['replicas_2']:.0f} vs {a['replicas_1']:.0f} steps/s ({100 * a['cost']:.0f} % cost); sync "
          f"{s['replicas_2']:.0f} vs {s['replicas_1']:.0f} ({100 * s['cost']:.0f} %); accuracy with 2: async "
-         f"{a['accuracy_2']:.4f}, sync {s['accuracy_2']:.4f}",
+         f"{a['accuracy_2']:.4f}, sync {s['accuracy_2']:.4f} ({load})",
          f"<= 15 % async, <= 5 % sync: {'met' if a['cost'] <= 0.15 and s['cost'] <= 0.05 else 'NOT met'}")]
+    for mode, label in (("async", "async, 2 workers"), ("sync", "sync R = N = 2"),
+                        ("async_1w", "async, 1 worker (the processes need < 2 cores: unsaturated)")):
+        m = c.get(mode)
+        if m is None:
+            continue
+        rows.append((rid, f"where replication's cost goes, W2 {label}: CPU ms per step per process (/proc user + "
+                     "system) and voluntary context switches per step per PS, replicas: 1 -> 2 (medians)",
+                     f"{m['replicas_2']:.0f} vs {m['replicas_1']:.0f} steps/s ({100 * m['cost']:.0f} % cost); PS CPU "
+                     f"{m['ps_cpu_ms_1']:.2f} -> {m['ps_cpu_ms_2']:.2f} ms per step; all processes "
+                     f"{m['total_cpu_ms_1']:.2f} -> {m['total_cpu_ms_2']:.2f} ms (CPU-bound prediction "
+                     f"{100 * m['cpu_bound_cost']:.0f} %); cores busy {m['cores_busy_1']:.2f} -> "
+                     f"{m['cores_busy_2']:.2f}; PS wake-ups "
+                     f"{statistics.mean(v for k, v in m['wakeups_1'].items() if k.startswith('ps')):.1f} -> "
+                     f"{statistics.mean(v for k, v in m['wakeups_2'].items() if k.startswith('ps')):.1f}; " +
+                     ", ".join(f"{k} {m['cpu_ms_1'][k]:.2f} -> {m['cpu_ms_2'][k]:.2f}" for k in sorted(m["cpu_ms_1"]))
+                     + f" ({load})", "measure (issue 24)"))
+    return rows
+
+
+def bench_b15cost(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
+    c = replicas.cost(runs=args.runs)
+    return {"cost": c}, _cost_rows("B15COST", c)
 
 
 def bench_b15scale(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
@@ -464,7 +493,7 @@ def bench_profile(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
 
 BENCHES = {"B1": bench_b1, "B1TLS": bench_b1tls, "B9": bench_b9, "B2": bench_b2, "FLOOR": bench_floor, "B3": bench_b3, "B4": bench_b4, "B5": bench_b5,
            "B6": bench_b6, "B7": bench_b7, "B8": bench_b8,
-           "B10": bench_b10, "B11": bench_b11, "B12": bench_b12, "B13": bench_b13, "B14": bench_b14, "B15": bench_b15,
+           "B10": bench_b10, "B11": bench_b11, "B12": bench_b12, "B13": bench_b13, "B14": bench_b14, "B15": bench_b15, "B15COST": bench_b15cost,
            "B15SCALE": bench_b15scale, "B15SCALESYNC": bench_b15scale_sync, "B15SOAK": bench_b15_soak, "B15MEM": bench_b15_memory, "B16": bench_b16,
            "B14MP": bench_b14_precision, "B14CNN": bench_b14_cnn, "FIT": bench_fit, "PROFILE": bench_profile}
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
