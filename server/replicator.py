@@ -106,6 +106,11 @@ class Replicator:
                 return self.queued + 1  # its whole state is on the way; it includes this update
             if key in self.refused:
                 return self.queued + 1  # the backup refuses its state: nothing more of it until the roles change
+            if msg.HasField("sync_state") and self._queue:
+                # the whole sync state supersedes an older one still queued (not sent yet): one round trip
+                # confirms both, and the older one's waiters are answered by the newer version
+                self._queue = collections.deque(item for item in self._queue
+                                                if item[0] != key or not item[2].HasField("sync_state"))
             if install and not msg.chunk_start and any(item[0] == key for item in self._queue):
                 # the shard's whole state supersedes what of it is still queued (its updates, an older catch-up):
                 # one snapshot per shard in memory at most; their waiters are answered by its confirmation

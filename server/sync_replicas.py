@@ -95,6 +95,9 @@ class SyncReplicas(SyncStateCopies):
         # forwards' sequence; `_held`: (epoch, version) of the last forward taken as backup
         self.version = 0
         self._held = (0, 0)
+        self._sent: tuple[int, str] | None = None
+        self._waiting: dict[int, tuple[str, tok.Mode]] = {}
+        self._pregranted: dict[int, tuple[int, int]] = {}
 
     @property
     def mode(self) -> tok.Mode:
@@ -357,7 +360,13 @@ class SyncReplicas(SyncStateCopies):
                     # Checked under self._cond before each wait: the freeze's wake-up cannot slip in between.
                     raise UnavailableError(f"the sync token queue is moving off ps {self.core.ps_index}; retry "
                                            "(placement changes within milliseconds)")
+                self._waiting[closure_id] = (worker, mode)
                 self._cond.wait(remaining if answer.poll is None else min(remaining, answer.poll))
+                self._waiting.pop(closure_id, None)
+                pre = self._pregranted.pop(closure_id, None)
+                if pre is not None:  # a report decided it (`_grant_waiting`): its forward holds the grant
+                    granted, version = tok.Grant(closure_id, *pre), self.version
+                    break
                 if replication is not None and not replication.is_primary(SYNC_STATE_KEY):
                     raise UnavailableError(f"ps {self.core.ps_index} no longer holds the sync token queue; "
                                            "re-read placement and take the token there (same closure id)")
@@ -373,6 +382,7 @@ class SyncReplicas(SyncStateCopies):
             with self._cond:
                 self._perform(tok.decide(self._state, tok.StepDone(closure_id, step, worker, self.core.global_step),
                                          self._clock()))
+                self._grant_waiting(replication)
                 version = self._changed(replication)
             self._replicated(replication, version)
 

@@ -3,6 +3,12 @@
 A mixin of sync_replicas.SyncReplicas (which owns the lock, the state and the core; see its docstring):
 the primary's side (`_changed` under the lock, `_replicated` after it, `send_state` for a new backup's
 catch-up) and the backup's (`install`), plus `roles_changed` for server/replication.py's SyncStateHolder.
+
+Each forward costs the primary a round trip to the backup before its reply, so it forwards only what changed:
+a call that changed nothing (a take that waits, a repeated report, a retried take of a held token) forwards
+nothing and its reply waits only for the last forward; and a report that lets waiting takes through decides
+those takes itself (`_grant_waiting`), so one forward carries the report and the grants, and every reply
+waits for that one confirmation (before, each woken take forwarded and waited on its own, one after another).
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ class SyncStateCopies:
     # `_held`: (epoch, version) of the last forward taken as backup
     version: int
     _held: tuple[int, int]
+    _sent: tuple[int, str] | None  # (G, the state's repr) last forwarded: an unchanged state is not sent again
+    _waiting: dict[int, tuple[str, tok.Mode]]  # closures waiting for a token: closure -> (worker, its wait's mode)
+    _pregranted: dict[int, tuple[int, int]]  # their grants decided by a report (`_grant_waiting`): (step, replica)
 
     def _replication(self) -> Any:
         """The core's Replication (a SyncStateHolder's peer), or None with one copy."""
@@ -41,9 +50,26 @@ class SyncStateCopies:
         version the reply must see confirmed (0: nothing to wait for)."""
         if replication is None or not replication.is_primary(SYNC_STATE_KEY):
             return 0
+        mark = (self.core.global_step, repr(self._state))
+        if mark == self._sent:
+            return self.version  # nothing changed: the reply waits for the forward of what it saw
+        self._sent = mark
         self.version += 1
         replication.forward_sync(self.version, self._wire())
         return self.version
+
+    def _grant_waiting(self, replication: Any) -> None:
+        """Under self._cond, after a report on the primary: decide the takes waiting now (as each would on waking:
+        the same event), so that the report's one forward carries their grants; each waiter picks its grant up
+        and waits for that forward (`_pregranted`)."""
+        if replication is None or not self._waiting or not replication.is_primary(SYNC_STATE_KEY):
+            return
+        for closure_id, (worker, mode) in list(self._waiting.items()):
+            [answer] = tok.decide(self._state, tok.RetryToken(closure_id, worker, self.core.global_step, mode),
+                                  self._clock())
+            if isinstance(answer, tok.Grant):
+                del self._waiting[closure_id]
+                self._pregranted[closure_id] = (answer.step, answer.replica)
 
     def _wire(self) -> str:
         return json.dumps(tok.to_wire(self._state, self.core.global_step, self._clock()))
@@ -93,12 +119,13 @@ class SyncStateCopies:
             if (epoch, version) <= self._held:
                 return
             self._held, self.version = (epoch, version), version
-            self._state = taken
+            self._state, self._sent = taken, None
             self.core.global_step = step
             self._cond.notify_all()
 
     def roles_changed(self) -> None:
         """Wake token waiters: a deposed holder's waiters give up (the client retries on the new one)."""
         with self._cond:
+            self._sent = None  # a promoted backup forwards its first change whatever it was
             self._cond.notify_all()
 

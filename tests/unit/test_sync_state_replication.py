@@ -176,3 +176,61 @@ def test_a_move_of_the_queue_freezes_token_calls_wakes_a_waiting_take_and_the_ne
     a.thaw_shard(SYNC_STATE_KEY)
     b.sync.step_done(1, 0, "w")  # the client's retry, on the new primary
     assert b.global_step == 1 and b.sync.take_token(2, "w", 1.0) == (1, 0)
+
+
+def test_a_call_that_changes_nothing_forwards_nothing_and_still_waits_for_what_it_saw(pair):
+    a, b, links, _ = pair
+    assign((b, a), 1, 1, 0, 1)
+    configure((a, b), "sync", 1, 1)
+    assert a.sync.take_token(1, "w", 1.0) == (0, 0)
+    a.sync.step_done(1, 0, "w")
+    version, batches = a.sync.version, links[1].batches
+    assert a.sync.take_token(2, "w", 1.0) == (1, 0)
+    assert (a.sync.version, links[1].batches) == (version + 1, batches + 1)
+    a.sync.step_done(1, 0, "w")  # a repeated report of a step that advanced: nothing changes
+    assert a.sync.take_token(2, "w", 1.0) == (1, 0)  # a retried take of a held token: nothing changes
+    assert (a.sync.version, links[1].batches) == (version + 1, batches + 1)
+    links[1].cut.set()
+    with pytest.raises(UnavailableError, match="did not confirm"):
+        a.sync.step_done(2, 1, "w")  # G advances here; the backup does not confirm it
+    with pytest.raises(UnavailableError, match="did not confirm"):
+        a.sync.step_done(2, 1, "w")  # the retry changes nothing, and is not acknowledged before the backup has it
+    links[1].cut.clear()
+    a.sync.step_done(2, 1, "w")
+    assert b.global_step == 2
+
+
+def test_a_report_that_releases_a_waiting_take_carries_its_grant_in_its_one_forward(pair):
+    a, b, links, _ = pair
+    assign((b, a), 1, 1, 0, 1)
+    configure((a, b), "sync", 1, 1)
+    assert a.sync.take_token(1, "w1", 1.0) == (0, 0)
+    got: list[tuple[int, int]] = []
+    waiter = threading.Thread(target=lambda: got.append(a.sync.take_token(2, "w2", 5.0)))
+    waiter.start()
+    for _ in range(200):
+        if 2 in a.sync._waiting:
+            break
+        waiter.join(timeout=0.01)
+    version, batches = a.sync.version, links[1].batches
+    assert version == b.sync.version  # the wait forwarded nothing (nothing changed)
+    a.sync.step_done(1, 0, "w1")  # advances G and hands the waiter step 1's token in the same change
+    waiter.join(timeout=2.0)
+    assert got == [(1, 0)]
+    assert (a.sync.version, links[1].batches) == (version + 1, batches + 1)
+    assert b.sync._state.tokens[2] == (1, 0) and b.global_step == 1  # the grant rode in the report's forward
+    assert not a.sync._waiting and not a.sync._pregranted
+
+
+def test_a_queued_sync_state_is_superseded_by_a_newer_one(pair):
+    a, b, links, _ = pair
+    assign((b, a), 1, 1, 0, 1)
+    configure((a, b), "bounded", staleness=1)
+    links[1].cut.set()  # nothing gets through: the forwards stay queued
+    for version in range(a.sync.version + 1, a.sync.version + 4):
+        a.replication.forward_sync(version, a.sync._wire())
+    _, rep = a.replication._replicator_of(SYNC_STATE_KEY)
+    assert [item[1] for item in rep._queue if item[0] == SYNC_STATE_KEY] == [version]
+    links[1].cut.clear()
+    a.replication.wait([(SYNC_STATE_KEY, version - 1)], 2.0)  # the newer version answers the older one's waiter
+    assert b.sync.version == version
