@@ -208,10 +208,11 @@ def test_a_report_that_releases_a_waiting_take_carries_its_grant_in_its_one_forw
     got: list[tuple[int, int]] = []
     waiter = threading.Thread(target=lambda: got.append(a.sync.take_token(2, "w2", 5.0)))
     waiter.start()
-    for _ in range(200):
+    for _ in range(1000):  # up to 10 s on a loaded machine
         if 2 in a.sync._waiting:
             break
         waiter.join(timeout=0.01)
+    assert 2 in a.sync._waiting  # it waits for step 0's report
     version, batches = a.sync.version, links[1].batches
     assert version == b.sync.version  # the wait forwarded nothing (nothing changed)
     a.sync.step_done(1, 0, "w1")  # advances G and hands the waiter step 1's token in the same change
