@@ -105,8 +105,9 @@ def failover(kills: int = 100, sigstop: bool = False) -> dict[str, Any]:
             "exact": total == len(acked) and lost == 0}
 
 
-# the cost trials: (name, training.w2 keywords); "async_1w" is the unsaturated one: with one worker the
-# cluster's processes need less than the machine's 2 cores, so the backup's CPU is not taken from a worker
+# the cost trials: (name, training.w2 keywords); "async_1w" aims at spare cores: one worker runs one closure at a
+# time, a chain of its compute and the PS's replies, so the cluster may keep less than the machine's 2 cores
+# busy and the backup's CPU need not come out of a worker's share (the rows' "cores busy" says whether it did)
 COST_MODES: list[tuple[str, dict[str, Any]]] = [
     ("async", {"mode": "async"}),
     ("sync", {"mode": "sync", "replicas_to_aggregate": 2, "total_num_replicas": 2}),

@@ -392,7 +392,7 @@ def _cost_rows(rid: str, c: dict[str, Any]) -> list[Row]:
          f"{a['accuracy_2']:.4f}, sync {s['accuracy_2']:.4f} ({load})",
          f"<= 15 % async, <= 5 % sync: {'met' if a['cost'] <= 0.15 and s['cost'] <= 0.05 else 'NOT met'}")]
     for mode, label in (("async", "async, 2 workers"), ("sync", "sync R = N = 2"),
-                        ("async_1w", "async, 1 worker (the processes need < 2 cores: unsaturated)")):
+                        ("async_1w", "async, 1 worker (one closure at a time: spare cores unless cores busy nears 2)")):
         m = c.get(mode)
         if m is None:
             continue
