@@ -1,0 +1,62 @@
+"""Typed entry points to the hash index's compiled loops (server/table_jit.py).
+
+numba is imported on the first call, not with this module: every PS process imports the store, which
+imports the dynamic tables, and importing numba costs about 0.8 s of CPU here, which only a process
+that holds a dynamic table should pay. Compiled code is cached on disk (`cache=True`): a later process
+loads it instead of compiling it again.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+import numpy as np
+
+_jit: ModuleType | None = None
+
+
+def load() -> None:
+    """Import the compiled kernels now (numba and its disk cache: about 1 s in a fresh process), so a
+    table's first pull does not pay it inside a request."""
+    _kernels()
+
+
+def _kernels() -> ModuleType:
+    global _jit
+    if _jit is None:
+        _jit = importlib.import_module("pscluster.server.table_jit")
+    return _jit
+
+
+def _int64(a: np.ndarray) -> np.ndarray:
+    """a as a contiguous int64 array (a itself when it is one): one compiled version per kernel."""
+    return np.ascontiguousarray(a, np.int64)
+
+
+def lookup(slots: np.ndarray, old: np.ndarray, row_keys: np.ndarray, keys: np.ndarray, row_bits: int,
+           tag_mask: int) -> np.ndarray:
+    """Row id of each key (int64, -1 absent), searched in `slots`, then in `old` (size 0: none)."""
+    out = np.empty(keys.size, np.int64)
+    _kernels().lookup(slots, old, row_keys, _int64(keys), row_bits, tag_mask, out)
+    return out
+
+
+def erase(slots: np.ndarray, row_keys: np.ndarray, keys: np.ndarray, row_bits: int, tag_mask: int) -> int:
+    """Turn the slots of the keys found in `slots` into tombstones; how many were found."""
+    return int(_kernels().erase(slots, row_keys, _int64(keys), row_bits, tag_mask))
+
+
+def place(slots: np.ndarray, keys: np.ndarray, rows: np.ndarray, row_bits: int, tag_mask: int) -> int:
+    """Put absent keys' rows (int64) into the first free slots of their chains; tombstones reused."""
+    return int(_kernels().place(slots, _int64(keys), _int64(rows), row_bits, tag_mask))
+
+
+def move(old: np.ndarray, start: int, end: int, slots: np.ndarray, row_keys: np.ndarray, row_bits: int) -> int:
+    """Move the live entries of old[start:end] into `slots` (tombstones left behind); tombstones reused."""
+    return int(_kernels().move(old, start, end, slots, row_keys, row_bits))
+
+
+def mix(key: int) -> int:
+    """The compiled hash of one int64 key (pscluster.tables.mix64's value, as a Python int)."""
+    return int(_kernels().mix(np.int64(key)))
