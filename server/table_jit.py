@@ -149,25 +149,49 @@ def _put(slots, h, value):
 
 @njit(cache=True, nogil=True)
 def place(slots, keys, rows, row_bits, tag_mask):
-    """Give each key (absent) the slot value of its row rows[i]; returns the tombstones reused."""
+    """Give each key (absent) the slot value of its row rows[i]; returns (tombstones reused, a value to
+    ignore). A group's
+    home slots are read first, before any branch on them, so their cache misses overlap (as in lookup)."""
     tmask = np.uint64(tag_mask)
+    size = slots.size
+    hs = np.empty(GROUP, np.uint64)
+    touch = np.int32(0)
     reused = 0
-    for i in range(keys.size):
-        h = mix(keys[i])
-        reused += _put(slots, h, _tag(h, row_bits, tmask) | np.int32(rows[i] + 1))
-    return reused
+    for g in range(0, keys.size, GROUP):
+        m = min(GROUP, keys.size - g)
+        for j in range(m):
+            h = mix(keys[g + j])
+            hs[j] = h
+            touch |= slots[_home(h, size)]
+        for j in range(m):
+            h = hs[j]
+            reused += _put(slots, h, _tag(h, row_bits, tmask) | np.int32(rows[g + j] + 1))
+    return reused, touch  # touch, unused by callers, keeps the first reads from being dropped
 
 
 @njit(cache=True, nogil=True)
 def move(old, start, end, slots, row_keys, row_bits):
     """Move the live entries of old[start:end] into slots (their values unchanged: the tag and the row do
     not depend on the table's size), leaving tombstones behind, which keep the chains of the keys
-    still to move intact; returns the tombstones of slots reused."""
+    still to move intact; returns (tombstones of slots reused, a value to ignore). Entries go in groups, as in place."""
     row_mask = np.int32((1 << row_bits) - 1)
+    size = slots.size
+    hs = np.empty(GROUP, np.uint64)
+    vs = np.empty(GROUP, np.int32)
+    touch = np.int32(0)
     reused = 0
-    for p in range(start, end):
-        s = old[p]
-        if s > 0:
-            reused += _put(slots, mix(row_keys[(s & row_mask) - 1]), s)
-            old[p] = _TOMB
-    return reused
+    p = start
+    while p < end:
+        m = 0
+        while p < end and m < GROUP:
+            s = old[p]
+            if s > 0:
+                vs[m] = s
+                hs[m] = mix(row_keys[(s & row_mask) - 1])
+                touch |= slots[_home(hs[m], size)]
+                old[p] = _TOMB
+                m += 1
+            p += 1
+        for j in range(m):
+            reused += _put(slots, hs[j], vs[j])
+    return reused, touch

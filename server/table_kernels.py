@@ -49,12 +49,12 @@ def erase(slots: np.ndarray, row_keys: np.ndarray, keys: np.ndarray, row_bits: i
 
 def place(slots: np.ndarray, keys: np.ndarray, rows: np.ndarray, row_bits: int, tag_mask: int) -> int:
     """Put absent keys' rows (int64) into the first free slots of their chains; tombstones reused."""
-    return int(_kernels().place(slots, _int64(keys), _int64(rows), row_bits, tag_mask))
+    return int(_kernels().place(slots, _int64(keys), _int64(rows), row_bits, tag_mask)[0])
 
 
 def move(old: np.ndarray, start: int, end: int, slots: np.ndarray, row_keys: np.ndarray, row_bits: int) -> int:
     """Move the live entries of old[start:end] into `slots` (tombstones left behind); tombstones reused."""
-    return int(_kernels().move(old, start, end, slots, row_keys, row_bits))
+    return int(_kernels().move(old, start, end, slots, row_keys, row_bits)[0])
 
 
 def mix(key: int) -> int:
