@@ -195,3 +195,24 @@ def move(old, start, end, slots, row_keys, row_bits):
         for j in range(m):
             reused += _put(slots, hs[j], vs[j])
     return reused, touch
+
+
+@njit(cache=True, nogil=True)
+def group_by_shard(keys, num_shards, order, starts):
+    """Positions of keys grouped by shard (pscluster.tables.shard_of), in order within a shard, into
+    order; shard i's are order[starts[i]:starts[i + 1]]. Two passes, no temporaries of the keys' size
+    but one shard number a key."""
+    n = np.uint64(num_shards)
+    shard = np.empty(keys.size, np.int32)
+    counts = np.zeros(num_shards + 1, np.int64)
+    for i in range(keys.size):
+        s = np.int32(((mix(keys[i]) >> np.uint64(32)) * n) >> np.uint64(32))
+        shard[i] = s
+        counts[s + 1] += 1
+    for i in range(num_shards):
+        counts[i + 1] += counts[i]
+    starts[:] = counts
+    for i in range(keys.size):
+        s = shard[i]
+        order[counts[s]] = i
+        counts[s] += 1

@@ -60,3 +60,12 @@ def move(old: np.ndarray, start: int, end: int, slots: np.ndarray, row_keys: np.
 def mix(key: int) -> int:
     """The compiled hash of one int64 key (pscluster.tables.mix64's value, as a Python int)."""
     return int(_kernels().mix(np.int64(key)))
+
+
+def group_by_shard(keys: np.ndarray, num_shards: int) -> list[np.ndarray]:
+    """For each of num_shards shards, the positions (ascending) of the keys that pscluster.tables.shard_of
+    places on it: one compiled pass instead of the hash's numpy temporaries and a scan per shard."""
+    order = np.empty(keys.size, np.int64)
+    starts = np.empty(num_shards + 1, np.int64)
+    _kernels().group_by_shard(_int64(keys), num_shards, order, starts)
+    return [order[starts[i]:starts[i + 1]] for i in range(num_shards)]

@@ -22,9 +22,9 @@ from __future__ import annotations
 import pathlib
 
 import numpy as np
+from pscluster.server import table_kernels as kernels
 from pscluster.server.dynamic_table import REMOVED_LOG_LIMIT as REMOVED_LOG_LIMIT
 from pscluster.server.dynamic_table import DynamicTable, TableStats
-from pscluster.server.hash_index import shard_of
 from pscluster.server.rows import argsort_unique, as_run, take_rows
 
 from pscluster.errors import FailedPreconditionError, InvalidArgumentError
@@ -46,14 +46,15 @@ def _row_arrays(table: DynamicTable) -> dict[str, np.ndarray]:
     return arrays
 
 
-def _rows_state(table: DynamicTable, rows: np.ndarray, ordered: bool = True) -> State:
+def _rows_state(table: DynamicTable, rows: np.ndarray | slice, ordered: bool = True) -> State:
     keys = table.index.row_keys[:table.index.high_water]
-    if ordered:
-        rows = rows[argsort_unique(keys[rows])]  # live keys are distinct
-    at = rows if ordered else as_run(rows)  # unordered, no holes: slices, views of the table's arrays
-    state: State = {"keys": keys[at] if isinstance(at, slice) else take_rows(keys, rows)}
+    at: np.ndarray | slice = rows
+    if not isinstance(rows, slice):
+        order = rows[argsort_unique(keys[rows])] if ordered else rows  # live keys are distinct
+        at = order if ordered else as_run(order)  # unordered, no holes: slices, views of the table's arrays
+    state: State = {"keys": keys[at] if isinstance(at, slice) else take_rows(keys, at)}
     for name, arr in _row_arrays(table).items():
-        state[name] = arr[at] if isinstance(at, slice) else take_rows(arr, rows)
+        state[name] = arr[at] if isinstance(at, slice) else take_rows(arr, at)
     for name, arr in table.filter.state().items():
         state[_FILTER + name] = arr
     s = table.stats
@@ -65,7 +66,10 @@ def snapshot(table: DynamicTable, ordered: bool = True) -> State:
     """Every live key with its row, slots, metadata and the admission filter (hold table.lock): copies,
     keys sorted; or with ordered=False, in row order and views of the table's arrays where its rows have
     no holes (valid until the table changes: write them before letting go of the lock)."""
-    return _rows_state(table, table.index.live_rows(), ordered)
+    index = table.index
+    if not ordered and index.live == index.high_water:  # no holes: rows 0 .. live - 1, no scan of the flags
+        return _rows_state(table, slice(0, index.live), ordered)
+    return _rows_state(table, index.live_rows(), ordered)
 
 
 def mark(table: DynamicTable) -> None:
@@ -184,11 +188,10 @@ def split(states: list[State], num_shards: int) -> list[tuple[State, np.ndarray]
         else:
             merged[name] = parts[0] if len(parts) == 1 else np.concatenate(parts)
     out: list[tuple[State, np.ndarray]] = []
-    row_shard = shard_of(merged["keys"], num_shards) if num_shards > 1 else None
-    pend_shard = shard_of(merged.get(_FILTER + "pending_keys", np.zeros(0, np.int64)), num_shards)
+    row_shards = kernels.group_by_shard(merged["keys"], num_shards)
+    pend_shards = kernels.group_by_shard(merged.get(_FILTER + "pending_keys", np.zeros(0, np.int64)), num_shards)
     for i in range(num_shards):
-        rows = np.arange(merged["keys"].size) if row_shard is None else np.flatnonzero(row_shard == i)
-        pend = np.flatnonzero(pend_shard == i)
+        rows, pend = row_shards[i], pend_shards[i]
         part: State = {}
         for name, arr in merged.items():
             if name == "meta":
@@ -221,7 +224,7 @@ def load(table: DynamicTable, state: State, where: np.ndarray | None = None) -> 
     Raises:
         InvalidArgumentError: the table is not empty, or the state does not fit its config.
     """
-    keys = state["keys"] if where is None else state["keys"][where]
+    keys = state["keys"] if where is None else take_rows(state["keys"], where)
     if table.live:
         raise InvalidArgumentError(f"{table.name}: restore needs an empty table, this one holds {table.live} keys")
     if keys.size > table.cfg.capacity:

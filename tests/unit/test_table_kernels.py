@@ -24,3 +24,16 @@ def test_a_key_found_only_past_its_bucket_or_behind_a_false_tag_match_is_still_f
     np.testing.assert_array_equal(index.lookup(same[::-1][:33]), rows[::-1][:33])  # groups of 32 and a tail
     index.remove(rows[:5])
     np.testing.assert_array_equal(index.lookup(same), np.concatenate([[-1] * 5, rows[5:]]))
+
+
+def test_grouping_by_shard_gives_each_shard_exactly_the_keys_shard_of_places_there_in_order() -> None:
+    from pscluster.tables import shard_of
+
+    keys = np.concatenate([np.array([0, -1, 2**63 - 1, -(2**63)], np.int64),
+                           np.random.default_rng(2).integers(-(2**63), 2**63 - 1, 5_000, dtype=np.int64)])
+    for n in (1, 2, 3, 7):
+        parts = table_kernels.group_by_shard(keys, n)
+        assert len(parts) == n
+        for i, part in enumerate(parts):
+            np.testing.assert_array_equal(part, np.flatnonzero(shard_of(keys, n) == i))
+    assert [p.size for p in table_kernels.group_by_shard(keys[:0], 3)] == [0, 0, 0]
