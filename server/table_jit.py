@@ -216,3 +216,33 @@ def group_by_shard(keys, num_shards, order, starts):
         s = shard[i]
         order[counts[s]] = i
         counts[s] += 1
+
+
+@njit(cache=True, nogil=True)
+def repeated(keys, out):
+    """out[i] = whether keys[i] occurs more than once in keys; returns how many such positions. One pass
+    through a hash set of twice the keys' size (positions + 1, 0 empty)."""
+    size = 1
+    while size < 2 * keys.size:
+        size *= 2
+    mask = size - 1
+    seen = np.zeros(size, np.int64)
+    count = 0
+    for i in range(keys.size):
+        key = keys[i]
+        p = np.int64(mix(key) & np.uint64(mask))
+        while True:
+            j = seen[p] - 1
+            if j < 0:
+                seen[p] = i + 1
+                out[i] = False
+                break
+            if keys[j] == key:
+                if not out[j]:
+                    out[j] = True
+                    count += 1
+                out[i] = True
+                count += 1
+                break
+            p = (p + 1) & mask
+    return count

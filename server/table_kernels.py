@@ -69,3 +69,9 @@ def group_by_shard(keys: np.ndarray, num_shards: int) -> list[np.ndarray]:
     starts = np.empty(num_shards + 1, np.int64)
     _kernels().group_by_shard(_int64(keys), num_shards, order, starts)
     return [order[starts[i]:starts[i + 1]] for i in range(num_shards)]
+
+
+def repeated(keys: np.ndarray) -> np.ndarray | None:
+    """Whether each key occurs more than once in keys (bool array); None when every key is unique."""
+    out = np.empty(keys.size, np.bool_)
+    return out if _kernels().repeated(_int64(keys), out) else None

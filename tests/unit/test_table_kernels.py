@@ -37,3 +37,13 @@ def test_grouping_by_shard_gives_each_shard_exactly_the_keys_shard_of_places_the
         for i, part in enumerate(parts):
             np.testing.assert_array_equal(part, np.flatnonzero(shard_of(keys, n) == i))
     assert [p.size for p in table_kernels.group_by_shard(keys[:0], 3)] == [0, 0, 0]
+
+
+def test_repeated_marks_every_occurrence_of_a_key_that_occurs_twice_or_more() -> None:
+    keys = np.array([5, -1, 5, 0, 2**63 - 1, -1, 7, 5, -(2**63)], np.int64)
+    np.testing.assert_array_equal(table_kernels.repeated(keys), [1, 1, 1, 0, 0, 1, 0, 1, 0])
+    assert table_kernels.repeated(np.array([3, 1, 2], np.int64)) is None
+    assert table_kernels.repeated(np.zeros(0, np.int64)) is None
+    many = np.random.default_rng(3).integers(-50, 50, 1_000).astype(np.int64)
+    _, inverse, counts = np.unique(many, return_inverse=True, return_counts=True)
+    np.testing.assert_array_equal(table_kernels.repeated(many), counts[inverse] > 1)
