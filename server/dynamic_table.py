@@ -136,12 +136,8 @@ def sum_duplicates(keys: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.
     in_dup = kernels.repeated(keys)  # one compiled pass: a sort and an isin cost 230 ns a key here
     if in_dup is None:
         return keys, ones, grads
-    single = ~in_dup
-    dup_keys, dup_counts, order, starts = group_keys(keys[in_dup])
-    parts = grads[in_dup][order].astype(np.float64)
-    dup_sums = np.add.reduceat(parts, starts, axis=0).astype(grads.dtype)
-    return (np.concatenate([keys[single], dup_keys]), np.concatenate([ones[single], dup_counts]),
-            np.concatenate([grads[single], dup_sums]))
+    uniq, counts, summed = kernels.sum_repeated(keys, grads.reshape(keys.size, -1), in_dup)
+    return uniq, counts, summed.reshape((-1,) + grads.shape[1:])
 
 
 class DynamicTable:

@@ -246,3 +246,43 @@ def repeated(keys, out):
                 break
             p = (p + 1) & mask
     return count
+
+
+@njit(cache=True, nogil=True)
+def sum_repeated(keys, grads, in_dup):
+    """(keys, counts, gradients): the keys not marked in in_dup in their order with their rows, then the
+    marked ones once each, ascending, each with its rows summed in float64 in arrival order (then cast)."""
+    n, dim = grads.shape
+    dup_at = np.flatnonzero(in_dup)
+    order = dup_at[np.argsort(keys[dup_at], kind="mergesort")]  # stable: arrival order within a key
+    groups = 0
+    for j in range(order.size):
+        if j == 0 or keys[order[j]] != keys[order[j - 1]]:
+            groups += 1
+    singles = n - dup_at.size
+    out_keys = np.empty(singles + groups, np.int64)
+    out_counts = np.ones(singles + groups, np.int64)
+    out_grads = np.empty((singles + groups, dim), grads.dtype)
+    k = 0
+    for i in range(n):
+        if not in_dup[i]:
+            out_keys[k] = keys[i]
+            out_grads[k, :] = grads[i, :]
+            k += 1
+    acc = np.zeros(dim, np.float64)
+    j = 0
+    while j < order.size:
+        key = keys[order[j]]
+        acc[:] = 0.0
+        count = 0
+        while j < order.size and keys[order[j]] == key:
+            for d in range(dim):
+                acc[d] += np.float64(grads[order[j], d])
+            count += 1
+            j += 1
+        out_keys[k] = key
+        out_counts[k] = count
+        for d in range(dim):
+            out_grads[k, d] = acc[d]
+        k += 1
+    return out_keys, out_counts, out_grads

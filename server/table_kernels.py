@@ -75,3 +75,10 @@ def repeated(keys: np.ndarray) -> np.ndarray | None:
     """Whether each key occurs more than once in keys (bool array); None when every key is unique."""
     out = np.empty(keys.size, np.bool_)
     return out if _kernels().repeated(_int64(keys), out) else None
+
+
+def sum_repeated(keys: np.ndarray, grads: np.ndarray, in_dup: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(keys, counts, gradient rows): the keys not in_dup in order, then each in_dup key once, ascending,
+    its rows summed in float64 in arrival order and cast back (grads: 2-D float32 or float64)."""
+    k, c, g = _kernels().sum_repeated(_int64(keys), np.ascontiguousarray(grads), in_dup)
+    return k, c, g

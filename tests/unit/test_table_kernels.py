@@ -1,6 +1,7 @@
 """The hash index's compiled loops (server/table_jit.py) agree with the numpy definitions they replace."""
 
 import numpy as np
+import pytest
 from pscluster.server import table_kernels
 from pscluster.server.hash_index import HashIndex, home_slot
 
@@ -47,3 +48,28 @@ def test_repeated_marks_every_occurrence_of_a_key_that_occurs_twice_or_more() ->
     many = np.random.default_rng(3).integers(-50, 50, 1_000).astype(np.int64)
     _, inverse, counts = np.unique(many, return_inverse=True, return_counts=True)
     np.testing.assert_array_equal(table_kernels.repeated(many), counts[inverse] > 1)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_repeats_are_summed_in_float64_in_arrival_order_as_a_dict_would(dtype) -> None:
+    """A dict of float64 sums, one part after another: for float64 rows the order of the additions shows
+    (numpy's reduceat adds runs of 8 or more parts pairwise)."""
+    rng = np.random.default_rng(4)
+    keys = rng.integers(-20, 20, 500).astype(np.int64)
+    grads = (rng.standard_normal((500, 3)) * 10.0 ** rng.integers(-6, 6, (500, 1))).astype(dtype)
+    in_dup = table_kernels.repeated(keys)
+    got_keys, got_counts, got = table_kernels.sum_repeated(keys, grads, in_dup)
+    sums: dict[int, list[float]] = {}
+    counts: dict[int, int] = {}
+    for k, g in zip(keys[in_dup].tolist(), grads[in_dup].astype(np.float64)):
+        acc = sums.setdefault(k, [0.0, 0.0, 0.0])
+        for d in range(3):
+            acc[d] += float(g[d])
+        counts[k] = counts.get(k, 0) + 1
+    singles = int((~in_dup).sum())
+    order = sorted(sums)
+    np.testing.assert_array_equal(got_keys, np.concatenate([keys[~in_dup], np.array(order, np.int64)]))
+    np.testing.assert_array_equal(got_counts, [1] * singles + [counts[k] for k in order])
+    assert got.dtype == dtype
+    assert got[singles:].tobytes() == np.array([sums[k] for k in order], np.float64).astype(dtype).tobytes()
+    assert got[:singles].tobytes() == grads[~in_dup].tobytes()
