@@ -14,12 +14,30 @@ from types import ModuleType
 import numpy as np
 
 _jit: ModuleType | None = None
+_warm = False
 
 
 def load() -> None:
-    """Import the compiled kernels now (numba and its disk cache: about 1 s in a fresh process), so a
-    table's first pull does not pay it inside a request."""
-    _kernels()
+    """Import the compiled kernels and run each once on a few keys, so that a table's first pull pays none
+    of it: numba's import and the load of the cached code (about 1 s in a fresh process here), or, in a
+    checkout with no cache yet, their compile (seconds)."""
+    global _warm
+    if _warm:
+        return
+    keys = np.arange(4, dtype=np.int64)
+    slots, old = np.zeros(64, np.int32), np.zeros(64, np.int32)
+    row_keys = np.zeros(8, np.int64)
+    row_keys[:4] = keys
+    place(slots, keys, keys, 4, 7)
+    lookup(slots, old, row_keys, keys, 4, 7)
+    move(slots, 0, 64, old, row_keys, 4)
+    erase(old, row_keys, keys[:1], 4, 7)
+    twice = np.concatenate([keys, keys])
+    for dtype in (np.float32, np.float64):  # the dtypes a dynamic table has
+        sum_repeated(twice, np.zeros((8, 2), dtype), np.ones(8, np.bool_))
+    repeated(twice)
+    group_by_shard(keys, 2)
+    _warm = True
 
 
 def _kernels() -> ModuleType:

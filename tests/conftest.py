@@ -10,6 +10,15 @@ os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 
+def pytest_sessionstart(session):
+    """Compile the dynamic tables' kernels into their disk cache once, before any test: in a fresh
+    checkout the first PS daemon to create a table would otherwise compile them (seconds, more on 2
+    busy cores) while its client waits on a deadline; with the cache every process loads them."""
+    from pscluster.server import table_kernels
+
+    table_kernels.load()
+
+
 @pytest.fixture
 def fresh_cluster(tmp_path):
     """Factory for LocalClusters that are stopped at the end of the test."""
