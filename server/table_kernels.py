@@ -47,9 +47,17 @@ def _kernels() -> ModuleType:
     return _jit
 
 
+def _plain(a: np.ndarray) -> np.ndarray:
+    """a as a C-contiguous, aligned, writable array (a itself when it is one). numba compiles one version
+    per kind of array: a read-only one (keys and gradients read from a request's buffer are) or an
+    unaligned one would be compiled anew inside that request (seconds), so they are copied instead."""
+    a = np.ascontiguousarray(a)
+    return a if a.flags.writeable and a.flags.aligned else a.copy()
+
+
 def _int64(a: np.ndarray) -> np.ndarray:
-    """a as a contiguous int64 array (a itself when it is one): one compiled version per kernel."""
-    return np.ascontiguousarray(a, np.int64)
+    """a as a plain int64 array (see _plain)."""
+    return _plain(np.asarray(a, np.int64))
 
 
 def lookup(slots: np.ndarray, old: np.ndarray, row_keys: np.ndarray, keys: np.ndarray, row_bits: int,
@@ -98,5 +106,5 @@ def repeated(keys: np.ndarray) -> np.ndarray | None:
 def sum_repeated(keys: np.ndarray, grads: np.ndarray, in_dup: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(keys, counts, gradient rows): the keys not in_dup in order, then each in_dup key once, ascending,
     its rows summed in float64 in arrival order and cast back (grads: 2-D float32 or float64)."""
-    k, c, g = _kernels().sum_repeated(_int64(keys), np.ascontiguousarray(grads), in_dup)
+    k, c, g = _kernels().sum_repeated(_int64(keys), _plain(grads), in_dup)
     return k, c, g

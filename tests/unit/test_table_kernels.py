@@ -73,3 +73,25 @@ def test_repeats_are_summed_in_float64_in_arrival_order_as_a_dict_would(dtype) -
     assert got.dtype == dtype
     assert got[singles:].tobytes() == np.array([sums[k] for k in order], np.float64).astype(dtype).tobytes()
     assert got[:singles].tobytes() == grads[~in_dup].tobytes()
+
+
+def test_read_only_keys_and_gradients_run_the_versions_load_compiled_not_new_ones() -> None:
+    """A request's keys and gradients are read-only views of its buffer: numba would compile a version
+    for those inside the request (seconds on a PS, past a client's socket timeout on a busy machine)."""
+    table_kernels.load()
+    jit = table_kernels._kernels()
+    names = ("lookup", "place", "erase", "move", "repeated", "sum_repeated", "group_by_shard")
+    before = {name: len(getattr(jit, name).signatures) for name in names}
+    keys = np.frombuffer(np.array([3, 1, 3, 2], np.int64).tobytes(), np.int64)
+    assert not keys.flags.writeable
+    for dtype in (np.float32, np.float64):
+        grads = np.frombuffer(np.ones((4, 2), dtype).tobytes(), dtype).reshape(4, 2)
+        in_dup = table_kernels.repeated(keys)
+        assert in_dup is not None and in_dup.tolist() == [True, False, True, False]
+        table_kernels.sum_repeated(keys, grads, in_dup)
+    index = HashIndex(capacity=16)
+    rows = index.insert(keys[1:])
+    np.testing.assert_array_equal(index.lookup(keys), [rows[1], rows[0], rows[1], rows[2]])
+    index.remove(rows[:1])
+    table_kernels.group_by_shard(keys, 3)
+    assert {name: len(getattr(jit, name).signatures) for name in names} == before
