@@ -23,7 +23,7 @@ _EMPTY = np.int32(0)
 _TOMB = np.int32(-1)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True)
 def mix(key):
     """mix64 of one int64 key (uint64)."""
     z = np.uint64(key) + _INC
@@ -32,17 +32,17 @@ def mix(key):
     return z ^ (z >> _S31)
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True)
 def _tag(h, row_bits, tag_mask):
     return np.int32(((h >> _S33) & tag_mask) << np.uint64(row_bits))
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True)
 def _home(h, size):
     return np.int64(h & np.uint64((size >> 3) - 1)) << 3  # the first slot of the key's 8-slot bucket
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True)
 def _probe(slots, row_keys, key, h, tag, row_mask):
     """Slot position of key in slots, -1 if absent: linear probing from its bucket's first slot to the
     first empty slot (tombstones and other keys' slots are passed)."""
@@ -135,7 +135,7 @@ def erase(slots, row_keys, keys, row_bits, tag_mask):
     return found
 
 
-@njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True)
 def _put(slots, h, value):
     """value into the first free (empty or deleted) slot of h's chain; 1 if it was a tombstone."""
     mask = slots.size - 1
