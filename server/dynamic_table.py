@@ -7,9 +7,9 @@ no slot outlives its row. Arrays are reserved at the shard's capacity with np.ze
 a page when it is first written), so growing never copies rows.
 
 A push validates everything and plans its evictions before it changes anything; then it sums the
-gradients of duplicate keys (in float64, in key order: the result does not depend on the order of
-arrival), admits, makes room, and applies the table's optimizer through the PS's sparse kernel
-(server/optimizers.py) with this table's slot arrays. `t` is the table's push count, as for fixed
+gradients of duplicate keys (in float64, in arrival order: server/table_kernels.sum_repeated), admits,
+makes room, and applies the table's optimizer through the PS's sparse kernel (server/optimizers.py)
+with this table's slot arrays. `t` is the table's push count, as for fixed
 tables. Callers hold `lock` (the store does); checkpoints live in server/table_state.py.
 """
 

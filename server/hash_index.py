@@ -75,7 +75,7 @@ class HashIndex:
         self._next_row = 0
         self.live = 0
         self._tombs = 0
-        self._slots = np.zeros(_pow2(slots), np.int32)
+        self._slots = np.zeros(max(BUCKET, _pow2(slots)), np.int32)  # a home is a whole bucket
         self._old: np.ndarray | None = None  # the slot table being moved out of, searched after _slots
         self._cursor = 0  # old slots below it are moved (tombstones now)
         self._spare: np.ndarray | None = None  # the next slot table, its pages committed below _spare_done

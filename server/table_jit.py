@@ -140,11 +140,14 @@ def _put(slots, h, value):
     """value into the first free (empty or deleted) slot of h's chain; 1 if it was a tombstone."""
     mask = slots.size - 1
     p = _home(h, slots.size)
-    while slots[p] > 0:  # the table is at most half full: a free slot comes
+    for _ in range(slots.size):  # the table is at most half full: a free slot comes
+        if slots[p] <= 0:
+            reused = 1 if slots[p] == _TOMB else 0
+            slots[p] = value
+            return reused
         p = (p + 1) & mask
-    reused = 1 if slots[p] == _TOMB else 0
-    slots[p] = value
-    return reused
+    # a broken invariant must fail the call, not spin without the GIL under the shard's lock
+    raise RuntimeError("hash index has no free slot: the index keeps at most half of its slots in use")
 
 
 @njit(cache=True, nogil=True)

@@ -13,6 +13,8 @@ from types import ModuleType
 
 import numpy as np
 
+from pscluster.errors import FailedPreconditionError
+
 _jit: ModuleType | None = None
 _warm = False
 
@@ -43,7 +45,12 @@ def load() -> None:
 def _kernels() -> ModuleType:
     global _jit
     if _jit is None:
-        _jit = importlib.import_module("pscluster.server.table_jit")
+        try:
+            _jit = importlib.import_module("pscluster.server.table_jit")
+        except (ImportError, RuntimeError) as exc:  # numba missing, or no cache folder it may write to
+            raise FailedPreconditionError(
+                f"dynamic tables need numba>=0.68 (pip install 'numba>=0.68') and a cache folder it can write "
+                f"(beside pscluster/server/table_jit.py, or set NUMBA_CACHE_DIR): {exc}") from exc
     return _jit
 
 
@@ -52,6 +59,8 @@ def _plain(a: np.ndarray) -> np.ndarray:
     per kind of array: a read-only one (keys and gradients read from a request's buffer are) or an
     unaligned one would be compiled anew inside that request (seconds), so they are copied instead."""
     a = np.ascontiguousarray(a)
+    if not a.dtype.isnative:
+        a = a.astype(a.dtype.newbyteorder("="))
     return a if a.flags.writeable and a.flags.aligned else a.copy()
 
 

@@ -95,3 +95,31 @@ def test_read_only_keys_and_gradients_run_the_versions_load_compiled_not_new_one
     index.remove(rows[:1])
     table_kernels.group_by_shard(keys, 3)
     assert {name: len(getattr(jit, name).signatures) for name in names} == before
+
+
+def test_an_index_asked_for_fewer_slots_than_a_bucket_gets_a_whole_bucket_not_an_out_of_bounds_write() -> None:
+    index = HashIndex(capacity=100, slots=4)
+    rows = index.insert(np.array([1, 2, -1, 2**63 - 1], np.int64))
+    np.testing.assert_array_equal(index.lookup(np.array([2**63 - 1, 1, 3], np.int64)), [rows[3], rows[0], -1])
+
+
+def test_big_endian_keys_and_gradients_are_read_as_their_values_not_rejected_or_misread() -> None:
+    keys = np.array([5, 7, 5], np.int64)
+    grads = np.arange(6, dtype=np.float32).reshape(3, 2)
+    dup = table_kernels.repeated(keys)
+    assert dup is not None
+    native = table_kernels.sum_repeated(keys, grads, dup)
+    swapped = table_kernels.sum_repeated(keys.astype(">i8"), grads.astype(">f4"), dup)
+    for a, b in zip(native, swapped):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_missing_numba_is_a_precise_failed_precondition_naming_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from pscluster.errors import FailedPreconditionError
+    monkeypatch.setitem(sys.modules, "numba", None)  # `import numba` raises ImportError
+    monkeypatch.delitem(sys.modules, "pscluster.server.table_jit", raising=False)
+    monkeypatch.setattr(table_kernels, "_jit", None)
+    with pytest.raises(FailedPreconditionError, match=r"numba>=0.68.*NUMBA_CACHE_DIR"):
+        table_kernels.mix(1)
