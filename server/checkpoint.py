@@ -67,9 +67,11 @@ def _fsync_dir(path: pathlib.Path) -> None:
 
 def save(store: VariableStore, root: pathlib.Path, step: int, ps_index: int, num_ps: int,
          keep: int, extra: dict[str, object] | None = None,
-         holds: Callable[[Key], bool] | None = None) -> pathlib.Path:
+         holds: Callable[[Key], bool] | None = None,
+         epochs: Callable[[Key], int] | None = None) -> pathlib.Path:
     """Write this task's shards at `step` atomically, then prune to the newest `keep` steps; `holds`: the
-    shards to write (None: all; replicas: 2 leaves out copies the replica table gives this task no role for)."""
+    shards to write (None: all; replicas: 2 leaves out copies the replica table gives this task no role for);
+    `epochs`: each copy's replica epoch, saved with it (None: 0), which ranks it before its version on restore."""
     step_dir = root / f"step-{step:012d}"
     step_dir.mkdir(parents=True, exist_ok=True)
     final = step_dir / f"ps-{ps_index}-of-{num_ps}.safetensors"
@@ -88,7 +90,8 @@ def save(store: VariableStore, root: pathlib.Path, step: int, ps_index: int, num
                 for name, slot in shard.slots.items():
                     tensors[f"{base}/slot/{name}"] = slot
                 spec = {**asdict(shard.spec), "optimizer": shard.spec.optimizer.to_dict()}
-                entry: dict[str, object] = {"spec": spec, "version": shard.version, "applied": shard.record.state()}
+                entry: dict[str, object] = {"spec": spec, "version": shard.version, "applied": shard.record.state(),
+                                            "epoch": epochs(shard.spec.key) if epochs is not None else 0}
                 if shard.table is not None:  # live keys only (or the rows changed since the last save), slots,
                     tables.append(shard.table)  # metadata and admission state
                     state, chain = table_state.for_checkpoint(shard.table, step)
@@ -226,15 +229,18 @@ def restore(store: VariableStore, root: pathlib.Path, ps_index: int, num_ps: int
     of the step lists it: the task held the shard then, as primary or backup, wherever elastic moves and
     failovers had put it, and the replica table may name it to bring the shard back (both copies died).
     A shard saved by several tasks (a primary and its backup, each at its own instant) comes from its copy
-    with the highest version, the newest state saved (ties: a full table state before an increment, then
-    the lowest task index), so every restoring task takes the same copy.
+    of the newest replica epoch, then the highest version, the newest state saved (ties: a full table state
+    before an increment, then the lowest task index), so every restoring task takes the same copy. Versions
+    order a shard's copies only within one epoch: a deposed primary that still believed it led may have
+    saved an unacknowledged update at the version its promoted backup gave an acknowledged one. A file
+    written before entries carried an epoch counts its copies as epoch 0.
     """
     steps = complete_steps(root)
     if not steps:
         return None
     step, files = steps[-1]
     extra: dict[str, object] = {}
-    best: dict[str, tuple[tuple[int, int, int], int, dict[str, Any]]] = {}  # base -> (rank, file index, entry)
+    best: dict[str, tuple[tuple[int, int, int, int], int, dict[str, Any]]] = {}  # base -> (rank, index, entry)
     own: set[str] = set()
     for index, path in enumerate(files):
         with TensorFile(path) as fh:
@@ -243,7 +249,7 @@ def restore(store: VariableStore, root: pathlib.Path, ps_index: int, num_ps: int
             extra = json.loads(header.get("extra", "{}"))
         for entry in json.loads(header["shards"]):
             base = f"{entry['spec']['variable']}/{entry['spec']['shard_index']}"
-            rank = (int(entry["version"]), -len(entry.get("table_chain", [])), -index)
+            rank = (int(entry.get("epoch", 0)), int(entry["version"]), -len(entry.get("table_chain", [])), -index)
             if base not in best or rank > best[base][0]:
                 best[base] = (rank, index, entry)
             if held and index == ps_index:

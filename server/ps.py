@@ -335,7 +335,8 @@ class ParameterServerCore:
         with self._save_lock:
             extra: dict[str, object] = {"sync": self.sync.snapshot() if self.sync is not None else None}
             path = checkpoint.save(self.store, self.checkpoint_dir, step, self.ps_index, self.num_ps,
-                                   self.keep_checkpoints, extra, self._holds())
+                                   self.keep_checkpoints, extra, self._holds(),
+                                   self.replication.epoch_of if self.replication is not None else None)
             self.global_step = max(self.global_step, step)
             return path
 

@@ -148,6 +148,11 @@ class Replication(ReplicaNotes):
         with self._lock:
             return self.version, list(self._roles.values())
 
+    def epoch_of(self, key: Key) -> int:
+        """The newest replica epoch this PS knows for shard key (0: none): its copy's place among a shard's lineages."""
+        with self._lock:
+            return self._epochs.get(key, 0)
+
     def catching_up(self) -> list[Key]:
         """Shards this PS is primary of whose backup has not confirmed the whole state it was sent."""
         with self._lock:

@@ -15,7 +15,7 @@ from pscluster.server import table_state as ts
 from pscluster.server.ps import ParameterServerCore
 from pscluster.server.replication import Replication, Role
 from pscluster.server.store import PushItem, ShardSpec, VariableStore, ensure_created
-from pscluster.server.tensor_files import TensorFile
+from pscluster.server.tensor_files import TensorFile, write
 
 from pscluster.optimizers import Adagrad, Adam
 from pscluster.tables import TableConfig
@@ -165,3 +165,64 @@ def test_a_restored_copy_the_table_places_elsewhere_is_dropped_and_a_stale_copy_
     with TensorFile(tmp_path / "step-000000000020" / "ps-2-of-3.safetensors") as fh:
         saved = [(e["spec"]["variable"], e["spec"]["shard_index"]) for e in json.loads(fh.metadata()["shards"])]
     assert saved == [SPECS[6].key]
+
+
+def _diverged(root, epochs: list[int]) -> tuple[list[VariableStore], ShardSpec]:
+    """PS 0, a deposed primary that still believed it led, applied an unacknowledged push A; PS 1, its promoted
+    backup, applied the acknowledged push B: both copies at version 3. Each saves with its epoch."""
+    spec = SPECS[0]
+    stores = [VariableStore() for _ in range(P)]
+    for store, fill in ((stores[0], 100.0), (stores[1], -100.0)):
+        copy_at(store, spec, 2)
+        store.push("A" if fill > 0 else "B", [PushItem(spec.key, np.full(spec.shape, fill, np.float32))])
+    assert stores[0].get(spec.key).version == stores[1].get(spec.key).version == 3
+    for i, store in enumerate(stores):
+        checkpoint.save(store, root, 10, i, P, keep=5, epochs=lambda _, e=epochs[i]: e)
+    return stores, spec
+
+
+def test_restore_takes_the_newest_epochs_copy_not_a_deposed_primarys_diverged_one_at_the_same_version(tmp_path):
+    stores, spec = _diverged(tmp_path, [4, 5, 0])
+    for ps in range(P):
+        fresh = VariableStore()
+        checkpoint.restore(fresh, tmp_path, ps, P, held=True)
+        if fresh.find(spec.key) is not None:
+            assert_same(stores[1], fresh, spec.key)  # the promoted backup's: the acknowledged push B
+    # a newer epoch wins over a higher version too: the deposed primary's extra updates were never acknowledged
+    stores[0].push("A2", [PushItem(spec.key, np.ones(spec.shape, np.float32))])
+    checkpoint.save(stores[0], tmp_path, 10, 0, P, keep=5, epochs=lambda _: 4)
+    fresh = VariableStore()
+    checkpoint.restore(fresh, tmp_path, 0, P)
+    assert_same(stores[1], fresh, spec.key)
+
+
+def test_a_ps_saves_each_copys_replica_epoch_from_its_replication(tmp_path):
+    cores = [_core(tmp_path, ps) for ps in range(P)]
+    spec = SPECS[0]
+    for core, fill in ((cores[0], 100.0), (cores[1], -100.0)):
+        copy_at(core.store, spec, 2)
+        core.store.push("A" if fill > 0 else "B", [PushItem(spec.key, np.full(spec.shape, fill, np.float32))])
+    # ps 0 has not heard of the failover (the keeper's SetRoles comes after the save): it still leads epoch 4
+    cores[0].replication.set_roles(1, [Role(spec.key, 4, 0, -1)])  # (its backup link is left out here)
+    cores[1].replication.set_roles(2, [Role(spec.key, 5, 1, -1)])
+    for core in cores:
+        core.save(10)
+    fresh = VariableStore()
+    checkpoint.restore(fresh, tmp_path, 0, P)
+    assert_same(cores[1].store, fresh, spec.key)
+
+
+def test_a_checkpoint_written_before_entries_carried_an_epoch_still_loads_as_epoch_0(tmp_path):
+    stores, spec = _diverged(tmp_path, [0, 7, 0])
+    for i in range(P):  # strip the field, as an older pscluster wrote the files
+        path = tmp_path / "step-000000000010" / f"ps-{i}-of-{P}.safetensors"
+        with TensorFile(path) as fh:
+            header, tensors = fh.metadata(), {k: fh.get(k) for k in fh.keys()}
+        shards = json.loads(header["shards"])
+        assert all("epoch" in e for e in shards)
+        header["shards"] = json.dumps([{k: v for k, v in e.items() if k != "epoch"} for e in shards])
+        path.unlink()
+        write(path, tensors, header)
+    fresh = VariableStore()
+    assert checkpoint.restore(fresh, tmp_path, 0, P).shards == 1
+    assert_same(stores[0], fresh, spec.key)  # every copy epoch 0: the version, then the lowest task index
