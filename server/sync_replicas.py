@@ -145,7 +145,8 @@ class SyncReplicas(SyncStateCopies):
         return self.core.global_step
 
     def configure(self, mode: str, replicas_to_aggregate: int, total_num_replicas: int, staleness: int) -> int:
-        """Switch mode; returns G. Partial accumulations are discarded."""
+        """Switch mode; returns G. Partial accumulations are discarded, unless nothing changes: then it is a
+        no-op (a PS that add_ps configures again may hold the open step's acknowledged gradients)."""
         if mode not in MODES:
             raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
         if mode == "sync" and not 1 <= replicas_to_aggregate <= total_num_replicas:
@@ -158,6 +159,11 @@ class SyncReplicas(SyncStateCopies):
         event = tok.Configure(checked, replicas_to_aggregate, total_num_replicas, staleness)
         replication = self._replication()
         with self._cond:
+            state = self._state
+            r = max(1, replicas_to_aggregate)
+            if (state.mode, state.replicas_to_aggregate, state.total_num_replicas, state.staleness) == \
+                    (checked, r, max(r, total_num_replicas), staleness):
+                return self.core.global_step
             self._acc.clear()
             self._settled.clear()
             self._marks.clear()

@@ -165,3 +165,17 @@ def test_bounded_worker_with_nothing_to_run_stops_holding_the_others_back():
         sync.take_token(4, "busy", 0.0)  # step 3 would be 2 ahead of idle's completed step
     now[0] += 2.5  # past the lease: "idle" no longer counts as the slowest
     assert sync.take_token(4, "busy", 1.0) == (3, 0)
+
+
+def test_configuring_the_same_settings_again_mid_step_keeps_the_steps_accumulated_gradients():
+    core, sync = core_with()
+    sync.configure("sync", 2, 2, 0)
+    assert sync.take_token(1, "", 1.0)[0] == 0 and sync.take_token(2, "", 1.0)[0] == 0
+    core.push("c1.0", 0, [PushItem(("w", 0), np.full((4, 3), 1.0))])  # acknowledged: it waits in the accumulator
+    assert sync.configure("sync", 2, 2, 0) == 0  # add_ps configures a PS that holds the open step
+    core.push("c2.0", 0, [PushItem(("w", 0), np.full((4, 3), 3.0))])
+    value, version = core.store.pull(("w", 0))
+    np.testing.assert_allclose(value, np.ones((4, 3)) - 0.1 * 2.0)  # the mean of both gradients applied
+    assert version == 1
+    sync.configure("sync", 1, 2, 0)  # a real change still starts over
+    assert sync.replicas_to_aggregate == 1
