@@ -57,17 +57,23 @@ class ParameterServerCore:
         self.gate = ShardGate(ps_index)  # shards frozen while they move to another PS (server/handoff.py)
         self.addresses: list[str] = []  # the PS list (the cluster file's, then the coordinator's: ps_book.py)
         self.ps_epoch = 0
+        self._ps_list_lock = threading.Lock()  # addresses, ps_epoch, num_ps: check-and-set (never held over I/O)
         # replicas: 2: shards a restore loaded that no replica table has named this PS for yet (restore)
         self._unclaimed: set[tuple[str, int]] = set()
 
     def take_ps_list(self, addresses: Sequence[str], epoch: int) -> None:
         """The coordinator's PS list (it rides SetRoles): replication links to a PS that joined, and the P
         of checkpoint file names, follow it. An empty or older list changes nothing."""
-        if addresses and epoch >= self.ps_epoch:
-            changed = list(addresses) != self.addresses
-            self.addresses, self.ps_epoch, self.num_ps = list(addresses), epoch, len(addresses)
-            if changed and self.links is not None:  # before a move makes this PS anyone's primary (link_pool.py)
-                self.links.prepare(self.addresses, self.own_address())
+        now = list(addresses)
+        if not now:
+            return
+        with self._ps_list_lock:  # a keeper round's SetRoles and an elastic reassign's may race: newest wins
+            if epoch < self.ps_epoch:
+                return
+            changed = now != self.addresses
+            self.addresses, self.ps_epoch, self.num_ps = now, epoch, len(now)
+        if changed and self.links is not None:  # before a move makes this PS anyone's primary (link_pool.py)
+            self.links.prepare(now, now[self.ps_index] if 0 <= self.ps_index < len(now) else "")
 
     def own_address(self) -> str:
         """This PS's address in the PS list ('' before it is in one)."""

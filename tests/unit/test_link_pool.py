@@ -1,5 +1,7 @@
 """Replica links opened when the PS list arrives, so the SetRoles that ends a move's freeze opens none."""
 
+import threading
+
 import numpy as np
 from pscluster.server.link_pool import LinkPool
 from pscluster.server.ps import ParameterServerCore
@@ -71,3 +73,39 @@ def test_the_set_roles_that_makes_a_joined_ps_primary_opens_no_link():
     finally:
         core.replication.stop()
         pool.close()
+
+
+class SlowList(list):
+    """A PS list whose copy pauses until told to go: holds a SetRoles between its epoch check and its write."""
+
+    def __init__(self, items, entered, go):
+        super().__init__(items)
+        self.entered, self.go = entered, go
+
+    def __iter__(self):
+        self.entered.set()
+        assert self.go.wait(10.0)
+        return super().__iter__()
+
+
+def test_an_older_ps_list_applied_last_by_a_racing_set_roles_changes_nothing():
+    core = ParameterServerCore(0, 2)
+    pool, opened = counting_pool()
+    core.links = pool
+    entered, go = threading.Event(), threading.Event()
+    older = threading.Thread(target=core.take_ps_list, args=(SlowList(ADDRESSES[:2], entered, go), 4))
+    newer = threading.Thread(target=core.take_ps_list, args=(ADDRESSES, 5))
+    older.start()
+    try:
+        assert entered.wait(10.0)
+        newer.start()
+        newer.join(1.0)  # done, or waiting for the older one to finish its check-and-set
+    finally:
+        go.set()
+        older.join(10.0)
+        newer.join(10.0)
+    assert not older.is_alive() and not newer.is_alive()
+    assert (core.addresses, core.ps_epoch, core.num_ps) == (ADDRESSES, 5, 3)
+    live = sorted(link.address for link in opened if not link.closed)
+    assert live == ADDRESSES[1:]  # the links follow the newest list: ps 2's was not closed by the older one
+    pool.close()
