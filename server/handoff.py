@@ -90,6 +90,7 @@ class ShardGate:
 
         Raises:
             DeadlineExceededError: no push was admitted or finished for lease_s (the shard is thawed).
+            UnavailableError: the shard was thawed (`thaw`) while the freeze waited; it stays thawed.
         """
         with self._cond:
             deadline = self._frozen[key] = self._clock() + lease_s
@@ -100,7 +101,12 @@ class ShardGate:
             on_frozen()
         with self._cond:
             seen = 0
-            while self._waiting(key) > 0:
+            while True:
+                if key not in self._frozen:  # thawed meanwhile (the coordinator's FreezeShard timed out): the
+                    raise UnavailableError(f"{name_of(key)} was thawed on ps {self.ps_index} while its freeze "
+                                           "waited for admitted pushes; the move was abandoned")  # pushes resume
+                if self._waiting(key) <= 0:
+                    break
                 now = self._clock()
                 if self._progress[key] != seen:  # progress: the lease starts again
                     seen = self._progress[key]

@@ -308,3 +308,40 @@ def test_the_old_holder_drops_its_copy_only_once_the_table_gives_it_no_role(core
     assert not b.thaw_shard(COUNTER, drop=True)
     assert a.thaw_shard(COUNTER, drop=True) and a.store.find(COUNTER) is None
     assert b.store.find(COUNTER) is not None
+
+
+def test_a_thaw_while_the_freeze_waits_for_admitted_pushes_is_not_undone_by_their_progress() -> None:
+    gate = ShardGate(0)
+    entered, release = threading.Event(), threading.Event()
+    drained: list[float] = []
+    errors: list[BaseException] = []
+
+    def push() -> None:
+        with gate.admit([KEY]):
+            entered.set()
+            release.wait(5)
+
+    def freeze() -> None:
+        try:
+            gate.freeze(KEY, 30.0, drained.append)
+        except BaseException as e:  # noqa: BLE001 - the test inspects it
+            errors.append(e)
+
+    t = threading.Thread(target=push)
+    t.start()
+    assert entered.wait(5)
+    freezer = threading.Thread(target=freeze)
+    freezer.start()
+    deadline = time.monotonic() + 10
+    while gate.frozen() != [KEY] and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert gate.frozen() == [KEY]
+    gate.thaw([KEY])  # the coordinator's FreezeShard timed out: it gave the move up
+    release.set()  # the admitted push finishes: progress, which must not freeze the shard again
+    t.join(5)
+    freezer.join(5)
+    assert not freezer.is_alive() and not drained
+    assert len(errors) == 1 and isinstance(errors[0], UnavailableError) and "thawed" in str(errors[0])
+    assert gate.frozen() == []
+    with gate.admit([KEY]):  # pushes are admitted at once, not refused for a lease
+        pass
