@@ -59,7 +59,7 @@ class ParameterServerCore:
         self.ps_epoch = 0
         self._ps_list_lock = threading.Lock()  # addresses, ps_epoch, num_ps: check-and-set (never held over I/O)
         # replicas: 2: shards a restore loaded that no replica table has named this PS for yet (restore)
-        self._unclaimed: set[tuple[str, int]] = set()
+        self._unclaimed: dict[tuple[str, int], Shard] = {}  # key -> the restored copy (a later install is not one)
 
     def take_ps_list(self, addresses: Sequence[str], epoch: int) -> None:
         """The coordinator's PS list (it rides SetRoles): replication links to a PS that joined, and the P
@@ -93,8 +93,9 @@ class ParameterServerCore:
         _, table = replication.roles()
         named = {r.key: self.ps_index in (r.primary, r.backup) for r in table if r.key in self._unclaimed}
         for key, mine in named.items():
-            self._unclaimed.discard(key)
-            if not mine and self.store.remove(key):
+            restored = self._unclaimed.pop(key, None)  # one SetRoles of two racing ones decides each copy
+            # only the restored copy itself: a newer table's catch-up may have installed a live one meanwhile
+            if restored is not None and not mine and self.store.remove(key, only=restored):
                 log.info("ps %d: dropped the restored copy of %s[%d]: the replica table has it on other PS tasks",
                          self.ps_index, key[0], key[1])
 
@@ -114,7 +115,7 @@ class ParameterServerCore:
         held = self.replication is not None
         found = checkpoint.restore(self.store, self.checkpoint_dir, self.ps_index, self.num_ps, held=held)
         if held:
-            self._unclaimed = {s.spec.key for s in self.store.shards()}
+            self._unclaimed = {s.spec.key: s for s in self.store.shards()}
         for step, why in newer_incomplete(self.checkpoint_dir, -1 if found is None else found.step):
             log.warning("ps %d: checkpoint step %d is not complete: %s", self.ps_index, step, why)
         if found is None:

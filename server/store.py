@@ -176,9 +176,12 @@ class VariableStore:
         with self._create_lock:
             self._shards[shard.spec.key] = shard
 
-    def remove(self, key: Key) -> bool:
-        """Drop a shard this PS no longer holds (it moved away: server/handoff.py); False if it had none."""
+    def remove(self, key: Key, only: Shard | None = None) -> bool:
+        """Drop a shard this PS no longer holds (it moved away: server/handoff.py); False if it had none, or
+        (with `only`) if the shard it holds is another object than `only` (a copy installed since)."""
         with self._create_lock:
+            if only is not None and self._shards.get(key) is not only:
+                return False
             return self._shards.pop(key, None) is not None
 
     def find(self, key: Key) -> Shard | None:

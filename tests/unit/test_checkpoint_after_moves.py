@@ -226,3 +226,26 @@ def test_a_checkpoint_written_before_entries_carried_an_epoch_still_loads_as_epo
     fresh = VariableStore()
     assert checkpoint.restore(fresh, tmp_path, 0, P).shards == 1
     assert_same(stores[0], fresh, spec.key)  # every copy epoch 0: the version, then the lowest task index
+
+
+def test_dropping_an_unclaimed_restored_copy_spares_a_copy_installed_since(tmp_path):
+    stores, _ = moved_cluster()
+    save_all(stores, tmp_path, 10)
+    core = _core(tmp_path, 2)
+    assert core.restore() == 10
+    key = SPECS[2].key
+    restored = core.store.get(key)
+    live = VariableStore()
+    copy_at(live, SPECS[2], 6)
+    table_of = core.replication.roles
+
+    def roles_after_an_install():  # a newer SetRoles' catch-up installs a live copy between the read and the drop
+        core.store.install(live.get(key))
+        return table_of()
+
+    core.replication.roles = roles_after_an_install
+    core.take_roles(7, [Role(key, 5, 0, 1)], [], 0)
+    assert core.store.get(key) is live.get(key) is not restored  # the live copy stays
+    core.replication.roles = table_of
+    core.take_roles(8, [Role(key, 6, 0, 1)], [], 0)  # the copy was decided once: a later table drops nothing
+    assert core.store.find(key) is live.get(key)
