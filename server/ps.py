@@ -219,7 +219,7 @@ class ParameterServerCore:
         self.gate.freeze(key, lease_s, drain, between_steps=self.sync is not None and self.sync.accumulates)
         return int(shard.version)
 
-    def _freeze_sync_state(self, sync: Any, lease_s: float) -> int:
+    def _freeze_sync_state(self, sync: SyncHook, lease_s: float) -> int:
         """The sync state's row moves (elastic.py): refuse new token calls, wake the waiting ones (they retry on
         the new primary with the same closure id), wait for those admitted, then for the backup to hold the
         newest state; its version."""
@@ -229,7 +229,7 @@ class ParameterServerCore:
             replication.wait([(SYNC_STATE_KEY, sync.current_version())], max(0.0, deadline - time.monotonic()))
 
         self.gate.freeze(SYNC_STATE_KEY, lease_s, drain, on_frozen=sync.roles_changed)
-        return int(sync.current_version())
+        return sync.current_version()
 
     def thaw_shard(self, key: tuple[str, int], drop: bool = False) -> bool:
         """End a shard's freeze (its move switched the table, or was abandoned); drop: also remove this PS's

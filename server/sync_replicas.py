@@ -32,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 from pscluster.server import sync_tokens as tok
@@ -45,6 +45,9 @@ from pscluster.server.sync_state import SyncStateCopies
 
 from pscluster.errors import DeadlineExceededError, InvalidArgumentError, ResourceExhaustedError, UnavailableError
 from pscluster.placement import SYNC_STATE_KEY
+
+if TYPE_CHECKING:
+    from pscluster.server.replication import Replication
 
 MODES = tok.MODES
 WORKER_LEASE_S = tok.WORKER_LEASE_S
@@ -343,7 +346,7 @@ class SyncReplicas(SyncStateCopies):
         with self._admitted(replication):
             return self._take_token(replication, closure_id, worker, timeout)
 
-    def _take_token(self, replication: Any, closure_id: int, worker: str, timeout: float) -> tuple[int, int]:
+    def _take_token(self, replication: Replication | None, closure_id: int, worker: str, timeout: float) -> tuple[int, int]:
         with self._cond:
             mode = self._state.mode  # a wait keeps the rules it began with
             event: tok.TakeToken | tok.RetryToken = tok.TakeToken(closure_id, worker, self.core.global_step)
