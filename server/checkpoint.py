@@ -15,7 +15,8 @@ another host, or another container's PID namespace (a shared checkpoint volume) 
 
 A dynamic table with `increments` writes increments between full states (server/table_state.py's
 for_checkpoint): its entry names the earlier steps they build on (`table_chain`), the file header their
-union (`needs`); restore applies them in order, and pruning spares the steps a kept step needs.
+union (`needs`); restore applies them in order, from the files of the same task index *and* writing
+process (the header's `writer`: a chain lives in one process), and pruning spares the steps a kept step needs.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from pscluster.optimizer_config import config_from_dict
 from pscluster.placement import PLACEMENT_VERSION, ps_for_ordinal
 from pscluster.tables import TableConfig
 
+_PROCESS = int.from_bytes(os.urandom(6), "little")  # a save's default writer: a table's chain lives in one process
 _TMP = re.compile(r"\.ps-(\d+)-of-(\d+)\.safetensors\.tmp-\d+$")  # task, tasks; the writer's PID
 
 
@@ -68,10 +70,11 @@ def _fsync_dir(path: pathlib.Path) -> None:
 def save(store: VariableStore, root: pathlib.Path, step: int, ps_index: int, num_ps: int,
          keep: int, extra: dict[str, object] | None = None,
          holds: Callable[[Key], bool] | None = None,
-         epochs: Callable[[Key], int] | None = None) -> pathlib.Path:
+         epochs: Callable[[Key], int] | None = None, writer: int | None = None) -> pathlib.Path:
     """Write this task's shards at `step` atomically, then prune to the newest `keep` steps; `holds`: the
     shards to write (None: all; replicas: 2 leaves out copies the replica table gives this task no role for);
-    `epochs`: each copy's replica epoch, saved with it (None: 0), which ranks it before its version on restore."""
+    `epochs`: each copy's replica epoch, saved with it (None: 0), which ranks it before its version on restore;
+    `writer`: the saving process's id (None: this process's), the lineage its table increments build on."""
     step_dir = root / f"step-{step:012d}"
     step_dir.mkdir(parents=True, exist_ok=True)
     final = step_dir / f"ps-{ps_index}-of-{num_ps}.safetensors"
@@ -101,8 +104,8 @@ def save(store: VariableStore, root: pathlib.Path, step: int, ps_index: int, num
                         entry["table_chain"] = chain
                     needs.update(chain)
                 meta.append(entry)
-            header = {"placement_version": str(PLACEMENT_VERSION), "step": str(step),
-                      "shards": json.dumps(meta), "extra": json.dumps(extra or {})}
+            header = {"placement_version": str(PLACEMENT_VERSION), "step": str(step), "shards": json.dumps(meta),
+                      "extra": json.dumps(extra or {}), "writer": f"{_PROCESS if writer is None else writer:012x}"}
             if needs:
                 header["needs"] = json.dumps(sorted(needs))
             write(tmp, tensors, header)
@@ -187,27 +190,40 @@ def _table_part(files: list[pathlib.Path], base: str) -> tuple[table_state.State
                                   "increment builds on; restore an older complete step or a full one")
 
 
-def _writer_files(root: pathlib.Path, step: int, writer: int) -> list[pathlib.Path]:
-    """Task `writer`'s files in one step's directory (any task count P; complete step or not).
+def _writer_files(root: pathlib.Path, step: int, writer: int, process: str | None) -> list[pathlib.Path]:
+    """Task `writer`'s files in one step's directory (any task count P; complete step or not) that the
+    process `process` wrote (None: a file from before headers named it: any).
 
     An increment builds on its own writer's earlier saves: with replicas: 2 a primary and its backup both
     save a table shard, each with its own chain, and a copy that came to a task by an elastic move starts a
-    chain of its own there; another task's file of the same step holds another lineage."""
+    chain of its own there; another task's file of the same step holds another lineage. So may the same
+    task index's file of another process (an earlier cluster of another P left an incomplete step that this
+    one saved again): a chain never outlives its process, so the writer's process id picks the file."""
     step_dir = root / f"step-{step:012d}"
     if not step_dir.is_dir():
         return []
-    return sorted(f for f in step_dir.iterdir() if (m := TASK_FILE.match(f.name)) and int(m.group(1)) == writer)
+    files = sorted(f for f in step_dir.iterdir() if (m := TASK_FILE.match(f.name)) and int(m.group(1)) == writer)
+    return files if process is None else [f for f in files if _process_of(f) == process]
+
+
+def _process_of(path: pathlib.Path) -> str | None:
+    """The id of the process that wrote a task file (None: unreadable, or written before headers named it)."""
+    try:
+        with TensorFile(path) as fh:
+            return fh.metadata().get("writer")
+    except (OSError, ValueError, InvalidArgumentError):
+        return None
 
 
 def _table_state(root: pathlib.Path, own: table_state.State, chain: list[int], base: str,
-                 writer: int) -> table_state.State:
+                 writer: int, process: str | None) -> table_state.State:
     """A table shard's whole state: the full state of chain[0] with every later increment applied in order
     (task `writer` saved all of them)."""
     if not chain:
         return own
     # a base need not be a complete step: this task's own save of it may have landed while another task's
     # failed (the chain grows with every local save); its file is all an increment builds on
-    steps = {s: files for s in chain if (files := _writer_files(root, s, writer))}
+    steps = {s: files for s in chain if (files := _writer_files(root, s, writer, process))}
     missing = [s for s in chain if s not in steps]
     if missing:
         raise FailedPreconditionError(f"{base}: the increments saved at {chain} need steps {missing}, which are gone "
@@ -242,9 +258,11 @@ def restore(store: VariableStore, root: pathlib.Path, ps_index: int, num_ps: int
     extra: dict[str, object] = {}
     best: dict[str, tuple[tuple[int, int, int, int], int, dict[str, Any]]] = {}  # base -> (rank, index, entry)
     own: set[str] = set()
+    processes: dict[int, str | None] = {}  # file index -> the process that wrote it (its tables' lineage)
     for index, path in enumerate(files):
         with TensorFile(path) as fh:
             header = fh.metadata()
+        processes[index] = header.get("writer")
         if index == 0:
             extra = json.loads(header.get("extra", "{}"))
         for entry in json.loads(header["shards"]):
@@ -274,7 +292,8 @@ def restore(store: VariableStore, root: pathlib.Path, ps_index: int, num_ps: int
                     table = DynamicTable(TableConfig.from_json(spec.table), spec.optimizer, shard_name(spec))
                     prefix = f"{base}/table/"
                     state = {k[len(prefix):]: fh.get(k) for k in fh.keys() if k.startswith(prefix)}
-                    table_state.load(table, _table_state(root, state, entry.get("table_chain", []), base, index))
+                    chain = entry.get("table_chain", [])
+                    table_state.load(table, _table_state(root, state, chain, base, index, processes[index]))
                 store.install(Shard(spec, value, slots, entry["version"], entry["version"], record, table=table))
                 loaded += 1
     return Restored(step, loaded, extra)

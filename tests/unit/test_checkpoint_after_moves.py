@@ -249,3 +249,22 @@ def test_dropping_an_unclaimed_restored_copy_spares_a_copy_installed_since(tmp_p
     core.replication.roles = table_of
     core.take_roles(8, [Role(key, 6, 0, 1)], [], 0)  # the copy was decided once: a later table drops nothing
     assert core.store.find(key) is live.get(key)
+
+
+def test_a_table_increment_builds_on_its_own_processs_file_not_an_earlier_clusters_of_the_same_task_index(tmp_path):
+    spec = SPECS[6]
+    # an earlier cluster of 2 PS tasks left step 10 incomplete: task 1's file of it holds another lineage
+    earlier = VariableStore()
+    copy_at(earlier, spec, 1)
+    checkpoint.save(earlier, tmp_path, 10, 1, 2, keep=5, writer=1234)  # ps-1-of-2 sorts first
+    # this cluster (3 tasks, restored from an older step) saves step 10 again, then an increment on it
+    stores = [VariableStore() for _ in range(P)]
+    copy_at(stores[1], spec, 3)
+    save_all(stores, tmp_path, 10)  # task 1: full
+    push(stores[1], spec, 3)
+    save_all(stores, tmp_path, 14)  # task 1: an increment on its step 10
+    with TensorFile(tmp_path / "step-000000000014" / "ps-1-of-3.safetensors") as fh:
+        assert json.loads(fh.metadata()["shards"])[0]["table_chain"] == [10]
+    fresh = VariableStore()
+    checkpoint.restore(fresh, tmp_path, 1, P, held=True)
+    assert_same(stores[1], fresh, spec.key)
