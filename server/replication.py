@@ -149,9 +149,14 @@ class Replication(ReplicaNotes):
             return self.version, list(self._roles.values())
 
     def epoch_of(self, key: Key) -> int:
-        """The newest replica epoch this PS knows for shard key (0: none): its copy's place among a shard's lineages."""
+        """The replica epoch of this PS's copy of shard key, which ranks saved copies (checkpoint.restore): the
+        epoch it leads as primary, else that of the whole state its copy was installed from (0: none yet, as a
+        restored copy the table names this PS backup of before the primary's install arrives)."""
         with self._lock:
-            return self._epochs.get(key, 0)
+            role = self._roles.get(key)
+            if role is not None and role.primary == self.ps_index:
+                return role.epoch
+            return self._copy_epoch.get(key, 0)
 
     def catching_up(self) -> list[Key]:
         """Shards this PS is primary of whose backup has not confirmed the whole state it was sent."""

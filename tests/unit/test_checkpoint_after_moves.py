@@ -268,3 +268,18 @@ def test_a_table_increment_builds_on_its_own_processs_file_not_an_earlier_cluste
     fresh = VariableStore()
     checkpoint.restore(fresh, tmp_path, 1, P, held=True)
     assert_same(stores[1], fresh, spec.key)
+
+
+def test_a_backup_named_at_a_newer_epoch_saves_its_not_yet_replaced_copy_as_epoch_0(tmp_path):
+    cores = [_core(tmp_path, ps) for ps in range(P)]
+    spec = SPECS[0]
+    copy_at(cores[0].store, spec, 5)  # the primary's live copy
+    copy_at(cores[1].store, spec, 2)  # a copy restored from an older checkpoint: the primary's install is due
+    cores[0].replication.set_roles(1, [Role(spec.key, 5, 0, -1)])  # the new table has not reached it yet
+    cores[1].replication.set_roles(2, [Role(spec.key, 6, 0, 1)])  # named backup at epoch 6
+    assert (cores[0].replication.epoch_of(spec.key), cores[1].replication.epoch_of(spec.key)) == (5, 0)
+    for core in cores:
+        core.save(10)
+    fresh = VariableStore()
+    checkpoint.restore(fresh, tmp_path, 0, P)
+    assert_same(cores[0].store, fresh, spec.key)
