@@ -191,6 +191,16 @@ def _values(coord, model):
     return [w.pull(), emb.pull(), coord.client.pull_rows(tab, KEYS)]
 
 
+def _check_restored(coord, model, saved, after):
+    """The restored values equal the saved ones, and the same gradient then gives what it gave after the save
+    (so the optimizer slots came back too)."""
+    for got, want in zip(_values(coord, model), saved):
+        np.testing.assert_array_equal(got, want)
+    _train(coord, model, 99)
+    for got, want in zip(_values(coord, model), after):
+        np.testing.assert_array_equal(got, want)
+
+
 def _in_sync(coord, shards=10):
     poll(lambda: len(t := coord.replica_table()) == shards and all(c.in_sync for c in t.values()),
          "every shard's backup to hold it")
@@ -225,11 +235,7 @@ def test_a_checkpoint_after_moves_restores_values_and_slots_exactly_on_a_ps_rest
             cluster.restart(daemon)
         poll(lambda: all(c.in_sync and not c.lost for c in coord.replica_table().values()),
              "the shards back from the checkpoint", timeout=30)
-        for got, want in zip(_values(coord, model), saved):
-            np.testing.assert_array_equal(got, want)
-        _train(coord, model, 99)
-        for got, want in zip(_values(coord, model), after):
-            np.testing.assert_array_equal(got, want)
+        _check_restored(coord, model, saved, after)
     finally:
         coord.shutdown()
     cluster.stop()
@@ -239,11 +245,7 @@ def test_a_checkpoint_after_moves_restores_values_and_slots_exactly_on_a_ps_rest
     try:
         model = _model(coord)
         _in_sync(coord)
-        for got, want in zip(_values(coord, model), saved):
-            np.testing.assert_array_equal(got, want)
-        _train(coord, model, 99)
-        for got, want in zip(_values(coord, model), after):
-            np.testing.assert_array_equal(got, want)
+        _check_restored(coord, model, saved, after)
     finally:
         coord.shutdown()
 
