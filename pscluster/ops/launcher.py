@@ -285,7 +285,9 @@ class LocalCluster:
     def kill(self, d: Daemon, sig: int = signal.SIGKILL) -> None:
         """Send sig to d's process (by pid)."""
         assert d.proc is not None
-        os.kill(d.proc.pid, sig)
+        # send_signal, not os.kill(pid): it signals nothing once the process was reaped, so a pid the
+        # system handed to another process since is never hit
+        d.proc.send_signal(sig)
         if sig == signal.SIGKILL:
             d.proc.wait(timeout=10)
 
@@ -308,8 +310,8 @@ class LocalCluster:
             procs = [d.proc for d in self.ps + self.workers if d.proc is not None and d.proc.poll() is None]
         for p in procs:
             try:
-                os.kill(p.pid, signal.SIGCONT)  # a stopped process cannot act on SIGTERM
-                os.kill(p.pid, signal.SIGTERM)
+                p.send_signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+                p.send_signal(signal.SIGTERM)
             except ProcessLookupError:
                 pass
         return procs
