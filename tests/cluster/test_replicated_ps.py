@@ -8,13 +8,13 @@ number of completed closures, and lost_updates() is 0.
 """
 
 import signal
-import time
 
 import numpy as np
 import pytest
 
 import pscluster as ps
 from pscluster.placement import SYNC_STATE_KEY
+from tests.cluster.replicas import CallLoop, poll, primary_of, sigstopped, wait_rejoined_as_backup
 
 pytestmark = pytest.mark.cluster
 
@@ -22,18 +22,6 @@ pytestmark = pytest.mark.cluster
 def increment(counter):
     counter.push(np.array(-1, np.int64))
     return 1
-
-
-def poll(condition, what, timeout=20.0):
-    """Poll a cluster condition with a deadline."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
-
-
-def primary_of(coord, key):
-    return coord.replica_table().get(key)
 
 
 def test_killing_the_primary_twice_mid_push_loses_no_acknowledged_increment(fresh_cluster):
@@ -145,51 +133,29 @@ def test_a_dynamic_tables_rows_made_by_pulls_survive_a_primary_kill_and_are_coun
 def test_pushes_to_a_sigstopped_primary_go_to_the_new_one_long_before_the_socket_timeout(fresh_cluster):
     """A stopped primary answers nothing: a push waiting on it re-reads the replica table every 0.1 s and
     is retried on the promoted backup once the table moved (it waited socket_timeout_s, 30 s, before)."""
-    import os
-    import threading
-
     cluster = fresh_cluster(2, 0, supervise=True, replicas=2)
     coord = ps.ClusterCoordinator(cluster.settings())
-    stopped = None
-    stop = threading.Event()
-    acked: list[float] = []
-    errors: list[BaseException] = []
+    pushes = None
     try:
         counter = coord.create_variable("counter", shape=(), dtype="int64", optimizer=ps.SGD(1.0))
         key = ("counter", 0)
         poll(lambda: (c := primary_of(coord, key)) is not None and c.in_sync, "the backup to hold the counter")
-
-        def pusher():
-            while not stop.is_set():
-                try:
-                    coord.client.push([(counter, np.array(-1, np.int64))])
-                except ps.PsclusterError as exc:
-                    errors.append(exc)
-                    return
-                acked.append(time.monotonic())
-
-        thread = threading.Thread(target=pusher, name="test-pusher", daemon=True)
-        thread.start()
-        poll(lambda: len(acked) > 20, "pushes under way")
+        pushes = CallLoop(lambda: coord.client.push([(counter, np.array(-1, np.int64))]), "test-pusher").start()
+        poll(lambda: len(pushes.acked) > 20, "pushes under way")
         before = primary_of(coord, key)
-        stopped = cluster.ps[before.primary].pid
-        t0 = time.monotonic()
-        os.kill(stopped, signal.SIGSTOP)
-        poll(lambda: acked[-1] > t0 + 0.02 or errors, "a push acknowledged by the new primary")  # replies sent
-        assert not errors, errors  # before the stop arrive within 20 ms; none after
-        assert acked[-1] - t0 < 5.0 and primary_of(coord, key).primary != before.primary
-        os.kill(stopped, signal.SIGCONT)
-        stopped = None
-        poll(lambda: (c := primary_of(coord, key)).backup == before.primary and c.in_sync,
-             "the woken PS to rejoin as backup")
-        stop.set()
-        thread.join(timeout=20)
-        assert int(counter.pull()) == len(acked)
+        with sigstopped(cluster.ps[before.primary].pid) as t0:
+            # replies sent before the stop arrive within 20 ms; none come after it from the stopped PS
+            poll(lambda: pushes.acked[-1] > t0 + 0.02 or pushes.errors, "a push acknowledged by the new primary")
+            assert not pushes.errors, pushes.errors
+            assert pushes.acked[-1] - t0 < 5.0 and primary_of(coord, key).primary != before.primary
+        wait_rejoined_as_backup(coord, key, before.primary)
+        pushes.stop()
+        assert not pushes.errors, pushes.errors
+        assert int(counter.pull()) == len(pushes.acked)
         assert coord.lost_updates == 0
     finally:
-        stop.set()
-        if stopped is not None:
-            os.kill(stopped, signal.SIGCONT)
+        if pushes is not None:
+            pushes.stop()
         coord.shutdown()
 
 
