@@ -149,27 +149,34 @@ def hashed_tables(coord: ps.ClusterCoordinator, args: argparse.Namespace) -> lis
 
 
 def train_hashed(coord: ps.ClusterCoordinator, args: argparse.Namespace) -> tuple[list[float], float, float]:
-    """--hashed: train in 5 rounds, printing the tables' live size; (losses, seconds, held-out AUC)."""
+    """--hashed: train in 5 rounds, printing the tables' live size and held-out AUC after each;
+    (losses, seconds of training, the last held-out AUC)."""
     user, item = hashed_tables(coord, args)
     model = ps_torch.PSModule(coord, HashedClickModel(user, item, args.dim), ps_torch.Adagrad(lr=args.lr))
     rows, batch = args.rows, args.batch
     dataset = coord.create_per_worker_dataset(lambda info: click_batches(rows, batch, info.worker_index))
     iterator, step = iter(dataset), make_hashed_step(model)
     losses: list[float] = []
-    start = time.perf_counter()
+    seconds, score = 0.0, float("nan")
     for r in range(5):
         n = args.steps // 5 + (1 if r < args.steps % 5 else 0)
+        start = time.perf_counter()
         losses += coord.fetch([coord.schedule(step, args=(iterator,)) for _ in range(n)])
+        seconds += time.perf_counter() - start
         stats = [coord.client.table_stats(t) for t in (user, item)]
+        score = hashed_auc(model, args)
         print(f"after {len(losses)} steps: live keys user {stats[0]['live_keys']:,}, item {stats[1]['live_keys']:,}; "
               f"evicted {sum(s['evicted_keys'] for s in stats):,}; "
-              f"dropped rows {sum(s['dropped_rows'] for s in stats):,}", flush=True)
-    seconds = time.perf_counter() - start
+              f"dropped rows {sum(s['dropped_rows'] for s in stats):,}; held-out AUC {score:.4f}", flush=True)
+    return losses, seconds, score
+
+
+def hashed_auc(model: ps_torch.PSModule, args: argparse.Namespace) -> float:
+    """Held-out AUC of --hashed's model on fresh samples (their unadmitted ids read the initializer's rows)."""
     users, items, clicked = clicks(args.rows, args.eval_samples, np.random.default_rng(12345))
     net = model.pull()
     with torch.no_grad():
-        score = auc(net(feature_ids(users, 1), feature_ids(items, 2)).numpy(), clicked)
-    return losses, seconds, score
+        return auc(net(feature_ids(users, 1), feature_ids(items, 2)).numpy(), clicked)
 
 
 def make_step(model: ps_torch.PSModule):

@@ -36,7 +36,7 @@ from jax import tree_util
 from pscluster import gradients, jax_optim, optimizers
 from pscluster.client import context
 from pscluster.client.variables import Variable, check_table_ids, unique_rows
-from pscluster.errors import InvalidArgumentError
+from pscluster.errors import FailedPreconditionError, InvalidArgumentError
 from pscluster.jax_optim import (
     adagrad as adagrad,
 )
@@ -267,7 +267,16 @@ class DynamicRows:
             raise InvalidArgumentError(f"DynamicRows needs a dynamic table (shape=(None, dim), sparse=True), "
                                        f"got {table!r:.80}")
         self.table = table
-        self.keys = np.empty(0, np.int64)
+        self._local = threading.local()  # this thread's last pull (a worker runs closures at once)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        del state["_local"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._local = threading.local()
 
     def pull(self, ids: Any) -> tuple[np.ndarray, np.ndarray]:
         """(rows of the unique keys in ids, each id's row index in them, shaped as ids)."""
@@ -275,16 +284,20 @@ class DynamicRows:
         if arr.size and arr.dtype.kind not in "iu":
             raise InvalidArgumentError(f"{self.table.name}: ids must be integers, got {arr.dtype}")
         keys, inverse = np.unique(arr.astype(np.int64, copy=False).reshape(-1), return_inverse=True)
-        self.keys = keys
+        self._local.keys = keys
         return self.table.pull_rows(keys), inverse.reshape(arr.shape)
 
     def push(self, grad_rows: Any) -> list[int]:
-        """Push the gradient of the rows the last pull returned (same order); the shards' versions."""
+        """Push the gradient of the rows this thread's last pull returned (same order); the shards' versions."""
         grads = np.asarray(grad_rows)
-        if grads.shape[:1] != self.keys.shape:
+        keys: np.ndarray | None = getattr(self._local, "keys", None)
+        if keys is None:
+            raise FailedPreconditionError(f"{self.table.name}: push() needs a pull first (on the same thread)")
+        if grads.shape[:1] != keys.shape:
             raise InvalidArgumentError(f"{self.table.name}: {grads.shape[0] if grads.ndim else 0} gradient rows for "
-                                       f"the {self.keys.size} keys of the last pull")
-        return self.table.push_rows(self.keys, grads)
+                                       f"the {keys.size} keys of the last pull")
+        self._local.keys = None
+        return self.table.push_rows(keys, grads)
 
 
 def fit(coord: Any, model: PSParams, loss_fn: Callable[[Any, Any, Any], Any], dataset: Any, *, epochs: int,

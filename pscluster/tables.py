@@ -184,6 +184,8 @@ def dynamic_config(name: str, shape: Any, dtype: np.dtype, table: TableConfig | 
     dim = shape[1] if len(shape) == 2 else None
     if not isinstance(dim, (int, np.integer)) or isinstance(dim, bool):
         raise InvalidArgumentError(f"{name}: a dynamic table's shape is (None, dim) with an int dim, got {tuple(shape)}")
+    if table is not None and table.dim != dim:
+        raise InvalidArgumentError(f"{name}: shape {tuple(shape)} has dim {dim} but its TableConfig has dim={table.dim}")
     cfg = replace(table or TableConfig(dim=int(dim)), dim=int(dim), dtype=np.dtype(dtype).name)
     if initializer != "zeros":
         cfg = replace(cfg, initializer=initializer, init_value=init_scale, seed=seed)

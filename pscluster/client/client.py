@@ -253,8 +253,11 @@ class PSClient(ClusterOperations):
                 assert self._known is not None
                 existing = self._known.get(name)
                 if existing is not None:
-                    if existing.shape != full or existing.dtype != dt or len(existing.shards) != len(rows) or \
-                            existing.table != table_json:
+                    # a dynamic table made with one shard per PS task keeps the count it was saved with when a
+                    # checkpoint is restored onto another number of tasks: the same call finds it again
+                    any_count = bool(table_json) and partitioner is None
+                    if existing.shape != full or existing.dtype != dt or existing.table != table_json or \
+                            (len(existing.shards) != len(rows) and not any_count):
                         raise AlreadyExistsError(
                             f"variable {name!r} exists as {existing.dtype}{list(existing.shape)} in "
                             f"{existing.num_shards} shard(s); cannot redefine it as {dt}{list(full)} in {len(rows)}")

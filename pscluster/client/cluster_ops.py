@@ -103,6 +103,7 @@ class ClusterOperations(ABC):
     def table_stats(self, table: Variable) -> dict[str, int]:
         """A dynamic table's live keys, evicted keys and dropped (not admitted) gradient rows, summed
         over its shards, each counted once (one ListShards per PS task)."""
+        self._check_table(table, "table_stats")
         totals = {"live_keys": 0, "evicted_keys": 0, "dropped_rows": 0}
         # with replicas: 2 a shard is listed by its primary and its backup: count the copy furthest ahead once
         newest: dict[int, pb.ShardInfo] = {}
@@ -111,6 +112,8 @@ class ClusterOperations(ABC):
                 seen = newest.get(info.spec.shard_index)
                 if info.spec.variable == table.name and (seen is None or info.version > seen.version):
                     newest[info.spec.shard_index] = info
+        if not newest:
+            raise NotFoundError(f"table_stats: no PS task holds {table.name!r}")
         for info in newest.values():
             for name in totals:
                 totals[name] += getattr(info, name)
@@ -132,6 +135,7 @@ class ClusterOperations(ABC):
         order, float16 if asked) as .npy files in directory, read a page at a time from every shard's
         primary. Quiesce pushes first (as for checkpoint()): pages are read between pushes, not at once."""
         self._check_table(table, "export_table")
+        pathlib.Path(directory).mkdir(parents=True, exist_ok=True)  # before reading every page, not after
         keys, values = [], []
         for pl in table.shards:
             key = (table.name, pl.shard_index)

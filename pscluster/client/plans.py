@@ -41,6 +41,9 @@ def check_ids(var: Variable, ids: Sequence[int] | np.ndarray) -> np.ndarray:
     arr = np.asarray(ids)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise InvalidArgumentError(f"{var.name}: row ids must be a 1-D integer array, got {arr.dtype}{arr.shape}")
+    if arr.dtype.kind == "u" and arr.size and arr.max() > np.iinfo(np.int64).max:
+        raise InvalidArgumentError(f"{var.name}: key {int(arr.max())} does not fit int64 (keys are int64; "
+                                   "reinterpret uint64 ids with ids.view(np.int64) if that is what you mean)")
     arr = arr.astype(np.int64, copy=False)
     if not var.shape:
         raise InvalidArgumentError(f"{var.name}: a scalar variable has no rows")
@@ -56,6 +59,8 @@ def as_grad(var: Variable, grad: np.ndarray, shape: tuple[int, ...]) -> np.ndarr
     """grad as an array of `shape` in var's dtype (float64 numpy math into a float32 variable is common); a
     float16/bfloat16 gradient of a float32 variable stays half (mixed precision: the PS upcasts it)."""
     arr = np.asarray(grad)
+    if var.dtype.kind == "f" and arr.dtype.kind in "biu":
+        raise InvalidArgumentError(f"{var.name}: gradient dtype {arr.dtype} does not match variable dtype {var.dtype}")
     if arr.dtype != var.dtype and arr.dtype.kind == var.dtype.kind == "f" and not codec.half_of(var.dtype, arr.dtype):
         arr = arr.astype(var.dtype)
     if arr.shape != shape:

@@ -12,10 +12,14 @@
 
 Each forward pulls the rows of the batch's unique keys (from the thread's PS client: the closure's)
 into a small leaf tensor; backward fills its gradient; push() sends it as one row push. Worker memory
-follows the batch, never the table. One forward per push.
+follows the batch, never the table. One forward per push per thread: what a forward pulled is the
+calling thread's, so closures running at once on a worker's threads may share one module.
 """
 
 from __future__ import annotations
+
+import threading
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,8 +44,16 @@ class DynamicEmbedding(nn.Module):
             raise InvalidArgumentError(f"DynamicEmbedding mode must be one of {MODES}, got {mode!r}")
         self.table = table
         self.mode = mode
-        self.keys = np.empty(0, np.int64)
-        self.rows: torch.Tensor | None = None
+        self._pulled = threading.local()  # this thread's last forward: .keys and .rows (a worker runs closures at once)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(super().__getstate__())
+        state.pop("_pulled", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._pulled = threading.local()
 
     def forward(self, ids: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -51,20 +63,21 @@ class DynamicEmbedding(nn.Module):
         flat = ids.detach().reshape(-1).to(torch.int64).cpu().numpy()
         keys, inverse = np.unique(flat, return_inverse=True)
         rows = torch.from_numpy(self.table.pull_rows(keys)).requires_grad_(True)
-        self.keys, self.rows = keys, rows
+        self._pulled.keys, self._pulled.rows = keys, rows
         local = torch.from_numpy(inverse.reshape(tuple(ids.shape)))
         if self.mode is None:
             return F.embedding(local, rows)
         return F.embedding_bag(local, rows, offsets, mode=self.mode, per_sample_weights=per_sample_weights)
 
     def push(self) -> list[int]:
-        """Push the gradients of the rows the last forward pulled; returns the shards' versions.
+        """Push the gradients of the rows this thread's last forward pulled; returns the shards' versions.
 
         Raises:
-            FailedPreconditionError: no forward since the last push, or no backward through it.
+            FailedPreconditionError: no forward on this thread since its last push, or no backward through it.
         """
-        rows = self.rows
+        rows: torch.Tensor | None = getattr(self._pulled, "rows", None)
         if rows is None or rows.grad is None:
-            raise FailedPreconditionError(f"{self.table.name}: push() needs a forward and a backward first")
-        self.rows = None
-        return self.table.push_rows(self.keys, rows.grad.numpy())
+            raise FailedPreconditionError(f"{self.table.name}: push() needs a forward and a backward first "
+                                          "(on the same thread)")
+        self._pulled.rows = None
+        return self.table.push_rows(self._pulled.keys, rows.grad.numpy())

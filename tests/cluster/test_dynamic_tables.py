@@ -5,7 +5,7 @@ import pytest
 from pscluster.server.dynamic_table import DynamicTable
 
 import pscluster as ps
-from pscluster.errors import InvalidArgumentError, ResourceExhaustedError
+from pscluster.errors import AlreadyExistsError, InvalidArgumentError, ResourceExhaustedError
 from pscluster.ops.launcher import LocalCluster
 from pscluster.tables import Admission, TableConfig, shard_of
 
@@ -122,6 +122,50 @@ def test_torch_and_jax_adapters_train_a_dynamic_table_over_raw_int64_ids(client)
         context.set_default_client(None)
 
 
+def test_one_adapter_shared_by_closures_running_at_once_pushes_each_thread_its_own_keys(client):
+    """A worker runs closures on several threads; one DynamicEmbedding / DynamicRows made outside the step
+    is shared by them. Each thread pushes the gradient of the rows it pulled, never another thread's."""
+    import threading
+
+    import torch
+
+    from pscluster.client import context
+    from pscluster.jax import DynamicRows
+    from pscluster.torch.dynamic import DynamicEmbedding
+
+    threads = 4
+    for kind in ("torch", "jax"):
+        table = client.create_variable(f"dyn_shared_{kind}", shape=(None, 2), sparse=True, optimizer=ps.SGD(1.0))
+        adapter = DynamicEmbedding(table) if kind == "torch" else DynamicRows(table)
+        both_pulled = threading.Barrier(threads, timeout=30)
+        errors = []
+
+        def step(i, adapter=adapter, kind=kind, both_pulled=both_pulled, errors=errors):
+            context.set_default_client(client)
+            keys = np.arange(i * 10, i * 10 + 4, dtype=np.int64)
+            try:
+                if kind == "torch":
+                    out = adapter(torch.from_numpy(keys))
+                    both_pulled.wait()  # every thread has pulled before any pushes
+                    out.sum().backward()
+                    adapter.push()
+                else:
+                    got, _ = adapter.pull(keys)
+                    both_pulled.wait()
+                    adapter.push(np.ones_like(got))
+            except Exception as exc:  # noqa: BLE001 - reported by the assert below
+                errors.append(exc)
+
+        workers = [threading.Thread(target=step, args=(i,), name=f"test-closure-{i}") for i in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(timeout=60)
+        assert not errors, errors
+        keys = np.concatenate([np.arange(i * 10, i * 10 + 4) for i in range(threads)])
+        np.testing.assert_array_equal(client.pull_rows(table, keys), -np.ones((keys.size, 2), np.float32), kind)
+
+
 def test_every_evicted_key_is_listed_over_the_wire_and_overflow_is_counted(client):
     cfg = TableConfig(dim=2, capacity=8, report_evicted=5)  # per shard: 8 rows, 5 evicted keys reported
     emb = client.create_variable("dyn_evict", shape=(None, 2), sparse=True, optimizer=ps.SGD(0.1), table=cfg)
@@ -173,3 +217,44 @@ def test_a_push_one_ps_task_refuses_at_capacity_changes_no_ps_task(client):
     assert client.table_stats(emb)["live_keys"] == 8  # shard 1 took none of its 3 new keys
     np.testing.assert_array_equal(client.pull_rows(emb, first), rows_before)
     np.testing.assert_array_equal(client.pull([dense])[0], dense_before)  # nor did the dense variable change
+
+
+def test_a_table_saved_on_2_ps_and_restored_on_3_or_1_is_found_by_the_same_create_call(cluster, client, tmp_path):
+    """A restore keeps the saved shard count, placed over the new tasks: the program's own create_variable
+    call (one shard per PS task, no partitioner) must find the table, not refuse it as redefined."""
+    cfg = TableConfig(dim=4, capacity=1_000, admission=Admission("counter", min_count=2))
+    emb = client.create_variable("dyn_moved", shape=(None, 4), sparse=True, optimizer=ps.Adagrad(0.1), table=cfg)
+    keys = np.arange(-30, 30, dtype=np.int64)
+    for _ in range(3):
+        client.push_rows(emb, keys, np.ones((keys.size, 4), np.float32))
+    saved = client.pull_rows(emb, keys)
+    client.checkpoint(step=21)
+    for num_ps in (3, 1):
+        with LocalCluster(num_ps, 0, workdir=tmp_path / f"ps{num_ps}", supervise=False,
+                          checkpoint_dir=cluster.checkpoint_dir, restore=True) as again, \
+                ps.PSClient(again.settings()) as other:
+            found = other.create_variable("dyn_moved", shape=(None, 4), sparse=True, optimizer=ps.Adagrad(0.1),
+                                          table=cfg)
+            assert found.num_shards == 2
+            np.testing.assert_array_equal(other.pull_rows(found, keys), saved)
+            with pytest.raises(AlreadyExistsError, match="cannot redefine"):  # a real redefinition still is one
+                other.create_variable("dyn_moved", shape=(None, 4), sparse=True, optimizer=ps.Adagrad(0.1),
+                                      table=TableConfig(dim=4, capacity=2_000))
+
+
+def test_table_calls_name_what_is_wrong_before_any_request(client, tmp_path):
+    emb = client.create_variable("dyn_checks", shape=(None, 2), sparse=True, optimizer=ps.SGD(1.0))
+    fixed = client.create_variable("fixed_checks", shape=(10, 2), sparse=True, optimizer=ps.SGD(1.0))
+    with pytest.raises(InvalidArgumentError, match="does not fit int64"):
+        client.pull_rows(emb, np.array([2**64 - 1], np.uint64))  # would read key -1's row
+    with pytest.raises(InvalidArgumentError, match="gradient dtype int64"):
+        client.push_rows(emb, [1], np.ones((1, 2), np.int64))
+    with pytest.raises(InvalidArgumentError, match="TableConfig has dim=8"):
+        client.create_variable("dyn_dims", shape=(None, 4), sparse=True, optimizer=ps.SGD(1.0),
+                               table=TableConfig(dim=8))
+    with pytest.raises(InvalidArgumentError, match="not a dynamic table"):
+        client.table_stats(fixed)
+    assert client.table_stats(emb) == {"live_keys": 0, "evicted_keys": 0, "dropped_rows": 0}
+    client.push_rows(emb, np.array([2**63 - 1], np.uint64), np.ones((1, 2), np.float32))  # fits: accepted
+    keys, values = client.export_table(emb, tmp_path / "not" / "yet")  # the folder is made
+    assert keys.exists() and np.load(keys).tolist() == [2**63 - 1] and np.load(values).shape == (1, 2)

@@ -41,8 +41,10 @@ def test_torch_recsys_hashed_reports_auc_and_the_live_table_size_as_it_trains():
     live = [(int(u.replace(",", "")), int(i.replace(",", ""))) for _, u, i, _ in rounds]
     assert all(u > 0 and i > 0 for u, i in live) and live[1][0] > live[0][0], out  # rows appear as keys are admitted
     assert int(rounds[-1][3].replace(",", "")) > 0, out  # rows idle for 10 pushes were evicted by the sweep
+    per_round = [float(a) for a in re.findall(r"; held-out AUC ([0-9.]+)", out)]
+    assert len(per_round) == 5, out  # the AUC over time, beside the table's size
     score = float(re.search(r"held-out AUC: ([0-9.]+)", out).group(1))
-    assert score >= 0.6, out
+    assert score >= 0.6 and score == per_round[-1], out
 
 
 def test_jax_mnist_mlp_trains_on_2_ps_and_2_workers():
