@@ -101,7 +101,8 @@ class Replication(ReplicaNotes):
     # -- roles --------------------------------------------------------------------------------------
     def set_roles(self, version: int, roles: Iterable[Role]) -> None:
         """Take the coordinator's table (older versions are ignored); a shard this PS is primary of that got
-        a new backup or epoch sends the backup its whole state first."""
+        a new backup or epoch sends the backup its whole state, queued by the backup's replicator thread
+        after this returns (its pushes wait for that state's confirmation)."""
         me = self.ps_index
         resync: list[Key] = []
         with self._lock:
@@ -137,6 +138,12 @@ class Replication(ReplicaNotes):
             now, target = self._replicator_of(key)
             if now is not None and target is not None:
                 target.forget(key, now.epoch)
+                if key != SYNC_STATE_KEY:
+                    # queued by the replicator's thread after this answer: encoding a large shard here would
+                    # hold a move's freeze (it ends when the successor has answered) for as long as the encode;
+                    # the successor is then a primary whose backup catches up, as after a failover
+                    target.resync_later(key)
+                    continue
             self.resync(key)
         for rep in self._current():
             rep.poke()

@@ -212,6 +212,17 @@ class Replicator:
             self._due.pop(key, None)
             self._epoch[key] = epoch
 
+    def resync_later(self, key: Key) -> None:
+        """Have the thread queue key's whole state soon (a new backup or epoch); until it does, key's updates
+        are skipped (the state includes them), as for a queue that overflowed. The caller returns at once:
+        a SetRoles answers before the shard is encoded, so a move's freeze does not grow with its size.
+        Nothing of key counts as held until that state is confirmed: an update sent before it (queued between
+        the thread taking the mark and its snapshot) may land on an older copy the backup kept."""
+        with self._cond:
+            self._dirty.add(key)
+            self._staging.add(key)
+            self._wake_sender()
+
     def poke(self) -> None:
         """Wake waiters (and the sender) to look at the roles again."""
         with self._cond:
