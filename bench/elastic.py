@@ -15,6 +15,7 @@ At the end every counter must equal the number of acknowledged pushes, and lost_
 
 from __future__ import annotations
 
+import logging
 import statistics
 import threading
 import time
@@ -24,6 +25,7 @@ import numpy as np
 
 import pscluster as ps
 from pscluster.ops.launcher import LocalCluster
+from pscluster.tables import TableConfig
 
 
 def _wait(condition: Any, what: str, timeout: float = 60.0) -> None:
@@ -154,3 +156,92 @@ def scale_sync(cycles: int = 3, shards: int = 6) -> dict[str, Any]:
     return {"cycles": cycles, "shards": shards, "steps": closures // 2, "counters": totals, "lost_updates": lost,
             "exact": all(t == closures // 2 for t in totals) and lost == 0, "moved_primaries": len(ms),
             "freeze_p50_ms": statistics.median(ms), "freeze_max_ms": max(ms)}
+
+
+class _Moves(logging.Handler):
+    """The embedded coordinator's log of each moved primary: (variable, freeze in ms)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.frozen: list[tuple[str, float]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.msg.startswith("scale: %s[%d] moved from ps") and isinstance(record.args, tuple):
+            self.frozen.append((str(record.args[0]), float(record.args[4])))
+
+
+def scale_large(cycles: int = 2, mib: int = 64, table_keys: int = 1_000_000, shards: int = 6) -> dict[str, Any]:
+    """The freeze per moved primary by shard size: `shards` scalar counters (pushed +1 back to back), a dense
+    one-shard variable of `mib` MiB and a one-shard dynamic table of `table_keys` keys (dim 4, SGD), while each
+    PS in turn is drained and added back, `cycles` times (every primary moves at least once per cycle). The
+    freeze ends when the successor answers the switch's SetRoles; its new backup's catch-up (the whole
+    shard) comes after. At the end the large variables must hold what they held before the moves."""
+    moves = _Moves()
+    logger = logging.getLogger("pscluster.coordinator.elastic")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(moves)
+    acked = [0]
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    try:
+        with LocalCluster(3, 0, supervise=False, replicas=2) as cluster:
+            coord = ps.ClusterCoordinator(cluster.settings())
+            try:
+                one_shard = ps.FixedShardsPartitioner(1)
+                counters = [coord.create_variable(f"counter{i}", shape=(), dtype="int64", optimizer=ps.SGD(1.0))
+                            for i in range(shards)]
+                n = (mib << 20) // 8
+                big = coord.create_variable("dense", shape=(n,), dtype="int64", optimizer=ps.SGD(1.0),
+                                            partitioner=one_shard)
+                coord.client.push([(big, -np.arange(n, dtype=np.int64))])  # over a message: streamed
+                table = coord.create_variable("table", shape=(None, 4), dtype="float32", optimizer=ps.SGD(1.0),
+                                              sparse=True, table=TableConfig(dim=4, capacity=2 * table_keys),
+                                              partitioner=one_shard)
+                keys = np.arange(table_keys, dtype=np.int64) * 7919 + 3
+                for part in np.array_split(keys, max(1, table_keys // 100_000)):  # rows -(key % 1000)
+                    coord.client.push_rows(table, part, np.repeat((part % 1000).astype(np.float32)[:, None], 4, 1))
+                _wait(lambda: len(t := coord.replica_table()) == shards + 3 and all(c.in_sync for c in t.values()),
+                      "every shard's backup", 300)
+                one = np.array(-1, np.int64)
+
+                def pusher() -> None:
+                    while not stop.is_set():
+                        try:
+                            coord.client.push([(c, one) for c in counters])
+                        except ps.PsclusterError as exc:
+                            errors.append(exc)
+                            return
+                        acked[0] += 1
+
+                thread = threading.Thread(target=pusher, name="b15scale-large-pusher", daemon=True)
+                thread.start()
+                for _ in range(cycles):
+                    for task in range(3):
+                        coord.remove_ps(task)
+                        coord.add_ps(task)
+                        if errors:
+                            raise errors[0]
+                stop.set()
+                thread.join(timeout=60)
+                totals = [int(c.pull()) for c in counters]
+                intact = bool(np.array_equal(big.pull(), np.arange(n, dtype=np.int64)))
+                sample = keys[:: max(1, table_keys // 10_000)]
+                rows = coord.client.pull_rows(table, sample)
+                intact = intact and bool(np.array_equal(rows, np.repeat(-(sample % 1000).astype(np.float32)[:, None], 4, 1)))
+                lost = coord.lost_updates
+            finally:
+                stop.set()
+                coord.shutdown()
+    finally:
+        logger.removeHandler(moves)
+        logger.setLevel(level)
+    out: dict[str, Any] = {"cycles": cycles, "mib": mib, "table_keys": table_keys, "acknowledged": acked[0],
+                           "lost_updates": lost, "large_intact": intact,
+                           "exact": all(t == acked[0] for t in totals) and lost == 0 and intact}
+    for kind, names in (("scalar", {f"counter{i}" for i in range(shards)}), ("dense", {"dense"}),
+                        ("table", {"table"})):
+        ms = [f for name, f in moves.frozen if name in names]
+        if ms:
+            out[kind] = {"moved_primaries": len(ms), "freeze_p50_ms": statistics.median(ms), "freeze_max_ms": max(ms)}
+    return out

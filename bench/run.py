@@ -438,6 +438,25 @@ def bench_b15scale(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]
                 f"freeze <= 50 ms per shard, exact: {'met' if worst <= 50 and r['exact'] else 'NOT met'}")]
 
 
+def bench_b15scale_large(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
+    load = os.getloadavg()[0]
+    r = elastic.scale_large(cycles=args.large_cycles, mib=args.large_mib, table_keys=args.large_keys)
+    load = f"load {load:.1f} -> {os.getloadavg()[0]:.1f}"
+    cells = [f"{label}: p50 {r[kind]['freeze_p50_ms']:.1f} ms, max {r[kind]['freeze_max_ms']:.1f} ms over "
+             f"{r[kind]['moved_primaries']}" for kind, label in
+             (("scalar", "scalar counters"), ("dense", f"{r['mib']} MiB dense shard"),
+              ("table", f"dynamic table shard of {r['table_keys']:,} keys")) if kind in r]
+    return r, [("B15SCALELARGE", f"elastic PS by shard size: replicas: 2, 3 PS, 6 scalar counters pushed back to back, "
+                f"a one-shard {r['mib']} MiB int64 variable and a one-shard dynamic table of {r['table_keys']:,} keys "
+                f"(dim 4); each PS drained and added back x {r['cycles']}; "
+                "`python bench/run.py --only B15SCALELARGE`",
+                "freeze per moved primary: " + "; ".join(cells) + f"; {r['acknowledged']} pushes acknowledged, "
+                f"counters {'all equal to it' if r['exact'] else 'NOT equal to it'}, large shards "
+                f"{'intact' if r['large_intact'] else 'CHANGED'}, lost_updates {r['lost_updates']} ({load})",
+                "freeze flat with shard size (<= 50 ms): "
+                f"{'met' if r['exact'] and max(r[k]['freeze_max_ms'] for k in ('dense', 'table') if k in r) <= 50 else 'NOT met'}")]
+
+
 def bench_b15scale_sync(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
     r = elastic.scale_sync(cycles=args.sync_cycles)
     return r, [("B15SCALESYNC", f"elastic PS in a sync job: replicas: 2, 3 PS, 2 workers (R = N = 2), {r['shards']} "
@@ -496,7 +515,7 @@ def bench_profile(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
 BENCHES = {"B1": bench_b1, "B1TLS": bench_b1tls, "B9": bench_b9, "B2": bench_b2, "FLOOR": bench_floor, "B3": bench_b3, "B4": bench_b4, "B5": bench_b5,
            "B6": bench_b6, "B7": bench_b7, "B8": bench_b8,
            "B10": bench_b10, "B11": bench_b11, "B12": bench_b12, "B13": bench_b13, "B14": bench_b14, "B15": bench_b15, "B15COST": bench_b15cost,
-           "B15SCALE": bench_b15scale, "B15SCALESYNC": bench_b15scale_sync, "B15SOAK": bench_b15_soak, "B15MEM": bench_b15_memory, "B16": bench_b16,
+           "B15SCALE": bench_b15scale, "B15SCALESYNC": bench_b15scale_sync, "B15SCALELARGE": bench_b15scale_large, "B15SOAK": bench_b15_soak, "B15MEM": bench_b15_memory, "B16": bench_b16,
            "B14MP": bench_b14_precision, "B14CNN": bench_b14_cnn, "FIT": bench_fit, "PROFILE": bench_profile}
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
@@ -540,6 +559,9 @@ def main() -> int:
     parser.add_argument("--stops", type=int, default=10, help="B15: PS SIGSTOPs in the failover trial")
     parser.add_argument("--cycles", type=int, default=10, help="B15SCALE: drain-and-add-back cycles of PS 2")
     parser.add_argument("--scale-elements", type=int, default=1, help="B15SCALE: int64 elements per counter shard")
+    parser.add_argument("--large-cycles", type=int, default=2, help="B15SCALELARGE: rounds of draining each PS")
+    parser.add_argument("--large-mib", type=int, default=64, help="B15SCALELARGE: the dense shard's size in MiB")
+    parser.add_argument("--large-keys", type=int, default=1_000_000, help="B15SCALELARGE: the dynamic table's keys")
     parser.add_argument("--sync-cycles", type=int, default=3, help="B15SCALESYNC: drain-and-add-back cycles")
     parser.add_argument("--joins", type=int, default=3, help="B15SCALE: join-add-remove cycles of an unlisted PS")
     parser.add_argument("--soak-kills", type=int, default=100, help="B15SOAK: PS kills, split over async/sync/bounded")
