@@ -210,7 +210,7 @@ class ReplicaKeeper:
         """The whole table as SetRoles sends it, with the PS list when it is known (under self._lock)."""
         named = all(self.book.addresses)
         return pb.SetRolesRequest(version=self.state.version, ps_addresses=self.book.addresses if named else [],
-                                  ps_epoch=self.book.epoch, roles=[
+                                  ps_epoch=self.book.epoch, drained=sorted(self.state.inactive), roles=[
             pb.ShardRole(ref=pb.ShardRef(variable=self._keys[o][0], shard_index=self._keys[o][1]), epoch=c.epoch,
                          primary=c.primary, backup=-1 if c.backup is None else c.backup)
             for o, c in sorted(self.state.shards.items()) if o in self._keys and not c.lost])

@@ -1554,6 +1554,7 @@ class SetRolesRequest(_message.Message):
     ROLES_FIELD_NUMBER: _builtins.int
     PS_ADDRESSES_FIELD_NUMBER: _builtins.int
     PS_EPOCH_FIELD_NUMBER: _builtins.int
+    DRAINED_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     ps_epoch: _builtins.int
     """bumped when a PS joins or leaves the list"""
@@ -1565,6 +1566,10 @@ class SetRolesRequest(_message.Message):
         Empty from a PS that has not had a table yet: the cluster file's list holds.
         """
 
+    @_builtins.property
+    def drained(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """PS tasks a scale drained (docs/elastic.md): a client places a new variable's shards on the others"""
+
     def __init__(
         self,
         *,
@@ -1572,10 +1577,11 @@ class SetRolesRequest(_message.Message):
         roles: _abc.Iterable[Global___ShardRole] | None = ...,
         ps_addresses: _abc.Iterable[_builtins.str] | None = ...,
         ps_epoch: _builtins.int = ...,
+        drained: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ps_addresses", b"ps_addresses", "ps_epoch", b"ps_epoch", "roles", b"roles", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["drained", b"drained", "ps_addresses", b"ps_addresses", "ps_epoch", b"ps_epoch", "roles", b"roles", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

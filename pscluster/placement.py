@@ -9,7 +9,7 @@ the k-th shard created in the cluster (its `ordinal`) lives on PS task `k mod P`
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,6 +83,15 @@ def split_rows(shape: Sequence[int], dtype: np.dtype | type | str, partitioner: 
     n = partitioner.count(rows, row_bytes)
     base, extra = divmod(rows, n)
     return [base + (1 if i < extra else 0) for i in range(n)]
+
+
+def ps_for_new_shard(ordinal: int, num_ps: int, drained: Collection[int] = ()) -> int:
+    """The PS a new shard is created on: `ordinal mod P` over the PS tasks a scale has not drained (all of
+    them when none is drained, or every one is)."""
+    if num_ps < 1:
+        raise InvalidArgumentError("a cluster needs at least one PS task")
+    active = [ps for ps in range(num_ps) if ps not in drained] or list(range(num_ps))
+    return active[ordinal % len(active)]
 
 
 def ps_for_ordinal(ordinal: int, num_ps: int) -> int:

@@ -57,6 +57,7 @@ class ParameterServerCore:
         self.gate = ShardGate(ps_index)  # shards frozen while they move to another PS (server/handoff.py)
         self.addresses: list[str] = []  # the PS list (the cluster file's, then the coordinator's: ps_book.py)
         self.ps_epoch = 0
+        self._drained: tuple[int, list[int]] = (0, [])  # (table version, PS tasks a scale drained), for GetRoles
         self._ps_list_lock = threading.Lock()  # addresses, ps_epoch, num_ps: check-and-set (never held over I/O)
         # replicas: 2: shards a restore loaded that no replica table has named this PS for yet (restore)
         self._unclaimed: dict[tuple[str, int], Shard] = {}  # key -> the restored copy (a later install is not one)
@@ -79,15 +80,24 @@ class ParameterServerCore:
         """This PS's address in the PS list ('' before it is in one)."""
         return self.addresses[self.ps_index] if 0 <= self.ps_index < len(self.addresses) else ""
 
-    def take_roles(self, version: int, roles: Sequence[Role], addresses: Sequence[str], epoch: int) -> None:
-        """The coordinator's replica table and PS list (SetRoles); a restored copy the table gives another
-        PS's role is dropped (see restore)."""
+    def drained(self) -> list[int]:
+        """The PS tasks a scale drained, as the newest table said (clients place new shards elsewhere)."""
+        with self._ps_list_lock:
+            return list(self._drained[1])
+
+    def take_roles(self, version: int, roles: Sequence[Role], addresses: Sequence[str], epoch: int,
+                   drained: Sequence[int] = ()) -> None:
+        """The coordinator's replica table, PS list and drained PS tasks (SetRoles); a restored copy the table
+        gives another PS's role is dropped (see restore)."""
         replication = self.replication
         if replication is None:
             raise FailedPreconditionError(f"ps {self.ps_index} runs with replicas: 1; start the cluster with "
                                           "replicas: 2")
         self.take_ps_list(addresses, epoch)  # before the roles: links need the address
         replication.set_roles(version, roles)
+        with self._ps_list_lock:
+            if version >= self._drained[0]:
+                self._drained = (version, sorted(drained))
         if not self._unclaimed:
             return
         _, table = replication.roles()

@@ -118,12 +118,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
     def SetRoles(self, request: pb.SetRolesRequest, context: grpc.ServicerContext) -> pb.SetRolesReply:
         self._replication("SetRoles")
         self.core.take_roles(request.version, [Role(_key(r.ref), r.epoch, r.primary, r.backup) for r in request.roles],
-                             request.ps_addresses, request.ps_epoch)
+                             request.ps_addresses, request.ps_epoch, request.drained)
         return pb.SetRolesReply()
 
     def GetRoles(self, request: pb.GetRolesRequest, context: grpc.ServicerContext) -> pb.SetRolesRequest:
         version, roles = self._replication("GetRoles").roles()
-        return pb.SetRolesRequest(version=version, ps_addresses=self.core.addresses, ps_epoch=self.core.ps_epoch, roles=[
+        return pb.SetRolesRequest(version=version, ps_addresses=self.core.addresses, ps_epoch=self.core.ps_epoch,
+                                  drained=self.core.drained(), roles=[
             pb.ShardRole(ref=pb.ShardRef(variable=r.key[0], shard_index=r.key[1]), epoch=r.epoch, primary=r.primary,
                          backup=r.backup) for r in roles])
 

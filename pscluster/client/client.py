@@ -41,7 +41,7 @@ from pscluster.net.bulk import BulkClient, BulkTensors
 from pscluster.net.channels import Channels
 from pscluster.net.grpc_tensors import GrpcTensors
 from pscluster.net.transport import PullPlan, PushPlan, TensorTransport, ValueTargets
-from pscluster.placement import SYNC_STATE_KEY, Partitioner, ps_for_ordinal, split_rows
+from pscluster.placement import SYNC_STATE_KEY, Partitioner, ps_for_new_shard, ps_for_ordinal, split_rows
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 from pscluster.specs import OptimizerConfig, ShardSpec, spec_to_pb
@@ -248,6 +248,9 @@ class PSClient(ClusterOperations):
         else:
             rows = split_rows(full, dt, partitioner)
         self.variables()  # discover once
+        if self.routes is not None:
+            self.routes.refresh()  # which PS tasks a scale drained since this client last looked (rare: a create)
+        drained = self.routes.drained if self.routes is not None else frozenset()
         while True:  # reserve the name and its shard ordinals under the lock; the RPCs run outside it
             with self._lock:
                 assert self._known is not None
@@ -269,7 +272,7 @@ class PSClient(ClusterOperations):
                     placements = []
                     offset = 0
                     for i, n in enumerate(rows):
-                        placements.append(ShardPlacement(i, ps_for_ordinal(first + i, self.num_ps), offset, n,
+                        placements.append(ShardPlacement(i, ps_for_new_shard(first + i, self.num_ps, drained), offset, n,
                                                          first + i))
                         offset += n
                     var = Variable(name, full, dt, tuple(placements), sparse, table_json)

@@ -57,6 +57,7 @@ class Routes:
         self.version = 0
         self.ps_epoch = 0
         self.primary: dict[Key, int] = {}
+        self.drained: frozenset[int] = frozenset()  # PS tasks a scale drained: new shards go elsewhere
 
     def refresh(self) -> bool:
         """Ask every PS for its table (in parallel, bounded); keep the newest. True if it was newer.
@@ -111,6 +112,7 @@ class Routes:
                 return False
             self.version = newest.version
             self.primary = {(r.ref.variable, r.ref.shard_index): r.primary for r in newest.roles}
+            self.drained = frozenset(newest.drained)
         log.info("replica table version %d: %d shards", newest.version, len(newest.roles))
         return True
 

@@ -106,6 +106,12 @@ def test_draining_a_ps_and_bringing_it_back_under_load_counts_every_increment_on
         assert [int(c.pull()) for c in counters] == [completed + 40] * COUNTERS  # 40 steps of R = 2 closures
         assert coord.global_step == 40 and coord.lost_updates == 0
         completed += 40
+        # a variable created while `holder` is drained places no shard on it (not `k mod P`)
+        coord.create_variable("late", shape=(6,), dtype="int64", optimizer=ps.SGD(1.0),
+                              partitioner=ps.FixedShardsPartitioner(3))
+        poll(lambda: sum(k[0] == "late" and c.in_sync for k, c in coord.replica_table().items()) == 3,
+             "the new variable's backups")
+        assert all(holder not in (c.primary, c.backup) for k, c in coord.replica_table().items() if k[0] == "late")
         table = {key: (c.primary, c.backup) for key, c in coord.replica_table().items()}
         coord.configure_sync("async")
         coord.shutdown()
