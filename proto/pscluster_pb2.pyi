@@ -1207,6 +1207,48 @@ class EvictedKeysReply(_message.Message):
 Global___EvictedKeysReply: _TypeAlias = EvictedKeysReply  # noqa: Y015
 
 @_typing.final
+class EvictRequest(_message.Message):
+    """On demand: each shard of the table this PS is the primary of sweeps now (its policy's threshold); the
+    evicted keys go to the eviction report; with replicas: 2 the reply waits until the backups evicted them too.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VARIABLE_FIELD_NUMBER: _builtins.int
+    variable: _builtins.str
+    def __init__(
+        self,
+        *,
+        variable: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["variable", b"variable"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EvictRequest: _TypeAlias = EvictRequest  # noqa: Y015
+
+@_typing.final
+class EvictReply(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVICTED_FIELD_NUMBER: _builtins.int
+    evicted: _builtins.int
+    def __init__(
+        self,
+        *,
+        evicted: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["evicted", b"evicted"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EvictReply: _TypeAlias = EvictReply  # noqa: Y015
+
+@_typing.final
 class RoomRequest(_message.Message):
     """Before a push that spans several PS tasks reaches any of them: would each table shard's new keys fit
     (admission and capacity decided as the push would, nothing changed)? RESOURCE_EXHAUSTED if not.
@@ -1369,6 +1411,7 @@ class ReplicaForward(_message.Message):
     CHUNK_MORE_FIELD_NUMBER: _builtins.int
     SYNC_STATE_FIELD_NUMBER: _builtins.int
     SKIPPED_FIELD_NUMBER: _builtins.int
+    SWEPT_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     """of the shard's (primary, backup) configuration; an older one is refused"""
     version: _builtins.int
@@ -1400,6 +1443,10 @@ class ReplicaForward(_message.Message):
     skipped: _builtins.bool
     """a sync step skipped on the primary (no update: `version` stays): the backup notes push_id (sync:<step>) in
     its push record, so a replica's retry of that step on a promoted backup returns at once
+    """
+    swept: _builtins.bool
+    """an on-demand sweep of a dynamic table at `version` (not an update: the version stays): the backup evicts
+    exactly the keys in `rows` that its primary evicted; ordered among that version's pulls by pull_index
     """
     @_builtins.property
     def ref(self) -> Global___ShardRef: ...
@@ -1447,10 +1494,11 @@ class ReplicaForward(_message.Message):
         chunk_more: _builtins.bool = ...,
         sync_state: _builtins.str | None = ...,
         skipped: _builtins.bool = ...,
+        swept: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_sync_state", b"_sync_state", "grad", b"grad", "optimizer", b"optimizer", "ref", b"ref", "rows", b"rows", "spec", b"spec", "sync_state", b"sync_state", "value", b"value"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_sync_state", b"_sync_state", "chunk_more", b"chunk_more", "chunk_start", b"chunk_start", "epoch", b"epoch", "final_below", b"final_below", "grad", b"grad", "has_rows", b"has_rows", "optimizer", b"optimizer", "pull_index", b"pull_index", "pulled", b"pulled", "push_id", b"push_id", "record", b"record", "ref", b"ref", "rows", b"rows", "skipped", b"skipped", "slots", b"slots", "spec", b"spec", "sync_state", b"sync_state", "value", b"value", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_sync_state", b"_sync_state", "chunk_more", b"chunk_more", "chunk_start", b"chunk_start", "epoch", b"epoch", "final_below", b"final_below", "grad", b"grad", "has_rows", b"has_rows", "optimizer", b"optimizer", "pull_index", b"pull_index", "pulled", b"pulled", "push_id", b"push_id", "record", b"record", "ref", b"ref", "rows", b"rows", "skipped", b"skipped", "slots", b"slots", "spec", b"spec", "swept", b"swept", "sync_state", b"sync_state", "value", b"value", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__sync_state: _TypeAlias = _typing.Literal["sync_state"]  # noqa: Y015
     _WhichOneofArgType__sync_state: _TypeAlias = _typing.Literal["_sync_state", b"_sync_state"]  # noqa: Y015

@@ -124,6 +124,11 @@ class ParameterServerStub:
                 request_serializer=pscluster_dot_proto_dot_pscluster__pb2.EvictedKeysRequest.SerializeToString,
                 response_deserializer=pscluster_dot_proto_dot_pscluster__pb2.EvictedKeysReply.FromString,
                 _registered_method=True)
+        self.Evict = channel.unary_unary(
+                '/pscluster.ParameterServer/Evict',
+                request_serializer=pscluster_dot_proto_dot_pscluster__pb2.EvictRequest.SerializeToString,
+                response_deserializer=pscluster_dot_proto_dot_pscluster__pb2.EvictReply.FromString,
+                _registered_method=True)
         self.ReadTable = channel.unary_unary(
                 '/pscluster.ParameterServer/ReadTable',
                 request_serializer=pscluster_dot_proto_dot_pscluster__pb2.ReadTableRequest.SerializeToString,
@@ -252,6 +257,13 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Evict(self, request, context):
+        """dynamic tables: run the eviction policy now
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReadTable(self, request, context):
         """dynamic tables: live rows, a page at a time
         """
@@ -358,6 +370,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.EvictedKeys,
                     request_deserializer=pscluster_dot_proto_dot_pscluster__pb2.EvictedKeysRequest.FromString,
                     response_serializer=pscluster_dot_proto_dot_pscluster__pb2.EvictedKeysReply.SerializeToString,
+            ),
+            'Evict': grpc.unary_unary_rpc_method_handler(
+                    servicer.Evict,
+                    request_deserializer=pscluster_dot_proto_dot_pscluster__pb2.EvictRequest.FromString,
+                    response_serializer=pscluster_dot_proto_dot_pscluster__pb2.EvictReply.SerializeToString,
             ),
             'ReadTable': grpc.unary_unary_rpc_method_handler(
                     servicer.ReadTable,
@@ -856,6 +873,33 @@ class ParameterServer:
             '/pscluster.ParameterServer/EvictedKeys',
             pscluster_dot_proto_dot_pscluster__pb2.EvictedKeysRequest.SerializeToString,
             pscluster_dot_proto_dot_pscluster__pb2.EvictedKeysReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Evict(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pscluster.ParameterServer/Evict',
+            pscluster_dot_proto_dot_pscluster__pb2.EvictRequest.SerializeToString,
+            pscluster_dot_proto_dot_pscluster__pb2.EvictReply.FromString,
             options,
             channel_credentials,
             insecure,

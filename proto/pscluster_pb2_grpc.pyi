@@ -54,6 +54,8 @@ class ParameterServerStub:
     SetHyperparameters: _grpc.UnaryUnaryMultiCallable[_pscluster_pb2.HyperparametersRequest, _pscluster_pb2.HyperparametersReply]
     EvictedKeys: _grpc.UnaryUnaryMultiCallable[_pscluster_pb2.EvictedKeysRequest, _pscluster_pb2.EvictedKeysReply]
     """dynamic tables: drain the eviction report"""
+    Evict: _grpc.UnaryUnaryMultiCallable[_pscluster_pb2.EvictRequest, _pscluster_pb2.EvictReply]
+    """dynamic tables: run the eviction policy now"""
     ReadTable: _grpc.UnaryUnaryMultiCallable[_pscluster_pb2.ReadTableRequest, _pscluster_pb2.ReadTableReply]
     """dynamic tables: live rows, a page at a time"""
     CheckRoom: _grpc.UnaryUnaryMultiCallable[_pscluster_pb2.RoomRequest, _pscluster_pb2.RoomReply]
@@ -85,6 +87,8 @@ class ParameterServerAsyncStub(ParameterServerStub):
     SetHyperparameters: _aio.UnaryUnaryMultiCallable[_pscluster_pb2.HyperparametersRequest, _pscluster_pb2.HyperparametersReply]  # type: ignore[assignment]
     EvictedKeys: _aio.UnaryUnaryMultiCallable[_pscluster_pb2.EvictedKeysRequest, _pscluster_pb2.EvictedKeysReply]  # type: ignore[assignment]
     """dynamic tables: drain the eviction report"""
+    Evict: _aio.UnaryUnaryMultiCallable[_pscluster_pb2.EvictRequest, _pscluster_pb2.EvictReply]  # type: ignore[assignment]
+    """dynamic tables: run the eviction policy now"""
     ReadTable: _aio.UnaryUnaryMultiCallable[_pscluster_pb2.ReadTableRequest, _pscluster_pb2.ReadTableReply]  # type: ignore[assignment]
     """dynamic tables: live rows, a page at a time"""
     CheckRoom: _aio.UnaryUnaryMultiCallable[_pscluster_pb2.RoomRequest, _pscluster_pb2.RoomReply]  # type: ignore[assignment]
@@ -221,6 +225,14 @@ class ParameterServerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_pscluster_pb2.EvictedKeysReply, _abc.Awaitable[_pscluster_pb2.EvictedKeysReply]]:
         """dynamic tables: drain the eviction report"""
+
+    @_abc_1.abstractmethod
+    def Evict(
+        self,
+        request: _pscluster_pb2.EvictRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_pscluster_pb2.EvictReply, _abc.Awaitable[_pscluster_pb2.EvictReply]]:
+        """dynamic tables: run the eviction policy now"""
 
     @_abc_1.abstractmethod
     def ReadTable(

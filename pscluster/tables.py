@@ -91,7 +91,7 @@ class Eviction:
     policy: "steps" / "seconds": rows untouched for more than `max_idle` pushes (seconds) leave; "lfu":
     rows whose frequency (occurrences, decayed by `decay` per push) is below `min_frequency`; "l2": rows
     whose L2 norm is below `min_norm`. Triggers: a sweep every `every_steps` pushes, when live rows pass
-    `max_rows` (evicting the lowest scores down to `low_water` x max_rows), and `evict()` on demand.
+    `max_rows` (evicting the lowest scores down to `low_water` x max_rows), and `client.evict(table)` on demand.
     The same score orders the victims of a full shard (the least recently touched first under "none").
     """
 

@@ -296,6 +296,12 @@ class DynamicTable:
             gone = rows[self._score(rows) < (ev.min_frequency if ev.policy == "lfu" else ev.min_norm)]
         return TableResult(self.version, evicted=np.sort(self._remove(gone)))
 
+    def evict_keys(self, keys: np.ndarray) -> np.ndarray:
+        """Evict exactly those of keys that are live (a backup repeating its primary's on-demand sweep);
+        returns them, sorted."""
+        rows = self.index.lookup(np.unique(np.asarray(keys, np.int64)))
+        return np.sort(self._remove(rows[rows >= 0]))
+
     # -- internals -------------------------------------------------------------------------------
     def _idle(self, rows: np.ndarray) -> np.ndarray:
         if self.cfg.eviction.policy == "seconds":

@@ -325,6 +325,22 @@ class ParameterServerCore:
             shards = [s for s in shards if self.replication.is_primary(s.spec.key)]
         return table_ops.drain_evicted(shards)
 
+    def evict(self, variable: str) -> int:
+        """Run the eviction policy of `variable`'s dynamic table shards this PS is the primary of now; returns
+        the keys evicted (listed in the eviction report). With replicas: 2 it returns once the backups evicted
+        the same keys.
+
+        Raises:
+            UnavailableError: a backup did not confirm in time (the keys are evicted here; a retry sweeps again).
+        """
+        shards = [s for s in self.store.shards() if s.spec.variable == variable and s.table is not None]
+        if self.replication is None:
+            return table_ops.sweep(shards)
+        shards = [s for s in shards if self.replication.is_primary(s.spec.key)]
+        evicted = table_ops.sweep(shards, self.replication.swept)
+        self.replication.wait_configured([s.spec.key for s in shards])
+        return evicted
+
     def read_table(self, key: tuple[str, int], start: int, max_rows: int,
                    float16: bool) -> tuple[np.ndarray, np.ndarray, int, int]:
         """A page of a dynamic table shard's live keys and rows (server/table_ops.read_page)."""

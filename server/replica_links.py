@@ -33,8 +33,8 @@ def tensors_of(f: pb.ReplicaForward) -> list[pb.Tensor]:
         return [f.value] + [f.slots[name] for name in sorted(f.slots)]
     if f.HasField("optimizer") or f.HasField("sync_state") or f.skipped:
         return []
-    if f.pulled:
-        return [f.rows]  # a table pull's distinct keys
+    if f.pulled or f.swept:
+        return [f.rows]  # a table pull's distinct keys, or the keys a sweep evicted
     return [f.grad, f.rows] if f.has_rows else [f.grad]
 
 

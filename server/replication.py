@@ -245,6 +245,20 @@ class Replication(ReplicaNotes):
                                 has_rows=True, pulled=True, pull_index=self._took_pull(shard.spec.key, shard.version))
         rep.put(shard.spec.key, shard.version, msg, [uniq])
 
+    def swept(self, shard: Shard, keys: np.ndarray) -> None:
+        """An on-demand sweep's hook (under the shard's lock): queue the evicted keys, so the backup evicts the
+        same ones between the same updates; `wait_configured` then waits for it as for a config change."""
+        role, rep = self._replicator_of(shard.spec.key)
+        if role is None or rep is None:
+            return
+        gone = np.array(keys, np.int64, copy=True)
+        msg = pb.ReplicaForward(ref=pb.ShardRef(variable=shard.spec.variable, shard_index=shard.spec.shard_index),
+                                epoch=role.epoch, version=shard.version, rows=codec.header(gone.dtype, gone.shape),
+                                has_rows=True, swept=True, pull_index=self._took_pull(shard.spec.key, shard.version))
+        seq = rep.put(shard.spec.key, shard.version, msg, [gone])
+        with self._lock:
+            self._configs[shard.spec.key] = seq
+
     def _pulls_at(self, key: Key, version: int) -> int:
         """How many table pulls this copy of key took at `version`."""
         with self._lock:
@@ -279,7 +293,7 @@ class Replication(ReplicaNotes):
             self._configs[shard.spec.key] = seq
 
     def wait_configured(self, keys: Sequence[Key], timeout: float | None = None) -> None:
-        """Return once the backups of keys hold the config changes queued for them (see `configured`).
+        """Return once the backups of keys hold the config changes and sweeps queued for them (`configured`, `swept`).
 
         Raises:
             UnavailableError: not confirmed within timeout (the call may be retried: it is idempotent).
@@ -420,16 +434,17 @@ class Replication(ReplicaNotes):
             return pb.REPLICA_APPLIED, self._installed(f, shard)
         staged = self._staged.get(key)  # a catch-up in chunks under way: updates go to the rows staged so far
         shard = staged.shard if staged is not None else shard
-        if shard is None or (f.pulled and staged is not None):  # a table's state is never staged
+        if shard is None or ((f.pulled or f.swept) and staged is not None):  # a table's state is never staged
             return pb.REPLICA_GAP, shard
-        if f.pulled:
+        if f.pulled or f.swept:  # a pull that made rows, or an on-demand sweep: ordered among the version's pulls
             if shard.version == f.version:
                 taken = self._pulls_at(key, f.version)
                 if f.pull_index < taken:
                     return pb.REPLICA_APPLIED, shard  # a resent pull: repeating it could re-create evicted rows
                 if f.pull_index > taken:
                     return pb.REPLICA_GAP, shard  # an earlier pull at this version is missing
-            done = table_ops.pull_at(shard, f.version, _ids(tensors[0], key))
+            repeat = table_ops.evict_at if f.swept else table_ops.pull_at
+            done = repeat(shard, f.version, _ids(tensors[0], key))
             if done == "applied":
                 self._took_pull(key, f.version)
             return (pb.REPLICA_GAP if done == "gap" else pb.REPLICA_APPLIED), shard

@@ -80,7 +80,7 @@ class Replicator:
         self._dirty: set[Key] = set()  # shards whose forwards were skipped (queue full): resync them
         self._waiting: set[Key] = set()  # shards whose whole state found no room: resync after a batch got through
         self.refused: dict[Key, str] = {}  # shards whose whole state the backup refused for good (until forget)
-        self._confirmed: dict[Key, int] = {}  # per shard, the place of its last config change or install applied
+        self._confirmed: dict[Key, int] = {}  # per shard, the place of its last config change, sweep or install applied
         self._logged = 0.0  # when a run of failures was last logged
         self.acked: dict[Key, int] = {}  # the highest version the backup confirmed, per shard
         self.stale: dict[Key, int] = {}  # shards the backup refused at this epoch: it knows a newer one
@@ -313,7 +313,7 @@ class Replicator:
                         continue  # an update of the staged rows: held once the last chunk is
                     if version > self.acked.get(key, -1):
                         self.acked[key] = version
-                    if msg.HasField("optimizer") or msg.HasField("spec") or msg.skipped:
+                    if msg.HasField("optimizer") or msg.HasField("spec") or msg.skipped or msg.swept:
                         self._confirmed[key] = max(self._confirmed.get(key, 0), seq)
                 elif outcome == pb.REPLICA_GAP:
                     self._dirty.add(key)

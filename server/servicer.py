@@ -145,6 +145,9 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         shards, names = self.core.set_hyperparameters(list(request.variables), request.changes_json, request.dry_run)
         return pb.HyperparametersReply(shards=shards, variables=names)
 
+    def Evict(self, request: pb.EvictRequest, context: grpc.ServicerContext) -> pb.EvictReply:
+        return pb.EvictReply(evicted=self.core.evict(request.variable))
+
     def EvictedKeys(self, request: pb.EvictedKeysRequest, context: grpc.ServicerContext) -> pb.EvictedKeysReply:
         keys, overflowed = self.core.evicted_keys(request.variable)
         return pb.EvictedKeysReply(keys=codec.encode(keys), overflowed=overflowed)

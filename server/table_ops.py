@@ -6,7 +6,7 @@ primary of): each holds one shard's lock while it copies, never while anything i
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Literal
 
 import numpy as np
@@ -45,6 +45,31 @@ def pull_at(shard: Shard, version: int, keys: np.ndarray) -> Literal["applied", 
             return "gap"
         shard.table.pull(keys)  # the same keys on the same state: the same rows created and evicted
         return "applied"
+
+
+def evict_at(shard: Shard, version: int, keys: np.ndarray) -> Literal["applied", "held", "gap"]:
+    """A backup's repeat of its primary's on-demand sweep at `version`: the same keys evicted (as pull_at)."""
+    with shard.lock:
+        if version < shard.version:
+            return "held"
+        if version > shard.version or shard.table is None:
+            return "gap"
+        shard.table.evict_keys(keys)
+        return "applied"
+
+
+def sweep(shards: Iterable[Shard], on_swept: Callable[[Shard, np.ndarray], None] | None = None) -> int:
+    """Run each table shard's eviction policy now (the on-demand trigger); returns the keys evicted.
+    `on_swept(shard, keys)` runs under the shard's lock (replicas: 2 queues the keys for the backup there)."""
+    total = 0
+    for shard in shards:
+        assert shard.table is not None
+        with shard.lock:
+            gone = shard.table.sweep().evicted
+            if gone.size and on_swept is not None:
+                on_swept(shard, gone)
+        total += int(gone.size)
+    return total
 
 
 def drain_evicted(shards: Iterable[Shard]) -> tuple[np.ndarray, int]:

@@ -129,6 +129,14 @@ class ClusterOperations(ABC):
         keys = np.sort(np.concatenate([codec.decode(r.keys, "evicted keys") for r in replies]))
         return keys, sum(int(r.overflowed) for r in replies)
 
+    def evict(self, table: Variable) -> int:
+        """Run the dynamic table's eviction policy on every shard now (the on-demand trigger); returns how many
+        keys it evicted, which `evicted_keys` then lists. With replicas: 2 each backup has evicted the same
+        keys when this returns."""
+        self._check_table(table, "evict")
+        replies = self._gather([(ps, "Evict", pb.EvictRequest(variable=table.name)) for ps in range(self.num_ps)])
+        return sum(int(r.evicted) for r in replies)
+
     def export_table(self, table: Variable, directory: str | pathlib.Path,
                      float16: bool = False) -> tuple[pathlib.Path, pathlib.Path]:
         """Write a dynamic table for serving: `NAME.keys` (int64, sorted) and `NAME.values` (its rows in that

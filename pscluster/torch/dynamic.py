@@ -47,12 +47,12 @@ class DynamicEmbedding(nn.Module):
         self._pulled = threading.local()  # this thread's last forward: .keys and .rows (a worker runs closures at once)
 
     def __getstate__(self) -> dict[str, Any]:
-        state = dict(super().__getstate__())
+        state = dict(super().__getstate__())  # type: ignore[no-untyped-call]
         state.pop("_pulled", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
+        super().__setstate__(state)  # type: ignore[no-untyped-call]
         self._pulled = threading.local()
 
     def forward(self, ids: torch.Tensor, offsets: torch.Tensor | None = None,

@@ -258,3 +258,22 @@ def test_table_calls_name_what_is_wrong_before_any_request(client, tmp_path):
     client.push_rows(emb, np.array([2**63 - 1], np.uint64), np.ones((1, 2), np.float32))  # fits: accepted
     keys, values = client.export_table(emb, tmp_path / "not" / "yet")  # the folder is made
     assert keys.exists() and np.load(keys).tolist() == [2**63 - 1] and np.load(values).shape == (1, 2)
+
+
+def test_evict_on_demand_runs_the_policy_now_and_lists_the_keys(client):
+    from pscluster.tables import Eviction
+
+    emb = client.create_variable("dyn_on_demand", shape=(None, 2), sparse=True, optimizer=ps.SGD(1.0),
+                                 table=TableConfig(dim=2, eviction=Eviction("steps", max_idle=1)))
+    old, new = np.arange(0, 40, dtype=np.int64), np.arange(100, 110, dtype=np.int64)
+    client.push_rows(emb, old, np.ones((old.size, 2), np.float32))
+    for _ in range(2):
+        client.push_rows(emb, new, np.ones((new.size, 2), np.float32))  # `old` idle 2 pushes > 1 on each shard
+    assert client.table_stats(emb)["live_keys"] == 50  # no trigger set: nothing evicted by itself
+    assert client.evict(emb) == 40
+    assert client.table_stats(emb) == {"live_keys": 10, "evicted_keys": 40, "dropped_rows": 0}
+    keys, overflowed = client.evicted_keys(emb)
+    assert keys.tolist() == old.tolist() and overflowed == 0
+    assert client.evict(emb) == 0
+    with pytest.raises(InvalidArgumentError, match="evict: fixed_evict is not a dynamic table"):
+        client.evict(client.create_variable("fixed_evict", shape=(4, 2), sparse=True, optimizer=ps.SGD(1.0)))

@@ -75,6 +75,41 @@ def test_rows_a_pull_creates_and_evicts_reach_the_backup_with_their_metadata(pai
     same_table(a, b)  # rows, slots, last-touched steps, counters: the backup is the primary
 
 
+def test_an_on_demand_sweep_evicts_the_same_keys_on_the_backup_before_it_returns(pair):
+    """Evict() on the primary: the backup evicts exactly the keys its primary evicted, in order with the
+    pulls and pushes around it, and the call returns only once it has (an LFU sweep, decided by the primary)."""
+    from pscluster.tables import Eviction
+
+    a, b, _ = pair
+    cfg = TableConfig(dim=2, capacity=64, eviction=Eviction("steps", max_idle=1))
+    a.create(ShardSpec("dyn", 0, 1, (0, 2), (0, 2), 0, "<f4", Adam(0.1), True, 0, cfg.to_json()), None, "zeros", 0, 0)
+    for core in (b, a):
+        set_roles(core)
+    a.replication.wait([(DYN, a.store.get(DYN).version)])
+    push(a, "c1.0", [1, 2, 3])
+    push(a, "c2.0", [4])
+    a.pull([(DYN, np.array([5], np.int64))])  # a row made at version 2, before the sweep at version 2
+    push(a, "c3.0", [4, 5])  # keys 1, 2, 3: idle 2 pushes > max_idle 1; 4 and 5: touched now
+    assert b.evict("dyn") == 0  # a backup does not sweep on its own: it follows its primary
+    assert a.evict("dyn") == 3
+    tb = b.store.get(DYN).table
+    assert tb is not None and tb.stats.evicted == 3 and np.array_equal(tb.lookup(np.array([1, 2, 3])), [-1] * 3)
+    same_table(a, b)
+    keys, _ = a.evicted_keys("dyn")
+    assert keys.tolist() == [1, 2, 3] and a.evict("dyn") == 0  # reported once; nothing more is idle
+    push(a, "c4.0", [1])  # a key evicted on demand comes back fresh on both copies
+    same_table(a, b)
+
+
+def test_evict_keys_evicts_exactly_the_live_keys_named():
+    from pscluster.server.dynamic_table import DynamicTable
+
+    t = DynamicTable(TableConfig(dim=2, capacity=16), Adam(0.1))
+    t.push(np.array([1, 2, 3, -1], np.int64), np.ones((4, 2), np.float32))
+    assert t.evict_keys(np.array([3, 99, -1, 3], np.int64)).tolist() == [-1, 3]  # 99 was never live
+    assert t.live == 2 and t.stats.evicted == 2 and t.report.drain()[0].tolist() == [-1, 3]
+
+
 def test_a_sync_step_counts_a_key_once_for_admission_however_many_replicas_carry_it():
     core = ParameterServerCore(0, 1)
     sync_replicas.attach(core)
