@@ -14,7 +14,7 @@ import threading
 import numpy as np
 import pytest
 from pscluster.proto import pscluster_pb2 as pb
-from pscluster.server import sync_replicas
+from pscluster.server import replica_links, sync_replicas
 from pscluster.server.bulk import BulkHandlers
 from pscluster.server.optimizers import OptimizerConfig
 from pscluster.server.ps import ParameterServerCore
@@ -171,3 +171,34 @@ def test_a_reply_that_does_not_parse_drops_the_connection_and_the_next_batch_get
         for conn in accepted:
             conn.close()
         listener.close()
+
+
+@pytest.mark.parametrize("sizes", [[0, 3, 401_408, 512], [5 << 20, 7], [1] * 300])
+def test_a_batch_arrives_byte_for_byte_whether_gathered_in_sendmsg_calls_or_sent_piecewise(sizes):
+    # sendmsg's partial sends, a buffer larger than a CHUNK, and more buffers than GATHER_BUFFERS (piecewise)
+    rng = np.random.default_rng(1)
+    views = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    header = b"h" * 37
+    a, b = socket.socketpair()
+    a.settimeout(10)
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # small: sendmsg sends part of a batch at a time
+    got = bytearray()
+    want = framing.PREFIX.pack(len(header), sum(sizes)) + header + b"".join(v.tobytes() for v in views)
+
+    def read() -> None:
+        while len(got) < len(want):
+            chunk = b.recv(1 << 16)
+            if not chunk:
+                return
+            got.extend(chunk)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        replica_links._send_batch(a, header, views)
+        reader.join(10)
+    finally:
+        a.close()
+        b.close()
+        reader.join(10)
+    assert bytes(got) == want
