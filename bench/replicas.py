@@ -15,8 +15,12 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
+import re
+import shutil
 import signal
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -117,24 +121,44 @@ COST_MODES: list[tuple[str, dict[str, Any]]] = [
 
 class ProcessCpu:
     """A training.w2 probe: CPU (user + system, /proc) and voluntary context switches (threads woken after a
-    wait, summed over threads) of every process of the cluster around the timed steps."""
+    wait, summed over threads) of every process of the cluster around the timed steps; per PS also each thread
+    kind's share (`threads`: name -> (threads, switches, CPU s)), named by `py-spy dump` when it is on PATH."""
 
     def __init__(self) -> None:
         self.cpu_s: dict[str, float] = {}
         self.switches: dict[str, int] = {}
+        self.threads: dict[str, dict[str, tuple[int, int, float]]] = {}
 
     @staticmethod
-    def _read(pid: int) -> tuple[float, int]:
-        fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        switches = 0
-        for status in pathlib.Path(f"/proc/{pid}/task").glob("*/status"):
+    def _tasks(pid: int) -> dict[int, tuple[int, float]]:
+        """Per thread id: (voluntary context switches, CPU s)."""
+        out = {}
+        for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
             try:
-                text = status.read_text()
+                text = (task / "status").read_text()
+                stat = (task / "stat").read_text().rsplit(")", 1)[1].split()
             except OSError:  # a thread that ended in between
                 continue
-            switches += sum(int(line.split()[1]) for line in text.splitlines()
-                            if line.startswith("voluntary_ctxt_switches"))
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), switches
+            switches = sum(int(line.split()[1]) for line in text.splitlines()
+                           if line.startswith("voluntary_ctxt_switches"))
+            out[int(task.name)] = (switches, (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK"))
+        return out
+
+    @staticmethod
+    def _names(pid: int) -> dict[int, str]:
+        """Thread id -> Python thread name, from `py-spy dump` (empty without py-spy)."""
+        spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(pathlib.Path(sys.executable).parent))
+        if spy is None:
+            return {}
+        dump = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30).stdout
+        found = re.findall(r'^Thread (0x[0-9A-Fa-f]+|\d+) \(\w+\): "([^"]*)"', dump, re.M)
+        return {int(tid, 0): name for tid, name in found}
+
+    @classmethod
+    def _read(cls, pid: int) -> tuple[float, int, dict[int, tuple[int, float]]]:
+        fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        tasks = cls._tasks(pid)
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), sum(s for s, _ in tasks.values()), tasks
 
     @contextlib.contextmanager
     def __call__(self, cluster: LocalCluster) -> Iterator[None]:
@@ -146,6 +170,16 @@ class ProcessCpu:
         after = {name: self._read(pid) for name, pid in procs.items()}
         self.cpu_s = {name: after[name][0] - before[name][0] for name in procs}
         self.switches = {name: after[name][1] - before[name][1] for name in procs}
+        for name, pid in procs.items():
+            if not name.startswith("ps"):
+                continue
+            names, kinds = self._names(pid), dict[str, tuple[int, int, float]]()
+            for tid, (switches, cpu) in after[name][2].items():
+                was = before[name][2].get(tid, (0, 0.0))
+                kind = names.get(tid, "other")
+                n, s, c = kinds.get(kind, (0, 0, 0.0))
+                kinds[kind] = (n + 1, s + switches - was[0], c + cpu - was[1])
+            self.threads[name] = kinds
 
 
 def _trial(replicas: int, steps: int, **kw: Any) -> dict[str, Any]:
@@ -153,7 +187,9 @@ def _trial(replicas: int, steps: int, **kw: Any) -> dict[str, Any]:
     r = training.w2(replicas=replicas, steps=steps, probe=probe, **kw)
     cpu = {name: 1000.0 * s / steps for name, s in probe.cpu_s.items()}
     return {"steps_per_s": r["steps_per_s"], "accuracy": r["accuracy"], "cpu_ms": cpu,
-            "wakeups": {name: n / steps for name, n in probe.switches.items()}}
+            "wakeups": {name: n / steps for name, n in probe.switches.items()},
+            "threads": {ps: {kind: {"threads": n, "wakeups": s / steps, "cpu_ms": 1000.0 * c / steps}
+                             for kind, (n, s, c) in kinds.items()} for ps, kinds in probe.threads.items()}}
 
 
 def _median_of(trials: list[dict[str, Any]], field: str) -> dict[str, float]:
@@ -182,6 +218,8 @@ def cost(runs: int = 3, steps: int = 2000, modes: Sequence[str] | None = None) -
                      "accuracy_2": statistics.median(b["accuracy"] for b in twos),
                      "cpu_ms_1": cpu1, "cpu_ms_2": cpu2,
                      "wakeups_1": _median_of(ones, "wakeups"), "wakeups_2": _median_of(twos, "wakeups"),
+                     # per PS thread kind (bulk-conn: a worker's connection or the replica link's), one trial's
+                     "threads_1": ones[len(ones) // 2]["threads"], "threads_2": twos[len(twos) // 2]["threads"],
                      "ps_cpu_ms_1": statistics.mean(ps1), "ps_cpu_ms_2": statistics.mean(ps2),
                      "total_cpu_ms_1": sum(cpu1.values()), "total_cpu_ms_2": sum(cpu2.values()),
                      "cpu_bound_cost": 1 - sum(cpu1.values()) / sum(cpu2.values()),
