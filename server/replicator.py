@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 MAX_QUEUED_BYTES = 256 << 20  # per backup; past it a shard's whole state is sent instead of its updates
 BATCH_BYTES = 16 << 20  # forwards per Replicate call (an install may exceed it alone)
 LINGER_S = 0.02  # forwards that no waiting push sent (it gave up) go after this long, by the thread
+# with no such forward queued the thread sleeps this long: a push sends its own forward, so a thread woken every
+# LINGER_S found nothing to do ~50 times a second (B15COST: ~1 wake-up per W2 step per PS, more than any but the
+# connections' threads); a forward queued with no waiter on another path than these is sent within IDLE_S
+IDLE_S = 0.5
 LOG_EVERY_S = 30.0  # a backup that keeps failing is logged at its first failure, then at most this often
 # a queued forward: shard, the version it made, its message (tensors: dtype and shape), bytes, its arrays,
 # its place in the queue (1, 2, ...: `queued` when it was put)
@@ -90,6 +94,9 @@ class Replicator:
         self._sending = False  # a batch is in flight (one at a time: the backup applies in order)
         self._failures = 0  # sends failed in a row (the thread resends after a back-off; pushes do not)
         self._wake = False  # the thread has work now: a catch-up, a resync, a resend
+        # forwards that no push waits for are queued (a table pull's, or a waiter gave up): the thread lingers
+        self._orphans = False
+        self._idle = False  # the thread sleeps for IDLE_S (an orphan wakes it)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"replicate-{from_ps}-to-{backup}", daemon=True)
         self._thread.start()
@@ -139,7 +146,15 @@ class Replicator:
             self.queued += 1
             self._queue.append((key, version, msg, nbytes, arrays, self.queued))
             self._queued_bytes += nbytes
+            if msg.pulled:  # a table pull's reply does not wait for its forward
+                self._orphaned()
             return self.queued
+
+    def _orphaned(self) -> None:
+        """Under the lock: a queued forward has no waiter to send it; the thread does, after LINGER_S."""
+        self._orphans = True
+        if self._idle:
+            self._cond.notify()
 
     def _wake_sender(self) -> None:
         self._wake = True
@@ -152,17 +167,23 @@ class Replicator:
             UnavailableError: the backup knows a newer epoch (this PS is deposed), or the deadline passed.
         """
         with self._cond:
-            while True:
-                self._check(key)
-                if self.acked.get(key, -1) >= version:
-                    return True
-                if key not in self.keys or self._stop.is_set():
-                    return False
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise UnavailableError(f"{name_of(key)}: backup ps {self.backup} did not confirm version {version} "
-                                           "in time; the push was not acknowledged (retry it with the same id)")
-                self._lead_or_wait(left)
+            try:
+                while True:
+                    self._check(key)
+                    if self.acked.get(key, -1) >= version:
+                        return True
+                    if key not in self.keys or self._stop.is_set():
+                        self._orphaned()
+                        return False
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise UnavailableError(f"{name_of(key)}: backup ps {self.backup} did not confirm version "
+                                               f"{version} in time; the push was not acknowledged (retry it with "
+                                               "the same id)")
+                    self._lead_or_wait(left)
+            except BaseException:
+                self._orphaned()  # what it queued may still be queued: the thread sends it
+                raise
 
     def _check(self, key: Key) -> None:
         """Under the lock: raise for a shard whose waiters cannot be confirmed at this epoch."""
@@ -192,13 +213,18 @@ class Replicator:
                 is deposed (the call is idempotent: retry it).
         """
         with self._cond:
-            while self._confirmed.get(key, 0) < seq:
-                self._check(key)
-                left = deadline - time.monotonic()
-                if left <= 0 or self._stop.is_set() or key not in self.keys:
-                    raise UnavailableError(f"{name_of(key)}: backup ps {self.backup} did not confirm a config change "
-                                           "in time, or the shard's roles changed; retry the call (it is idempotent)")
-                self._lead_or_wait(left)
+            try:
+                while self._confirmed.get(key, 0) < seq:
+                    self._check(key)
+                    left = deadline - time.monotonic()
+                    if left <= 0 or self._stop.is_set() or key not in self.keys:
+                        raise UnavailableError(f"{name_of(key)}: backup ps {self.backup} did not confirm a config "
+                                               "change in time, or the shard's roles changed; retry the call (it is "
+                                               "idempotent)")
+                    self._lead_or_wait(left)
+            except BaseException:
+                self._orphaned()
+                raise
 
     def forget(self, key: Key, epoch: int) -> None:
         """Drop what the backup confirmed of key: its role changed (now at epoch), the next confirmation starts
@@ -226,6 +252,7 @@ class Replicator:
     def poke(self) -> None:
         """Wake waiters (and the sender) to look at the roles again."""
         with self._cond:
+            self._orphans = self._orphans or bool(self._queue)  # waiters of a shard that moved leave theirs
             self._cond.notify_all()
             self._acks.notify_all()
 
@@ -365,10 +392,15 @@ class Replicator:
                 self._stop.wait(min(0.01 * 2 ** min(failures, 6), 0.5))
             with self._cond:
                 if not failures and not self._wake and not self._dirty:
-                    self._cond.wait(LINGER_S)
+                    self._idle = not self._orphans
+                    self._cond.wait(IDLE_S if self._idle else LINGER_S)
+                    self._idle = False
                 self._wake = False
+                if not self._queue:
+                    self._orphans = False
                 if self._stop.is_set() or self._sending or not self._queue:
                     continue
                 batch = self._pop()
+                self._orphans = bool(self._queue)  # what did not fit the batch goes next
             self._send(batch, self._timeout)
             del batch  # a catch-up's arrays (a shard's whole state) must not wait here for the next batch

@@ -218,3 +218,40 @@ def test_a_config_change_is_confirmed_only_once_the_backup_applied_it_or_a_whole
     finally:
         release.set()
         rep.stop()
+
+
+def _thread_wakeups(rep: Replicator) -> int:
+    """Voluntary context switches of rep's thread so far (it sleeps on a condition between wake-ups)."""
+    tid = rep._thread.native_id
+    with open(f"/proc/self/task/{tid}/status") as f:
+        text = f.read()
+    return int(next(line.split()[1] for line in text.splitlines() if line.startswith("voluntary_ctxt_switches")))
+
+
+def test_an_idle_sender_sleeps_and_forwards_no_push_waits_for_still_leave_within_the_linger() -> None:
+    backup = Backup()
+    rep = replicator(backup, lambda key, start: None)
+    try:
+        # a push sends its own forward: the thread has nothing to do and stays asleep (it woke every LINGER_S,
+        # ~50 times a second, before)
+        rep.put(KEY, 1, update(KEY, 1), [])
+        assert rep.wait(KEY, 1, time.monotonic() + BOUND_S)
+        before = _thread_wakeups(rep)
+        time.sleep(0.3)
+        assert _thread_wakeups(rep) - before <= 2
+        # a table pull's forward has no waiter: the thread sends it, long before IDLE_S
+        pulled = update(KEY, 1)
+        pulled.pulled = True
+        start = time.monotonic()
+        rep.put(KEY, 1, pulled, [])
+        until(lambda: len(backup.batches) == 2, "the pull's forward sent by the thread")
+        assert time.monotonic() - start < 0.25
+        # a push that gave up (deadline passed before it sent) leaves its forward to the thread
+        rep.put(KEY, 2, update(KEY, 2), [])
+        with pytest.raises(UnavailableError):
+            rep.wait(KEY, 2, time.monotonic() - 1)
+        start = time.monotonic()
+        until(lambda: rep.acked.get(KEY) == 2, "the given-up push's forward sent by the thread")
+        assert time.monotonic() - start < 0.25
+    finally:
+        rep.stop()
