@@ -66,9 +66,9 @@ from pscluster.ops import metrics
 
 log = logging.getLogger(__name__)
 _BATCH = 256  # events applied between two snapshots
-REPLICAS_1_REFUSAL = ("moving shards between PS tasks needs replicas: 2: with replicas: 1 clients find a shard by its "
-                      "handle's placement (k mod P), not by the replica table, and a shard has no in-sync second copy "
-                      "to switch to, so a moved shard could not be found; start the cluster with replicas: 2 "
+REPLICAS_1_REFUSAL = ("moving shards between PS tasks needs the replica table: with replicas: 1 and elastic: false "
+                      "clients find a shard by its handle's placement (k mod P), so a moved shard could not be found; "
+                      "start the cluster with elastic: true (one copy, routed by the table) or replicas: 2 "
                       "(docs/elastic.md)")
 LONG_POLL_SLICE_S = 2.0  # a remote Join/Fetch waits at most this long in a server thread, then re-polls
 
@@ -115,7 +115,8 @@ class ClusterCoordinator(CoordinatorAPI):
         self._keeper = ReplicaKeeper(
             list(self.client.stubs), book=PsBook.from_file(self.settings.cluster.ps), on_book=self.client.set_ps_addresses,
             connect=lambda address: pb_grpc.ParameterServerStub(rpc.open_channel(address, self.settings)),
-        ).start() if self.settings.replicas > 1 else None
+            copies=self.settings.replicas,
+        ).start() if self.settings.replica_table else None
         self._elastic = Elastic(self._keeper, self._keeper.stubs) if self._keeper is not None else None
         self._monitor = PsMonitor(self.client, on_down=lambda: self._inbox.post(sch.PsDown()),
                                   on_up=lambda: self._inbox.post(sch.PsUp()),
@@ -240,7 +241,7 @@ class ClusterCoordinator(CoordinatorAPI):
         return self._monitor.lost_updates
 
     def replica_table(self) -> dict[tuple[str, int], Copies]:
-        """replicas: 2: shard (variable, index) -> its primary, backup and epoch now; empty with replicas: 1."""
+        """shard (variable, index) -> its primary, backup and epoch now (replicas: 2 or elastic); else empty."""
         return self._keeper.table() if self._keeper is not None else {}
 
     def scale_ps(self, count: int, cancelled: Callable[[], bool] = never) -> ScaleReport:

@@ -13,7 +13,8 @@ keeper's table (replica_keeper.py) and the PS's freeze (server/handoff.py):
    it refuses pushes, and clients re-read placement and retry with the same push ids).
 
 The freeze (2 to 3) is what a shard's writers wait for, and it is measured per shard. A backup that only
-changes PS needs step 1 alone. Moves run one at a time and a second scale while one runs is refused.
+changes PS needs step 1 alone. With one copy (replicas: 1, elastic) the successor is a temporary backup:
+the same steps, and the switch leaves the shard with no backup again. Moves run one at a time and a second scale while one runs is refused.
 
 The sync state's row (the token queue, bounded clocks and G: SYNC_STATE_KEY) is not in the plan: after
 the shards, a copy of it on a PS that leaves the active set moves to an active one, a backup by step 1
@@ -64,7 +65,7 @@ class ScaleReport(NamedTuple):
 
 
 class Elastic:
-    """Owns the active PS set of a replicas: 2 cluster and carries out scales (one at a time)."""
+    """Owns the active PS set of a cluster with a replica table and carries out scales (one at a time)."""
 
     def __init__(self, keeper: ReplicaKeeper, stubs: Sequence[object], lease_s: float = FREEZE_LEASE_S,
                  catch_up_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
@@ -91,11 +92,12 @@ class Elastic:
 
     def scale_to(self, count: int, cancelled: Callable[[], bool] = never) -> ScaleReport:
         """Make PS tasks 0 .. count-1 the active set."""
-        if not 2 <= count <= len(self._stubs):
+        least = self._keeper.state.copies
+        if not least <= count <= len(self._stubs):
+            need = "replicas: 2 needs at least 2 active" if least > 1 else "at least 1 must be active"
             raise InvalidArgumentError(f"scale --ps {count}: this cluster has PS tasks 0..{len(self._stubs) - 1} and "
-                                       "replicas: 2 needs at least 2 active; pass 2.."
-                                       f"{len(self._stubs)}, or start more PS tasks first (`pscluster ps --join`, "
-                                       "LocalCluster.scale)")
+                                       f"{need}; pass {least}..{len(self._stubs)}, or start more PS tasks first "
+                                       "(`pscluster ps --join`, LocalCluster.scale)")
         return self.scale(list(range(count)), cancelled)
 
     def add(self, task: int, cancelled: Callable[[], bool] = never) -> ScaleReport:
@@ -173,7 +175,7 @@ class Elastic:
         if down:
             raise FailedPreconditionError(f"ps {down} of the new active set is down; scale once it is back")
         before = {o: rb.Place(c.primary, c.backup) for o, c in layout.items()}
-        after = rb.rebalance(before, active, 2)
+        after = rb.rebalance(before, active, self._keeper.state.copies)
         everyone, was = set(range(len(self._stubs))), self.active
         self._keeper.set_inactive(everyone - set(active))
         freezes: list[float] = []
@@ -238,7 +240,7 @@ class Elastic:
         primary = c.backup if c.backup is not None and c.backup in active else fewest(None)
         if primary is None:
             return 0, None
-        place = rb.Place(primary, fewest(primary))
+        place = rb.Place(primary, fewest(primary) if self._keeper.state.copies > 1 else None)
         frozen = self._switch(rp.SYNC_ORDINAL, c, place, cancelled)
         return len(rb.moves({0: rb.Place(c.primary, c.backup)}, {0: place})), frozen
 
@@ -291,7 +293,8 @@ class Elastic:
 
     def _wait_in_sync(self, ordinal: int, cancelled: Callable[[], bool]) -> None:
         deadline = self._clock() + self._catch_up
-        while not self._keeper.copies(ordinal).in_sync:
+        one_copy = self._keeper.state.copies == 1  # a shard with no backup: nothing catches up
+        while not (c := self._keeper.copies(ordinal)).in_sync and not (one_copy and c.backup is None):
             if cancelled():
                 key = self._keeper.key_of(ordinal)
                 raise AbortedError(f"scale stopped while {key[0]}[{key[1]}]'s new backup caught up: its caller went "

@@ -39,16 +39,17 @@ class ReplicaKeeper:
     def __init__(self, stubs: list[object], interval: float = rp.HEARTBEAT_INTERVAL_S,
                  clock: Callable[[], float] = time.monotonic, book: PsBook | None = None,
                  connect: Callable[[str], object] | None = None,
-                 on_book: Callable[[list[str]], None] | None = None) -> None:
+                 on_book: Callable[[list[str]], None] | None = None, copies: int = 2) -> None:
         """book: the PS list (ps_book.py; None: unnamed PS tasks, no joins); connect: a stub for a joining PS's
-        address; on_book: told the new list after a PS joined or left (outside the lock)."""
+        address; on_book: told the new list after a PS joined or left (outside the lock); copies: 1 gives no
+        shard a backup but for a move (replicas: 1, elastic)."""
         self._stubs = stubs  # grows and shrinks with the book: elastic.py holds the same list
         self.book = book or PsBook.from_file([""] * len(stubs))
         self._connect = connect
         self._on_book = on_book
         self._clock = clock
         self._interval = interval
-        self.state = rp.ReplicaState(len(stubs), now=clock(), interval=interval)
+        self.state = rp.ReplicaState(len(stubs), now=clock(), interval=interval, copies=copies)
         self._keys: dict[int, Key] = {rp.SYNC_ORDINAL: SYNC_STATE_KEY}  # ordinal -> shard key (and the sync state)
         self._shard_counts: dict[int, int] = {}
         self._sent: dict[int, int] = {}  # the table version each PS acknowledged

@@ -1,4 +1,5 @@
-"""Who holds each shard with `replicas: 2`: shard -> (primary, backup, epoch), as one pure state machine.
+"""Who holds each shard: shard -> (primary, backup, epoch), as one pure state machine (`replicas: 2`, or one
+copy that can move: `elastic`).
 
 `decide(state, event)` updates `state` in place and returns the actions to perform; it does no I/O and
 reads no clock (events carry `now`), as scheduler.py. The coordinator feeds PS heartbeats, dropped
@@ -26,6 +27,9 @@ Rules:
   so the shards of one PS are backed up by all the others and a dead PS spreads its load.
 - The sync state (token queue, bounded clocks, global step) is one more row, ordinal SYNC_ORDINAL: primary
   PS 0 and backup PS 1 at first, then the same rules as a shard.
+- With one copy (`copies` 1: replicas: 1 with `elastic`) no shard is given a backup: a shard has one only
+  while an elastic move catches its new primary up (the same Reassign steps), and a primary that dies
+  loses the shard to the checkpoint, as a replicas: 2 shard that lost both copies.
 """
 
 from __future__ import annotations
@@ -72,9 +76,12 @@ class ReplicaState:
     ps: dict[int, PsRec] = field(default_factory=dict)
     version: int = 0  # bumped whenever the table changes; clients re-read placement on a newer one
     inactive: set[int] = field(default_factory=set)  # PS tasks a scale drained: they get no new copies
+    copies: int = 2  # 1: no backups but a move's temporary one (see the module docstring)
 
     def __post_init__(self) -> None:
-        if self.num_ps < 2:
+        if self.copies not in (1, 2):
+            raise InvalidArgumentError(f"copies must be 1 or 2, got {self.copies}")
+        if self.num_ps < self.copies:
             raise InvalidArgumentError(f"replicas: 2 needs at least 2 PS tasks, the cluster has {self.num_ps}")
         for i in range(self.num_ps):
             self.ps.setdefault(i, PsRec(last_seen=self.now))
@@ -192,10 +199,10 @@ def decide(state: ReplicaState, event: ReplicaEvent) -> list[ReplicaAction]:
             return []
         primary = event.primary if event.primary is not None else 0 if event.ordinal == SYNC_ORDINAL else \
             event.ordinal % state.num_ps
-        backup = striped_backup(event.ordinal, state.num_ps)
+        backup = striped_backup(event.ordinal, state.num_ps) if state.copies > 1 else None
         # the backup gets the shard's state from its primary: in sync once the primary says it confirmed it
         copies = Copies(primary, backup, 1)
-        if backup == primary or not state.ps[backup].up or backup in state.inactive:
+        if backup is None or backup == primary or not state.ps[backup].up or backup in state.inactive:
             copies = Copies(primary, None, 1)  # a backup is chosen below, as for any shard without one
         state.shards[event.ordinal] = copies
         actions.append(Assign(event.ordinal, copies, copies.backup is not None))
@@ -268,6 +275,8 @@ def _mark_down(state: ReplicaState, ps: int, actions: list[ReplicaAction]) -> No
 
 
 def _assign_missing_backups(state: ReplicaState, actions: list[ReplicaAction]) -> None:
+    if state.copies < 2:
+        return  # one copy: a shard gets a backup only for a move (Reassign)
     up = state.up()
     load = {ps: 0 for ps in up}
     for c in state.shards.values():

@@ -114,6 +114,9 @@ class Settings(_Frozen):
     # copies of every shard (docs/ps_failures.md): 2 gives each shard a backup on another PS that holds every
     # acknowledged update (a PS killed loses none); 1 (one copy, checkpoint restore) is the default
     replicas: int = Field(default=1, ge=1, le=2)
+    # replicas: 1 with the replica table (docs/elastic.md): clients route by it, so shards can move between
+    # PS tasks (scale, add, drain); replicas: 2 always has the table
+    elastic: bool = False
     replication_timeout_s: float = Field(default=5.0, gt=0)  # a backup's confirmation, per push (replicas: 2)
     heartbeat_interval_s: float = Field(default=0.5, gt=0)
     heartbeat_timeout_s: float = Field(default=2.0, gt=0)
@@ -193,6 +196,11 @@ class Settings(_Frozen):
         """host:port to bind: bind_host, and the port of own_address unless `port` overrides it."""
         port = self.port if self.port is not None else int(self.own_address().rpartition(":")[2])
         return f"{self.bind_host}:{port}"
+
+    @property
+    def replica_table(self) -> bool:
+        """Whether the coordinator keeps a replica table and clients route by it (replicas: 2, or elastic)."""
+        return self.replicas > 1 or self.elastic
 
     @property
     def uses_tls(self) -> bool:

@@ -36,7 +36,7 @@ def start(settings: Settings) -> tuple[Listeners, int, ParameterServerCore]:
     core.metrics = PsMetrics(lambda: len(core.store.shards()), core.total_bytes, lambda: core.global_step,
                              lambda: sync.dropped, core.learning_rates, lambda: sync.skipped,
                              lambda: core.store.rejected_nonfinite)
-    if settings.replicas > 1:
+    if settings.replica_table:  # replicas: 2, or one copy that can move (elastic)
         from pscluster.server.catch_up import CHUNK_BYTES
         from pscluster.server.link_pool import LinkPool
         from pscluster.server.replica_links import FrameLink, GrpcLink

@@ -82,7 +82,7 @@ class PSClient(ClusterOperations):
         self._timeout = settings.rpc_timeout_s
         self.fresh = FreshValues(settings.push_pull_max_age_s)  # fused push-pull values (pscluster/client/fresh.py)
         # replicas: 2: each shard's primary after failovers (pscluster/client/routes.py); None: the handles' placement
-        self.routes = Routes(lambda: self.stubs, on_ps_list=self.set_ps_addresses) if settings.replicas > 1 else None
+        self.routes = Routes(lambda: self.stubs, on_ps_list=self.set_ps_addresses) if settings.replica_table else None
         self._nonfinite = {"rejected": 0, "skipped": 0}  # pushes stopped by gradients.screen (worker metrics)
         self._tensors: TensorTransport = GrpcTensors(self._net)
         self._net.stalled = self.routes.moved_off if self.routes is not None else None

@@ -104,7 +104,7 @@ def _ps_list(settings: Settings, timeout: float) -> list[str]:
     """The coordinator's PS list, which PS tasks that joined extend (replicas: 2: it rides the replica table
     every PS holds); the cluster file's when no PS has a newer one."""
     newest, epoch = list(settings.cluster.ps), 0
-    if settings.replicas < 2:
+    if not settings.replica_table:
         return newest
     for address in settings.cluster.ps:
         channel = rpc.open_channel(address, settings)

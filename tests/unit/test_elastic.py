@@ -18,8 +18,8 @@ from pscluster.errors import AbortedError, FailedPreconditionError, InvalidArgum
 class Keeper:
     """replica_keeper.ReplicaKeeper's surface over the pure table; every new backup catches up at once."""
 
-    def __init__(self, num_ps: int, shards: int, log: list[tuple]) -> None:
-        self.state = rp.ReplicaState(num_ps)
+    def __init__(self, num_ps: int, shards: int, log: list[tuple], copies: int = 2) -> None:
+        self.state = rp.ReplicaState(num_ps, copies=copies)
         self.book = PsBook.from_file([f"h:{i}" for i in range(num_ps)])
         self.log = log
         for k in range(shards):
@@ -76,9 +76,9 @@ class Stub:
         return pb.FreezeReply(version=1)
 
 
-def make(num_ps: int = 3, shards: int = 6) -> tuple[Elastic, Keeper, list[Stub], list[tuple]]:
+def make(num_ps: int = 3, shards: int = 6, copies: int = 2) -> tuple[Elastic, Keeper, list[Stub], list[tuple]]:
     log: list[tuple] = []
-    keeper = Keeper(num_ps, shards, log)
+    keeper = Keeper(num_ps, shards, log, copies)
     stubs = [Stub(i, log) for i in range(num_ps)]
     return Elastic(keeper, stubs, catch_up_s=1.0), keeper, stubs, log  # type: ignore[arg-type]
 
@@ -294,3 +294,43 @@ def test_the_sync_states_copy_on_a_drained_ps_moves_a_backup_without_a_freeze_an
         switch = log.index(("table", rp.SYNC_ORDINAL, 0, 1))
         assert log.index(freezes[0]) < switch < log.index(("thaw", 2, "v-1"))
         assert report.moved == without.moved + 2 and len(report.freezes_s) == len(without.freezes_s) + 1
+
+
+# -- one copy (replicas: 1, elastic): the same steps with a temporary backup ---------------------------
+def test_one_copy_a_drained_primary_moves_through_a_temporary_backup_and_ends_with_none() -> None:
+    elastic, keeper, _, log = make(copies=1)
+    assert all(c.backup is None for c in keeper.state.shards.values())
+    moved = sorted(o for o, c in keeper.layout().items() if c.primary == 2)
+    report = elastic.remove(2)
+    assert report.active == [0, 1] and len(report.freezes_s) == len(moved) == 2 and report.moved == 2
+    layout = keeper.layout()
+    assert all(c.backup is None and c.primary in (0, 1) for c in layout.values())
+    assert sorted(sum(1 for c in layout.values() if c.primary == ps) for ps in (0, 1)) == [3, 3]
+    for o in moved:
+        successor = layout[o].primary
+        temporary = log.index(("table", o, 2, successor))  # catch-up: the successor is the backup first
+        freeze = log.index(("freeze", 2, f"v{o}", successor))
+        switch = log.index(("table", o, successor, None))  # then the primary, with no backup again
+        assert temporary < freeze < switch < log.index(("thaw", 2, f"v{o}")) < log.index(("drop", 2, f"v{o}"))
+    assert [e for e in log if e[0] == "freeze"] == [("freeze", 2, f"v{o}", layout[o].primary) for o in moved]
+
+
+def test_one_copy_adding_back_and_scaling_to_one_ps() -> None:
+    elastic, keeper, _, _ = make(copies=1)
+    elastic.remove(2)
+    report = elastic.add(2)
+    assert report.active == [0, 1, 2] and len(report.freezes_s) == 2
+    assert sorted(c.primary for c in keeper.layout().values()) == [0, 0, 1, 1, 2, 2]
+    report = elastic.scale_to(1)  # one copy: a single PS may hold every shard
+    assert report.active == [0] and all((c.primary, c.backup) == (0, None) for c in keeper.layout().values())
+    with pytest.raises(InvalidArgumentError, match="at least 1 must be active; pass 1..3"):
+        elastic.scale_to(0)
+
+
+def test_one_copy_the_sync_states_row_moves_with_a_freeze_and_keeps_no_backup() -> None:
+    elastic, keeper, _, log = make(copies=1)
+    keeper.state.shards[rp.SYNC_ORDINAL] = rp.Copies(0, None, 1)
+    elastic.remove(0)
+    row = keeper.sync_row()
+    assert row is not None and row.primary in (1, 2) and row.backup is None
+    assert ("freeze", 0, "v-1", row.primary) in log and ("table", rp.SYNC_ORDINAL, row.primary, None) in log

@@ -222,3 +222,40 @@ def test_the_sync_state_row_starts_on_ps_0_and_fails_over_and_rejoins_like_a_sha
     now = state.shards[rp.SYNC_ORDINAL]
     assert (now.primary, now.backup) == (2, 0)  # the restarted PS 0 catches up as its backup
     assert rp.Assign(rp.SYNC_ORDINAL, now, True) in actions
+
+
+# -- one copy (replicas: 1, elastic) ------------------------------------------------------------------
+def test_one_copy_gives_no_backups_and_a_dead_primary_loses_its_shards_to_the_checkpoint() -> None:
+    assert rp.ReplicaState(1, copies=1).up() == [0]  # one PS is enough
+    state = rp.ReplicaState(2, copies=1)
+    for k in range(4):
+        rp.decide(state, rp.ShardCreated(k))
+    rp.decide(state, rp.ShardCreated(rp.SYNC_ORDINAL))
+    assert {o: (c.primary, c.backup) for o, c in state.shards.items()} == \
+        {0: (0, None), 1: (1, None), 2: (0, None), 3: (1, None), rp.SYNC_ORDINAL: (0, None)}
+    actions = rp.decide(state, rp.ConnectionLost(1))
+    assert [a for a in actions if isinstance(a, rp.Lost)] == [rp.Lost(1, 2), rp.Lost(3, 2)]
+    assert not any(isinstance(a, rp.Assign) for a in actions)  # nobody gets a backup
+    actions = rp.decide(state, rp.Rejoined(1, 5.0))
+    assert [a for a in actions if isinstance(a, rp.Restored)] == [rp.Restored(1, 1, 3), rp.Restored(3, 1, 3)]
+    assert all(c.backup is None and not c.lost for c in state.shards.values())
+
+
+def test_one_copy_a_move_is_a_temporary_backup_then_a_switch_to_it_once_in_sync() -> None:
+    state = rp.ReplicaState(3, copies=1)
+    rp.decide(state, rp.ShardCreated(0))
+    [assign, _] = rp.decide(state, rp.Reassign(0, 0, 2, 1))
+    assert assign == rp.Assign(0, rp.Copies(0, 2, 2), True)  # the successor catches up as backup
+    assert rp.decide(state, rp.Reassign(0, 2, None, 2)) == []  # not in sync yet: no switch
+    rp.decide(state, rp.CaughtUp(0, 2))
+    [assign, _] = rp.decide(state, rp.Reassign(0, 2, None, 2))
+    assert assign == rp.Assign(0, rp.Copies(2, None, 3), False)
+    rp.decide(state, rp.ConnectionLost(0))  # the old holder dies: the moved shard is not touched
+    assert state.shards[0] == rp.Copies(2, None, 3)
+
+
+def test_copies_other_than_1_or_2_are_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="copies must be 1 or 2, got 3"):
+        rp.ReplicaState(3, copies=3)
+    with pytest.raises(InvalidArgumentError, match="at least 2 PS tasks"):
+        rp.ReplicaState(1, copies=2)
