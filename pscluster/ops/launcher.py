@@ -128,10 +128,13 @@ class LocalCluster:
                  token: str | None = None, supervise: bool = True, coordinator_port: int | None = None,
                  extra: dict[str, Any] | None = None, env: dict[str, str] | None = None,
                  checkpoint_dir: str | os.PathLike[str] | None = None, restore: bool = False,
-                 base_port: int = 0, replicas: int = 1) -> None:
-        """replicas: copies of every shard (2: a backup on another PS, docs/ps_failures.md)."""
+                 base_port: int = 0, replicas: int = 1, elastic: bool = False) -> None:
+        """replicas: copies of every shard (2: a backup on another PS, docs/ps_failures.md); elastic: one copy
+        routed by the replica table, so shards can move (docs/elastic.md)."""
         if replicas != 1:
             extra = {**(extra or {}), "replicas": replicas}
+        if elastic:
+            extra = {**(extra or {}), "elastic": True}
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="pscluster-")
         self.workdir = pathlib.Path(workdir or self._tmp.name).resolve()  # type: ignore[union-attr]
         self.workdir.mkdir(parents=True, exist_ok=True)
