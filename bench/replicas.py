@@ -228,6 +228,23 @@ def cost(runs: int = 3, steps: int = 2000, modes: Sequence[str] | None = None) -
     return out
 
 
+def table_cost(runs: int = 3, steps: int = 2000) -> dict[str, Any]:
+    """W2 async steps/s with replicas: 1, placed by `k mod P` (elastic: false) and routed by the replica table
+    with no backups (elastic: true), alternating in the same run (medians over `runs` pairs)."""
+    out: dict[str, Any] = {"load_before": os.getloadavg()[0]}
+    pairs = [(_trial(1, steps), _trial(1, steps, elastic=True)) for _ in range(runs)]
+    plain, table = [a for a, _ in pairs], [b for _, b in pairs]
+    out["plain"] = statistics.median(a["steps_per_s"] for a in plain)
+    out["table"] = statistics.median(b["steps_per_s"] for b in table)
+    out["ratios"] = [b["steps_per_s"] / a["steps_per_s"] for a, b in pairs]
+    out["cost"] = 1 - out["table"] / out["plain"]
+    out["ps_cpu_ms"] = [statistics.median(statistics.mean(v for k, v in t["cpu_ms"].items() if k.startswith("ps"))
+                                          for t in trials) for trials in (plain, table)]
+    out["accuracy"] = statistics.median(b["accuracy"] for b in table)
+    out["load_after"] = os.getloadavg()[0]
+    return out
+
+
 def _rss_mib(pid: int) -> tuple[float, float]:
     """(peak, current) resident set of a process, MiB (VmHWM, VmRSS)."""
     fields = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status").read().splitlines() if ":" in line)

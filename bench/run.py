@@ -417,6 +417,17 @@ def bench_b15cost(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
     return {"cost": c}, _cost_rows("B15COST", c)
 
 
+def bench_b15table1(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
+    c = replicas.table_cost(runs=args.runs)
+    return {"table_cost": c}, [
+        ("B15TABLE1", "replicas: 1 routed by the replica table (elastic: true, no backups) vs placed by k mod P "
+         "(elastic: false), W2 async (B2), alternating in the same run",
+         f"{c['table']:.0f} vs {c['plain']:.0f} steps/s ({100 * c['cost']:.0f} % cost; per-pair ratios "
+         f"{', '.join(f'{r:.2f}' for r in c['ratios'])}); PS CPU {c['ps_cpu_ms'][0]:.2f} -> {c['ps_cpu_ms'][1]:.2f} "
+         f"ms per step; accuracy {c['accuracy']:.4f} (load {c['load_before']:.1f} -> {c['load_after']:.1f})",
+         "within noise (issue 24)")]
+
+
 def bench_b15scale(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
     r = elastic.scale(cycles=args.cycles, elements=args.scale_elements, joins=args.joins)
     cells = []
@@ -514,7 +525,7 @@ def bench_profile(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
 
 BENCHES = {"B1": bench_b1, "B1TLS": bench_b1tls, "B9": bench_b9, "B2": bench_b2, "FLOOR": bench_floor, "B3": bench_b3, "B4": bench_b4, "B5": bench_b5,
            "B6": bench_b6, "B7": bench_b7, "B8": bench_b8,
-           "B10": bench_b10, "B11": bench_b11, "B12": bench_b12, "B13": bench_b13, "B14": bench_b14, "B15": bench_b15, "B15COST": bench_b15cost,
+           "B10": bench_b10, "B11": bench_b11, "B12": bench_b12, "B13": bench_b13, "B14": bench_b14, "B15": bench_b15, "B15COST": bench_b15cost, "B15TABLE1": bench_b15table1,
            "B15SCALE": bench_b15scale, "B15SCALESYNC": bench_b15scale_sync, "B15SCALELARGE": bench_b15scale_large, "B15SOAK": bench_b15_soak, "B15MEM": bench_b15_memory, "B16": bench_b16,
            "B14MP": bench_b14_precision, "B14CNN": bench_b14_cnn, "FIT": bench_fit, "PROFILE": bench_profile}
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"

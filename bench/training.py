@@ -47,9 +47,10 @@ def numpy_baseline(steps: int = 2000, hidden: int = 128) -> dict[str, float]:
 
 def w2(num_ps: int = 2, num_workers: int = 2, steps: int = 2000, warmup: int = 100, mode: str = "async",
        steps_per_closure: int = 1, probe: Probe | None = None, push_pull: bool = False, hidden: int = 128,
-       replicas: int = 1, inflight: int | None = None, **sync: int) -> dict[str, float]:
+       replicas: int = 1, inflight: int | None = None, elastic: bool = False, **sync: int) -> dict[str, float]:
     """W2 on a fresh local cluster: steps/s over `steps` timed steps after `warmup`, and test accuracy
-    (inflight: the coordinator's max_inflight_per_worker, default the settings' own).
+    (inflight: the coordinator's max_inflight_per_worker, default the settings' own; elastic: one copy routed
+    by the replica table, docs/elastic.md).
 
     `probe(cluster)`, if given, is a context manager wrapped around the timed steps (bench/profile.py
     measures each process's CPU inside it).
@@ -58,7 +59,8 @@ def w2(num_ps: int = 2, num_workers: int = 2, steps: int = 2000, warmup: int = 1
     with tempfile.TemporaryDirectory() as tmp:
         train_path = f"{tmp}/train.npz"
         np.savez(train_path, x=x, y=y)
-        with LocalCluster(num_ps, num_workers, workdir=f"{tmp}/cluster", replicas=replicas) as cluster:
+        with LocalCluster(num_ps, num_workers, workdir=f"{tmp}/cluster", replicas=replicas,
+                          elastic=elastic) as cluster:
             extra = {} if inflight is None else {"max_inflight_per_worker": inflight}
             coord = ps.ClusterCoordinator(cluster.settings(push_pull=push_pull, **extra))
             try:

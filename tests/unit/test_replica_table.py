@@ -152,6 +152,19 @@ def test_replicas_2_with_one_ps_is_a_config_error_that_names_the_field() -> None
         validate({"cluster": {"ps": ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]}, "replicas": 3})
 
 
+def test_elastic_turns_the_replica_table_on_for_one_copy() -> None:
+    from pydantic import ValidationError
+
+    from pscluster.config import validate
+
+    one = {"cluster": {"ps": ["127.0.0.1:1"]}}
+    assert not validate(one).replica_table  # replicas: 1 places by k mod P unless elastic
+    assert validate({**one, "elastic": True}).replica_table and validate({**one, "elastic": True}).replicas == 1
+    assert validate({"cluster": {"ps": ["127.0.0.1:1", "127.0.0.1:2"]}, "replicas": 2}).replica_table
+    with pytest.raises((ValidationError, ValueError), match="elastic"):
+        validate({**one, "elastic": "sometimes"})
+
+
 def test_an_elastic_reassign_bumps_the_epoch_and_the_new_backup_catches_up() -> None:
     state = table(3, 3)
     c = state.shards[0]
