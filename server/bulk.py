@@ -69,8 +69,12 @@ class BulkHandlers:
         """Whether request may be served on the frame server's loop thread: a dense push or pull whose
         bytes go through the connection's segment, at most INLINE_BYTES each way, answered at once."""
         segment: shm.Segment | None = state.get("shm")
-        if segment is None or state.get("takes_tokens") or self.core.replication is not None:
-            # replicas: 2: a push's reply waits for the backup, which must not stall the loop's other peers;
+        replication, sync = self.core.replication, self.core.sync
+        # a sync push may wait for its step (other peers' pushes) once a backup appears mid-push: never here
+        waits = replication is not None and (replication.forwards() or (sync is not None and sync.accumulates))
+        if segment is None or state.get("takes_tokens") or waits:
+            # replicas: 2: a push's reply waits for the backup, which must not stall the loop's other peers
+            # (with one copy, elastic, only while a shard of this PS moves: served here otherwise);
             # its connection keeps a thread of its own (served here, every pull would hand it back to the
             # loop and every push to a new thread: a thread per step)
             # a token may wait for other workers, so it is never served by the loop; moving its connection

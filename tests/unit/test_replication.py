@@ -457,3 +457,33 @@ def test_a_skipped_steps_replies_wait_for_its_note_on_the_backup(pair):
     links[1].cut.clear()
     assert not a.push("c2.0", 0, [PushItem(KEY, grad(3.0))])[0].applied  # the retry, once the backup holds it
     assert b.store.get(KEY).record.seen("sync:0") and b.store.get(KEY).version == 0
+
+
+# -- one copy (replicas: 1, elastic): no backup but a move's temporary one --------------------------
+def test_one_copy_answers_at_once_and_is_served_inline_until_a_move_gives_it_a_backup(pair):
+    from pscluster.server.bulk import BulkHandlers
+
+    a, b, _ = pair
+    create(a)
+    a.replication.set_roles(*table(1, 1, 0))  # one copy on PS 0
+    assert not a.replication.forwards() and not a.replication.has_backup(KEY)
+    handlers = BulkHandlers(a)
+    push = pb.BulkRequest(push=pb.PushRequest(items=[pb.PushItem(ref=pb.ShardRef(variable="w", shard_index=0))]),
+                          shm_bytes=16)
+    state = {"shm": object()}
+    assert handlers.inline(push, state)  # nothing to wait for: on the loop, as with replicas: 1
+    a.sync.configure("sync", 2, 2, 0)
+    started = time.monotonic()
+    [result] = a.push("c1.0", 0, [PushItem(KEY, grad(0.5))])  # the step's first of 2 gradients
+    assert time.monotonic() - started < 1.0 and result.applied  # no wait for the step: it has no backup
+    assert not handlers.inline(push, state)  # a sync push may wait for its step once a backup appears
+    a.sync.configure("async", 1, 1, 0)
+    b.replication.set_roles(*table(2, 2, 0, 1))  # a move: PS 1 catches up as a temporary backup
+    a.replication.set_roles(*table(2, 2, 0, 1))
+    assert a.replication.forwards() and a.replication.has_backup(KEY) and not b.replication.has_backup(KEY)
+    assert not handlers.inline(push, state)  # a push's reply waits for the backup: on a thread
+    a.push("c2.0", 0, [PushItem(KEY, grad(0.25))])
+    same(a, b, KEY)  # the backup holds it before the reply
+    for core in (a, b):
+        core.replication.set_roles(*table(3, 3, 1))  # switched: PS 1 the primary, no backup again
+    assert not a.replication.forwards() and not b.replication.forwards() and b.replication.is_primary(KEY)
