@@ -14,7 +14,8 @@ keeper's table (replica_keeper.py) and the PS's freeze (server/handoff.py):
 
 The freeze (2 to 3) is what a shard's writers wait for, and it is measured per shard. A backup that only
 changes PS needs step 1 alone. With one copy (replicas: 1, elastic) the successor is a temporary backup:
-the same steps, and the switch leaves the shard with no backup again. Moves run one at a time and a second scale while one runs is refused.
+the same steps, and the switch leaves the shard with no backup again. Moves run one at a time and a second
+scale while one runs is refused.
 
 The sync state's row (the token queue, bounded clocks and G: SYNC_STATE_KEY) is not in the plan: after
 the shards, a copy of it on a PS that leaves the active set moves to an active one, a backup by step 1

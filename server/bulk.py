@@ -70,7 +70,7 @@ class BulkHandlers:
         bytes go through the connection's segment, at most INLINE_BYTES each way, answered at once."""
         segment: shm.Segment | None = state.get("shm")
         replication, sync = self.core.replication, self.core.sync
-        # a sync push may wait for its step (other peers' pushes) once a backup appears mid-push: never here
+        # with the table a sync push waits for its step (other peers' pushes) to settle: never on the loop
         waits = replication is not None and (replication.forwards() or (sync is not None and sync.accumulates))
         if segment is None or state.get("takes_tokens") or waits:
             # replicas: 2: a push's reply waits for the backup, which must not stall the loop's other peers

@@ -178,10 +178,9 @@ class ParameterServerCore:
             if self.sync is None or not self.sync.accumulates:
                 return [PushResult(shard.version, False, shard.version) for shard in shards]
             skipped: list[PushResult] = self.sync.skip(push_id, step, shards)
-            if replication is not None:  # a shard with no backup (one copy) has nothing to wait for
+            if replication is not None:
                 replication.wait([(s.spec.key, self.sync.settled(s.spec.key, step, replication.step_timeout))
-                                  for s, r in zip(shards, skipped) if r.applied and replication.has_backup(s.spec.key)],
-                                 replication.step_timeout)
+                                  for s, r in zip(shards, skipped) if r.applied], replication.step_timeout)
             return skipped
         if self.sync is not None and self.sync.accumulates:
             results: list[PushResult] = self.sync.push(push_id, step, items)
@@ -189,11 +188,9 @@ class ParameterServerCore:
                 # a sync step's replies wait for its one aggregated update to reach the backup: a gradient
                 # accumulated but not yet applied (current < 0) waits for the version its step settles at
                 # (version + 1, or the same version when a replica's skip made the step apply nowhere)
-                # (a shard with no backup, one copy, answers at once as with replicas: 1)
                 replication.wait([(item.key, self.sync.settled(item.key, step, replication.step_timeout)
                                    if r.applied and r.current < 0 else r.version)
-                                  for item, r in zip(items, results) if replication.has_backup(item.key)],
-                                 replication.step_timeout)
+                                  for item, r in zip(items, results)], replication.step_timeout)
             return results
         results = self.store.push(push_id, items, final_below, values_into)
         if replication is not None:

@@ -196,11 +196,6 @@ class Replication(ReplicaNotes):
         role = self._roles.get(key)
         return role is not None and role.primary == self.ps_index
 
-    def has_backup(self, key: Key) -> bool:
-        """Whether this PS is the primary of shard key now and the shard has a backup (a push waits for it)."""
-        role = self._roles.get(key)
-        return role is not None and role.primary == self.ps_index and role.backup >= 0
-
     def forwards(self) -> bool:
         """Whether any shard this PS is primary of has a backup now (elastic one copy: only while one moves)."""
         return bool(self._replicators)
