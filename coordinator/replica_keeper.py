@@ -49,7 +49,8 @@ class ReplicaKeeper:
         self._on_book = on_book
         self._clock = clock
         self._interval = interval
-        self.state = rp.ReplicaState(len(stubs), now=clock(), interval=interval, copies=copies)
+        missed = rp.MISSED_HEARTBEATS if copies > 1 else rp.ONE_COPY_MISSED_HEARTBEATS  # see replicas.py
+        self.state = rp.ReplicaState(len(stubs), now=clock(), interval=interval, missed=missed, copies=copies)
         self._keys: dict[int, Key] = {rp.SYNC_ORDINAL: SYNC_STATE_KEY}  # ordinal -> shard key (and the sync state)
         self._shard_counts: dict[int, int] = {}
         self._sent: dict[int, int] = {}  # the table version each PS acknowledged

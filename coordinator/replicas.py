@@ -29,7 +29,8 @@ Rules:
   PS 0 and backup PS 1 at first, then the same rules as a shard.
 - With one copy (`copies` 1: replicas: 1 with `elastic`) no shard is given a backup: a shard has one only
   while an elastic move catches its new primary up (the same Reassign steps), and a primary that dies
-  loses the shard to the checkpoint, as a replicas: 2 shard that lost both copies.
+  loses the shard to the checkpoint, as a replicas: 2 shard that lost both copies. With nothing to
+  promote, the keeper counts a PS down after ONE_COPY_MISSED_HEARTBEATS (replica_keeper.py).
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ from pscluster.errors import InvalidArgumentError
 
 HEARTBEAT_INTERVAL_S = 0.1
 MISSED_HEARTBEATS = 3
+# one copy: nothing to promote, so a PS slow under load is not marked down (its shards lost) before this
+# many; a dropped connection still marks it down at once
+ONE_COPY_MISSED_HEARTBEATS = 20
 SYNC_ORDINAL = -1  # the sync state's row (real shards' ordinals start at 0)
 
 

@@ -92,6 +92,20 @@ def test_a_new_cluster_starts_from_the_initial_striped_placement() -> None:
         keeper.stop()
 
 
+def test_one_copy_places_without_backups_and_waits_longer_before_a_slow_ps_counts_as_down() -> None:
+    empty = pb.SetRolesRequest()
+    stubs = [Ps(0, [("a", 0)], empty), Ps(1, [("b", 1)], empty)]
+    keeper = ReplicaKeeper(stubs, copies=1)
+    try:
+        keeper._round()
+        table = keeper.table()
+        assert {key: (c.primary, c.backup) for key, c in table.items()} == \
+            {("a", 0): (0, None), ("b", 0): (1, None), SYNC_STATE_KEY: (0, None)}
+        assert keeper.state.missed == rp.ONE_COPY_MISSED_HEARTBEATS > ReplicaKeeper(stubs).state.missed
+    finally:
+        keeper.stop()
+
+
 class Stopped(Ps):
     """A PS SIGSTOPped right after it answered Status: its SetRoles hangs until released."""
 
