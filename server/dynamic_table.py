@@ -3,8 +3,8 @@
 One row id (from server/hash_index.py) per live key indexes every array of its state: value, each
 optimizer slot, last-touched step (and second), decayed frequency (LFU only), the changed-since-checkpoint flag.
 A freed row id is reset completely before another key gets it, so a re-admitted key starts fresh and
-no slot outlives its row. Arrays are reserved at the shard's capacity with np.zeros (the OS commits
-a page when it is first written), so growing never copies rows.
+no slot outlives its row. Arrays are reserved at the shard's capacity with server/rows.zeros (mapped
+for huge pages; the OS commits a page when it is first written), so growing never copies rows.
 
 A push validates everything and plans its evictions before it changes anything; then it sums the
 gradients of duplicate keys (in float64, in arrival order: server/table_kernels.sum_repeated), admits,
@@ -24,7 +24,7 @@ import numpy as np
 from pscluster.server import optimizers as opt
 from pscluster.server import table_kernels as kernels
 from pscluster.server.hash_index import HashIndex
-from pscluster.server.rows import as_run, take_rows
+from pscluster.server.rows import as_run, take_rows, zeros
 from pscluster.server.table_filters import initial_rows, make_filter
 
 from pscluster.errors import FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError
@@ -152,12 +152,12 @@ class DynamicTable:
         cap, dt = cfg.capacity, np.dtype(cfg.dtype)
         self.dtype = dt
         self.index = HashIndex(cap)
-        self.values = np.zeros((cap, cfg.dim), dt)
-        self.slots = {s: np.zeros((cap, cfg.dim), dt) for s in optimizer.slot_names()}
-        self.last_step = np.zeros(cap, np.uint32)
-        self.freq = np.zeros(cap if cfg.eviction.policy == "lfu" else 0, np.float32)  # LFU alone reads it
-        self.touched_s = np.zeros(cap if cfg.eviction.policy == "seconds" else 0, np.uint32)
-        self.dirty = np.zeros(cap, np.bool_)
+        self.values = zeros((cap, cfg.dim), dt)
+        self.slots = {s: zeros((cap, cfg.dim), dt) for s in optimizer.slot_names()}
+        self.last_step = zeros(cap, np.uint32)
+        self.freq = zeros(cap if cfg.eviction.policy == "lfu" else 0, np.float32)  # LFU alone reads it
+        self.touched_s = zeros(cap if cfg.eviction.policy == "seconds" else 0, np.uint32)
+        self.dirty = zeros(cap, np.bool_)
         self.epoch = int(clock())
         self.filter = make_filter(cfg)
         self.version = 0
@@ -189,22 +189,24 @@ class DynamicTable:
         """Rows of keys (n, dim). Absent keys get a row when admission is "always" (evicting at a full
         shard, or ResourceExhaustedError with on_full="refuse"); otherwise they read their initial row."""
         self.check_keys(keys)
-        rows = self.index.lookup(keys)  # duplicates look up twice: cheaper than sorting every batch
-        missing = np.flatnonzero(rows < 0)
+        rows, absent = self.index.find(keys)  # duplicates look up twice: cheaper than sorting every batch
         result = TableResult(self.version)
-        if missing.size and self.cfg.admission.kind == "always":
+        out = np.empty((keys.size, self.cfg.dim), self.dtype)
+        # absent keys (-1) read row 0 here (take_rows clips), overwritten below
+        take_rows(self.values, rows, out)
+        if not absent:
+            self.index.advance(keys.size)  # rows never move: only slots do
+            return out, result
+        missing = np.flatnonzero(rows < 0)
+        if self.cfg.admission.kind == "always":
             new, where = np.unique(keys[missing], return_inverse=True)
             found = rows >= 0
             victims = self._plan_room(new.size, np.unique(rows[found]) if new.size > self.free else rows[:0])
             evicted = self._remove(victims)
-            rows[missing] = self._create(new, self.version)[where]
-            result = TableResult(self.version, inserted=new.size, evicted=evicted)
-            missing = missing[:0]
-        else:
-            self.index.advance(keys.size)  # rows never move: only slots do
-        if not missing.size:
-            return take_rows(self.values, rows), result
-        out = self.values[np.maximum(rows, 0)]
+            # victims spare every row found above, so the rows copied into out are still theirs
+            out[missing] = take_rows(self.values, self._create(new, self.version)[where])
+            return out, TableResult(self.version, inserted=new.size, evicted=evicted)
+        self.index.advance(keys.size)
         out[missing] = initial_rows(keys[missing], self.cfg)
         return out, result
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 from pscluster.server import table_kernels as kernels
+from pscluster.server.rows import zeros
 
 from pscluster.errors import InvalidArgumentError, ResourceExhaustedError
 from pscluster.tables import mix64 as mix64
@@ -67,15 +68,15 @@ class HashIndex:
         # fewer tag bits (tests) make false tag matches common; 0 makes every occupied slot a candidate
         self.tag_bits = 31 - self._row_bits if tag_bits is None else min(tag_bits, 31 - self._row_bits)
         self._tag_mask = (1 << self.tag_bits) - 1
-        # np.zeros at capacity: the OS commits pages on first touch, so rows never move or get copied
-        self.row_keys = np.zeros(capacity, np.int64)
-        self.row_live = np.zeros(capacity, np.bool_)
-        self._free = np.zeros(capacity, np.int32)  # a stack of freed row ids
+        # zeros at capacity: the OS commits pages on first touch, so rows never move or get copied
+        self.row_keys = zeros(capacity, np.int64)  # huge pages: a lookup's read of a key misses no TLB
+        self.row_live = zeros(capacity, np.bool_)
+        self._free = zeros(capacity, np.int32)  # a stack of freed row ids
         self._nfree = 0
         self._next_row = 0
         self.live = 0
         self._tombs = 0
-        self._slots = np.zeros(max(BUCKET, _pow2(slots)), np.int32)  # a home is a whole bucket
+        self._slots = zeros(max(BUCKET, _pow2(slots)), np.int32)  # a home is a whole bucket
         self._old: np.ndarray | None = None  # the slot table being moved out of, searched after _slots
         self._cursor = 0  # old slots below it are moved (tombstones now)
         self._spare: np.ndarray | None = None  # the next slot table, its pages committed below _spare_done
@@ -99,8 +100,13 @@ class HashIndex:
 
     def lookup(self, keys: np.ndarray) -> np.ndarray:
         """Row id of each key (int64), -1 where the key is absent."""
+        return self.find(keys)[0]
+
+    def find(self, keys: np.ndarray) -> tuple[np.ndarray, int]:
+        """(lookup's row ids, how many keys are absent): a caller that branches on "all found" needs no
+        pass of its own over the rows."""
         old = _NO_TABLE if self._old is None else self._old  # keys not moved yet are only in the old table
-        return kernels.lookup(self._slots, old, self.row_keys, keys, self._row_bits, self._tag_mask)
+        return kernels.find(self._slots, old, self.row_keys, keys, self._row_bits, self._tag_mask)
 
     def live_rows(self) -> np.ndarray:
         """Row ids of every live key, ascending."""
@@ -155,7 +161,7 @@ class HashIndex:
         size = max(MIN_SLOTS, _pow2(need * 5 // 2))
         self._old, self._cursor = self._slots, 0
         spare, self._spare = self._spare, None
-        self._slots = spare if spare is not None and spare.size == size else np.zeros(size, np.int32)
+        self._slots = spare if spare is not None and spare.size == size else zeros(size, np.int32)
         self._tombs = 0
         self.rebuilds += 1
         if self._old.size <= self.move_min:
@@ -183,7 +189,7 @@ class HashIndex:
         then. It exists only while the load is between 7/16 and 1/2: 8 bytes per slot of this table."""
         size = self._slots.size * 2
         if self._spare is None or self._spare.size != size:
-            self._spare, self._spare_done = np.zeros(size, np.int32), 0
+            self._spare, self._spare_done = zeros(size, np.int32), 0
         end = min(size, self._spare_done + max(self.move_min, 32 * n))
         self._spare[self._spare_done:end] = _EMPTY
         self._spare_done = end
@@ -192,7 +198,7 @@ class HashIndex:
         """Forget every key (rows and slots back to empty)."""
         self.row_live[:self._next_row] = False
         self._next_row = self._nfree = self.live = self._tombs = 0
-        self._slots = np.zeros(MIN_SLOTS, np.int32)
+        self._slots = zeros(MIN_SLOTS, np.int32)
         self._old = self._spare = None
 
 

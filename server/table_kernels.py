@@ -72,9 +72,15 @@ def _int64(a: np.ndarray) -> np.ndarray:
 def lookup(slots: np.ndarray, old: np.ndarray, row_keys: np.ndarray, keys: np.ndarray, row_bits: int,
            tag_mask: int) -> np.ndarray:
     """Row id of each key (int64, -1 absent), searched in `slots`, then in `old` (size 0: none)."""
+    return find(slots, old, row_keys, keys, row_bits, tag_mask)[0]
+
+
+def find(slots: np.ndarray, old: np.ndarray, row_keys: np.ndarray, keys: np.ndarray, row_bits: int,
+         tag_mask: int) -> tuple[np.ndarray, int]:
+    """(lookup's row ids, how many keys are absent)."""
     out = np.empty(keys.size, np.int64)
-    _kernels().lookup(slots, old, row_keys, _int64(keys), row_bits, tag_mask, out)
-    return out
+    absent = _kernels().lookup(slots, old, row_keys, _int64(keys), row_bits, tag_mask, out)
+    return out, int(absent)
 
 
 def erase(slots: np.ndarray, row_keys: np.ndarray, keys: np.ndarray, row_bits: int, tag_mask: int) -> int:

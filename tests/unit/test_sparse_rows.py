@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from pscluster.server.rows import put_rows, take_rows, unique_sum
+from pscluster.server.rows import HUGE_PAGE, put_rows, take_rows, unique_sum, zeros
 
 
 def _reference(rows: np.ndarray, grads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -104,3 +104,15 @@ def test_argsort_unique_orders_distinct_keys_as_argsort_does(draw: str) -> None:
     np.testing.assert_array_equal(keys[argsort_unique(keys)], np.sort(keys))
     repeated = np.concatenate([keys, keys[::2]])  # repeats come back in their order, as a stable argsort's
     np.testing.assert_array_equal(argsort_unique(repeated), np.argsort(repeated, kind="stable"))
+
+
+def test_zeros_is_a_zeroed_writable_array_of_either_size() -> None:
+
+    small = zeros((3, 4), np.float32)
+    big = zeros((HUGE_PAGE // 8 + 5, 2), np.float64)  # from a mapping advised for huge pages
+    for arr, shape, dtype in ((small, (3, 4), np.float32), (big, (HUGE_PAGE // 8 + 5, 2), np.float64)):
+        assert arr.shape == shape and arr.dtype == dtype and arr.flags.c_contiguous and arr.flags.writeable
+        assert not arr.any()
+        arr[-1] = 7.0
+        assert arr[-1, -1] == 7.0 and arr.sum() == 7.0 * shape[1]
+    assert zeros(0, np.int64).shape == (0,)
