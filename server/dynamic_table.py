@@ -8,8 +8,8 @@ for huge pages; the OS commits a page when it is first written), so growing neve
 
 A push validates everything and plans its evictions before it changes anything; then it sums the
 gradients of duplicate keys (in float64, in arrival order: server/table_kernels.sum_repeated), admits,
-makes room, and applies the table's optimizer through the PS's sparse kernel (server/optimizers.py)
-with this table's slot arrays. `t` is the table's push count, as for fixed
+makes room, and applies the table's optimizer (server/table_updates.py: Adagrad compiled, the others
+through the PS's sparse kernel, server/optimizers.py) with this table's slot arrays. `t` is the table's push count, as for fixed
 tables. Callers hold `lock` (the store does); checkpoints live in server/table_state.py.
 """
 
@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-from pscluster.server import optimizers as opt
 from pscluster.server import table_kernels as kernels
+from pscluster.server import table_updates as updates
 from pscluster.server.hash_index import HashIndex
 from pscluster.server.rows import as_run, take_rows, zeros
 from pscluster.server.table_filters import initial_rows, make_filter
@@ -271,8 +271,8 @@ class DynamicTable:
         hit = rows >= 0
         every = bool(hit.all())
         live_rows = rows if every else rows[hit]
-        opt.apply_rows(self.optimizer, self.values, live_rows, plan.summed if every else plan.summed[hit], self.slots,
-                       step)
+        updates.apply_rows(self.optimizer, self.values, live_rows, plan.summed if every else plan.summed[hit],
+                           self.slots, step)
         self._touch(live_rows, counts[hit], step)
         dropped = int(counts[~hit].sum())
         self.stats.dropped += dropped

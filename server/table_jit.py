@@ -88,6 +88,7 @@ def _probe(slots, row_keys, key, h, tag, row_mask):
 
 
 GROUP = 32  # keys whose memory reads one lookup round overlaps
+AHEAD = 8  # rows ahead whose cache lines a row update prefetches
 
 
 @njit(cache=True, nogil=True)
@@ -326,3 +327,52 @@ def sum_repeated(keys, grads, in_dup):
             out_grads[k, d] = acc[d]
         k += 1
     return out_keys, out_counts, out_grads
+
+
+@njit(cache=True, nogil=True)
+def adagrad_rows(values, acc, rows, grads, lr, eps, eps_in_sqrt, scale, clip, wd, decay):
+    """Adagrad on values[rows[i]] with gradient grads[i], its accumulator acc[rows[i]], each row read,
+    updated and written back in one pass. The scalars come in values' dtype and every operation runs in
+    it, in the order of server/optimizers._update and optimizer_kernels.adagrad (gradient * scale,
+    clip to +-clip, + wd * w (coupled), w * decay (decoupled: 1 - lr * wd), acc += g * g, g / (sqrt(acc)
+    + eps) or g / sqrt(acc + eps), * lr, w -= it), so the rows and slots equal the numpy update's bit
+    for bit (numba contracts no a * b + c into one rounding unless asked for fastmath)."""
+    dim = values.shape[1]
+    n = rows.size
+    line = max(1, 64 // values.itemsize)  # elements of a cache line
+    flat_v, flat_a = values.reshape(values.size), acc.reshape(acc.size)
+    g = np.empty(dim, grads.dtype)
+    for i in range(n):
+        if i + AHEAD < n:  # the row AHEAD of this one: its misses overlap this row's work
+            at = rows[i + AHEAD] * dim
+            for d in range(0, dim, line):
+                prefetch(flat_v, at + d)
+                prefetch(flat_a, at + d)
+            prefetch(flat_v, at + dim - 1)
+            prefetch(flat_a, at + dim - 1)
+        c = rows[i]
+        # one branch-free loop per stage (each vectorizes); the flags are the same for every row
+        for d in range(dim):
+            g[d] = grads[i, d]
+        if scale != 1:
+            for d in range(dim):
+                g[d] = g[d] * scale
+        if clip:
+            for d in range(dim):
+                g[d] = min(max(g[d], -clip), clip)
+        if wd:
+            for d in range(dim):
+                g[d] = g[d] + values[c, d] * wd
+        if decay != 1:
+            for d in range(dim):
+                values[c, d] = values[c, d] * decay
+        if eps_in_sqrt:
+            for d in range(dim):
+                a = acc[c, d] + g[d] * g[d]
+                acc[c, d] = a
+                values[c, d] = values[c, d] - g[d] / np.sqrt(a + eps) * lr
+        else:
+            for d in range(dim):
+                a = acc[c, d] + g[d] * g[d]
+                acc[c, d] = a
+                values[c, d] = values[c, d] - g[d] / (np.sqrt(a) + eps) * lr

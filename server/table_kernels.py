@@ -38,6 +38,11 @@ def load() -> None:
     for dtype in (np.float32, np.float64):  # the dtypes a dynamic table has
         sum_repeated(twice, np.zeros((8, 2), dtype), np.ones(8, np.bool_))
     repeated(twice)
+    for dtype in (np.float32, np.float64):
+        one, zero = dtype(1), dtype(0)
+        for in_sqrt in (False, True):
+            adagrad_rows(np.zeros((4, 2), dtype), np.ones((4, 2), dtype), keys[:2], np.ones((2, 2), dtype), lr=one,
+                         eps=one, eps_in_sqrt=in_sqrt, scale=one, clip=zero, wd=zero, decay=one)
     group_by_shard(keys, 2)
     _warm = True
 
@@ -123,3 +128,11 @@ def sum_repeated(keys: np.ndarray, grads: np.ndarray, in_dup: np.ndarray) -> tup
     its rows summed in float64 in arrival order and cast back (grads: 2-D float32 or float64)."""
     k, c, g = _kernels().sum_repeated(_int64(keys), _plain(grads), in_dup)
     return k, c, g
+
+
+def adagrad_rows(values: np.ndarray, acc: np.ndarray, rows: np.ndarray, grads: np.ndarray, *, lr: np.floating,
+                 eps: np.floating, eps_in_sqrt: bool, scale: np.floating, clip: np.floating, wd: np.floating,
+                 decay: np.floating) -> None:
+    """Adagrad on values[rows] (unique row ids) and their accumulator rows, in place, in one pass (see
+    server/table_jit.adagrad_rows); the scalars in values' dtype, clip and wd 0 for none, decay 1 for none."""
+    _kernels().adagrad_rows(values, acc, _int64(rows), _plain(grads), lr, eps, eps_in_sqrt, scale, clip, wd, decay)
