@@ -6,7 +6,8 @@
 
 Prints one JSON line per figure (median of --runs, with every run): inserts/s and the longest single
 insert batch while growing from empty; lookups/s of batches of 4,096 live keys; lookup + Adagrad update
-of such batches (keys/s, each key pulled once and pushed once); resident bytes per key beyond its row
+of such batches (keys/s, each key pulled once and pushed once; each rate per wall second, and per CPU second of the
+thread as cpu_median); resident bytes per key beyond its row
 and slot bytes; checkpoint save (snapshot + safetensors file, as server/checkpoint.py writes it) and
 restore (read, re-shard, load) into 2 shards, s/GiB of state; an eviction sweep over every live key
 (keys scanned/s, none evicted). The numpy floors in the same run: first writes of as many rows, and a
@@ -72,11 +73,20 @@ def grow(n: int, dim: int, optimizer: OptimizerConfig, keys: np.ndarray) -> tupl
     return table, n / seconds, longest, _rss_bytes() - before
 
 
-def per_second(fn: Callable[[int], int], iters: int) -> float:
-    """Items per second over iters calls of fn(i) (each returns how many items it handled)."""
-    start = time.perf_counter()
+def per_second(fn: Callable[[int], int], iters: int) -> tuple[float, float]:
+    """Items per second over iters calls of fn(i) (each returns how many items it handled): (per wall
+    second, per CPU second of this thread). On a shared machine the CPU rate moves far less with the load."""
+    start, cpu = time.perf_counter(), time.thread_time()
     done = sum(fn(i) for i in range(iters))
-    return done / (time.perf_counter() - start)
+    return done / (time.perf_counter() - start), done / (time.thread_time() - cpu)
+
+
+def _rates(fn: Callable[[int], int], iters: int, runs: int, name: str, unit: str, **extra: Any) -> None:
+    """Emit runs of per_second(fn, iters): the wall rates, and the CPU rates beside them."""
+    pairs = [per_second(fn, iters) for _ in range(runs)]
+    cpu = [c for _, c in pairs]
+    _emit(name, [w for w, _ in pairs], unit, cpu_median=round(statistics.median(cpu), 1),
+          cpu_runs=[round(c, 1) for c in cpu], **extra)
 
 
 def warm_up(dim: int, optimizer: OptimizerConfig) -> float:
@@ -138,9 +148,9 @@ def bench(n: int, dim: int, runs: int, checkpoint: bool) -> dict[str, dict[str, 
     def gather(i: int) -> int:  # the numpy floor in the same run: the fastest gather of as many rows (np.take:
         return np.take(table.values, floor_rows[i % 64], axis=0).shape[0]  # 2-3 x fancy indexing), no hashing
 
-    _emit("numpy_gather_floor", [per_second(gather, 200) for _ in range(runs)], "rows/s", batch=BATCH)
-    _emit("lookup", [per_second(lookup, 200) for _ in range(runs)], "keys/s", batch=BATCH, live_keys=live)
-    _emit("lookup_adagrad_update", [per_second(update, 100) for _ in range(runs)], "keys/s", batch=BATCH)
+    _rates(gather, 200, runs, "numpy_gather_floor", "rows/s", batch=BATCH)
+    _rates(lookup, 200, runs, "lookup", "keys/s", batch=BATCH, live_keys=live)
+    _rates(update, 100, runs, "lookup_adagrad_update", "keys/s", batch=BATCH)
     sweeps = []
     for _ in range(runs):
         start = time.perf_counter()
