@@ -191,23 +191,23 @@ def _put(slots, h, value):
 @njit(cache=True, nogil=True)
 def place(slots, keys, rows, row_bits, tag_mask):
     """Give each key (absent) the slot value of its row rows[i]; returns (tombstones reused, a value to
-    ignore). A group's
-    home slots are read first, before any branch on them, so their cache misses overlap (as in lookup)."""
+    ignore). A group's home slots are prefetched first, so their cache misses overlap (as in lookup):
+    2 M keys into an index in batches of 65,536 took 172-206 ns a key of CPU with plain reads there,
+    100-130 with prefetches (load 9)."""
     tmask = np.uint64(tag_mask)
     size = slots.size
     hs = np.empty(GROUP, np.uint64)
-    touch = np.int32(0)
     reused = 0
     for g in range(0, keys.size, GROUP):
         m = min(GROUP, keys.size - g)
         for j in range(m):
             h = mix(keys[g + j])
             hs[j] = h
-            touch |= slots[_home(h, size)]
+            prefetch(slots, _home(h, size))
         for j in range(m):
             h = hs[j]
             reused += _put(slots, h, _tag(h, row_bits, tmask) | np.int32(rows[g + j] + 1))
-    return reused, touch  # touch, unused by callers, keeps the first reads from being dropped
+    return reused, 0  # (the second value is kept for the callers' unpacking)
 
 
 @njit(cache=True, nogil=True)
@@ -219,7 +219,6 @@ def move(old, start, end, slots, row_keys, row_bits):
     size = slots.size
     hs = np.empty(GROUP, np.uint64)
     vs = np.empty(GROUP, np.int32)
-    touch = np.int32(0)
     reused = 0
     p = start
     while p < end:
@@ -229,13 +228,13 @@ def move(old, start, end, slots, row_keys, row_bits):
             if s > 0:
                 vs[m] = s
                 hs[m] = mix(row_keys[(s & row_mask) - 1])
-                touch |= slots[_home(hs[m], size)]
+                prefetch(slots, _home(hs[m], size))
                 old[p] = _TOMB
                 m += 1
             p += 1
         for j in range(m):
             reused += _put(slots, hs[j], vs[j])
-    return reused, touch
+    return reused, 0  # (the second value is kept for the callers' unpacking)
 
 
 @njit(cache=True, nogil=True)
