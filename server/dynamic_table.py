@@ -192,22 +192,22 @@ class DynamicTable:
         rows, absent = self.index.find(keys)  # duplicates look up twice: cheaper than sorting every batch
         result = TableResult(self.version)
         out = np.empty((keys.size, self.cfg.dim), self.dtype)
-        # absent keys (-1) read row 0 here (take_rows clips), overwritten below
-        take_rows(self.values, rows, out)
-        if not absent:
-            self.index.advance(keys.size)  # rows never move: only slots do
-            return out, result
-        missing = np.flatnonzero(rows < 0)
-        if self.cfg.admission.kind == "always":
+        missing = np.flatnonzero(rows < 0) if absent else rows[:0]
+        if absent and self.cfg.admission.kind == "always":
             new, where = np.unique(keys[missing], return_inverse=True)
             found = rows >= 0
             victims = self._plan_room(new.size, np.unique(rows[found]) if new.size > self.free else rows[:0])
-            evicted = self._remove(victims)
-            # victims spare every row found above, so the rows copied into out are still theirs
-            out[missing] = take_rows(self.values, self._create(new, self.version)[where])
-            return out, TableResult(self.version, inserted=new.size, evicted=evicted)
-        self.index.advance(keys.size)
-        out[missing] = initial_rows(keys[missing], self.cfg)
+            evicted = self._remove(victims)  # victims spare every row found above: those rows stay the keys'
+            rows[missing] = self._create(new, self.version)[where]
+            result = TableResult(self.version, inserted=new.size, evicted=evicted)
+            missing = missing[:0]
+        else:
+            self.index.advance(keys.size)  # rows never move: only slots do
+        # one gather of every row, after any insert (a batch of new keys is not gathered twice); absent keys
+        # (-1) read row 0 here (take_rows clips) and get their initial rows below
+        take_rows(self.values, rows, out)
+        if missing.size:
+            out[missing] = initial_rows(keys[missing], self.cfg)
         return out, result
 
     @property
