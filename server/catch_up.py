@@ -8,8 +8,15 @@ two chunks travel between them in the stream, as always. The backup stages the c
 applies each update to the rows it holds so far: every optimizer kernel is elementwise (a slot has the
 value's shape), so an update applies to a row range as to the whole, and each chunk arrives at the version
 the staged rows have reached. The staged copy, installed with the last chunk, is the primary's state at one
-version. A dynamic table's state (hash index, admission) is not cut in rows: it goes whole, as does a
-state that fits one chunk.
+version. A state that fits one chunk goes whole.
+
+A dynamic table's state (hash index, admission) cannot take an update in part, so it is cut otherwise
+(`table_chunks`): one snapshot under the shard's lock, cut into a first chunk (the admission filter, counters
+and push record) and chunks of keys with their rows, slots and metadata, all queued back to back under that
+lock (`Replicator.put_series`), so the updates and pulls that race the catch-up follow its last chunk. The
+backup builds the table as the chunks come (keys inserted into its index, rows copied into its arrays), outside
+its store, and installs it with the last chunk; a forward of the shard that arrives while it is staged is out
+of order (GAP: the state is sent again), never applied to half a table.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from pscluster.server.push_record import PushKey, PushRecord
 from pscluster.server.store import Key, Shard, VariableStore, shard_name
 
 from pscluster import codec
+from pscluster.errors import InvalidArgumentError
 from pscluster.specs import spec_from_pb
 from pscluster.tables import TableConfig
 
@@ -76,14 +84,51 @@ def chunk(shard: Shard, start: int, rows: int, msg: pb.ReplicaForward) -> list[n
     return arrays
 
 
+Chunk = tuple[pb.ReplicaForward, list[np.ndarray]]
+
+
+def table_chunks(shard: Shard, state: table_state.State, chunk_bytes: int, base: pb.ReplicaForward) -> list[Chunk]:
+    """Under the shard's lock, from its table's snapshot `state` (copies, keys ascending): a catch-up's chunks
+    (base: an install with ref, epoch, version, spec and pull_index); chunk 0 holds the admission filter,
+    counters and push record, each later one keys with their rows, slots and metadata, about chunk_bytes (one
+    key at least); chunk_start numbers them, chunk_more marks all but the last."""
+    per_key = {name: arr for name, arr in state.items() if table_state.per_key(name)}
+    parts = [{name: arr for name, arr in state.items() if name not in per_key}]
+    n = int(per_key["keys"].shape[0])
+    row_bytes = max(1, sum(arr.nbytes for arr in per_key.values()) // max(1, n))
+    step = max(1, chunk_bytes // row_bytes)
+    parts += [{name: arr[i:i + step] for name, arr in per_key.items()} for i in range(0, n, step)]
+    out: list[Chunk] = []
+    for i, part in enumerate(parts):
+        msg = pb.ReplicaForward()
+        msg.CopyFrom(base)
+        msg.chunk_start, msg.chunk_more = i, i < len(parts) - 1
+        arrays = [np.array(shard.value, copy=True)]  # empty: a table has no whole value
+        msg.value.CopyFrom(codec.header(arrays[0].dtype, arrays[0].shape))
+        for name in sorted(part):  # views of the snapshot's copies
+            msg.slots[TABLE + name].CopyFrom(codec.header(part[name].dtype, part[name].shape))
+            arrays.append(part[name])
+        if i == 0:
+            msg.record = json.dumps(shard.record.state())
+        out.append((msg, arrays))
+    return out
+
+
+def state_bytes(state: table_state.State) -> int:
+    """A table state's size."""
+    return sum(arr.nbytes for arr in state.values())
+
+
 @dataclass
 class Staged:
     """A backup's copy of a shard being caught up in chunks: full-size arrays, the first `rows` rows filled and
-    brought to `shard.version`; not in the store until its last chunk."""
+    brought to `shard.version`; not in the store until its last chunk. A table's: `rows` chunks taken, its
+    table built so far, `rest` the filter and counters of chunk 0 (loaded with the last chunk)."""
 
     shard: Shard
     rows: int
     epoch: int
+    rest: table_state.State | None = None
 
 
 class Stager:
@@ -116,12 +161,16 @@ class Stager:
         if f.chunk_more:
             return "applied", staged.shard, False
         del self._staged[key]
+        if staged.shard.table is not None and staged.rest is not None:
+            table_state.load_rest(staged.shard.table, staged.rest)  # the table is complete: its filter and counters
         return "applied", staged.shard, True
 
 
 def begin(f: pb.ReplicaForward, tensors: list[np.ndarray], dedup_window: int) -> Staged:
     """Stage the first chunk of an install: the arrays at the shard's full shape, its first rows filled."""
     spec = spec_from_pb(f.spec)
+    if spec.table:
+        return _begin_table(f, tensors, dedup_window)
     value = np.empty(spec.shape, tensors[0].dtype)
     slots = {name: np.empty(spec.shape, t.dtype) for name, t in zip(sorted(f.slots), tensors[1:])}
     record = PushRecord.from_state(json.loads(f.record) if f.record else {}, dedup_window, f.version)
@@ -139,8 +188,38 @@ def add(staged: Staged, f: pb.ReplicaForward, tensors: list[np.ndarray]) -> Lite
         return "held"
     if f.chunk_start > staged.rows or f.version != staged.shard.version:
         return "gap"
-    _fill(staged, tensors)
+    if staged.shard.table is not None:
+        table_state.load_rows(staged.shard.table, _table_part(f, tensors, True))
+        staged.rows += 1
+    else:
+        _fill(staged, tensors)
     return "applied"
+
+
+def _begin_table(f: pb.ReplicaForward, tensors: list[np.ndarray], dedup_window: int) -> Staged:
+    """Stage a table's chunk 0: an empty table of the spec, the filter and counters kept for the last chunk."""
+    spec = spec_from_pb(f.spec)
+    table = DynamicTable(TableConfig.from_json(spec.table), spec.optimizer, shard_name(spec))
+    record = PushRecord.from_state(json.loads(f.record) if f.record else {}, dedup_window, f.version)
+    rest = {name: np.array(t, copy=True) for name, t in _table_part(f, tensors, False).items()}
+    if "meta" not in rest:
+        raise InvalidArgumentError(f"{table.name}: a table catch-up's first chunk lacks its meta")
+    return Staged(Shard(spec, np.array(tensors[0], copy=True), {}, f.version, record=record, table=table), 1, f.epoch,
+                  rest)
+
+
+def _table_part(f: pb.ReplicaForward, tensors: list[np.ndarray], keyed: bool) -> table_state.State:
+    """A table chunk's arrays by state name: per-key ones (keyed), else the filter's and meta."""
+    part: table_state.State = {}
+    for name, t in zip(sorted(f.slots), tensors[1:]):
+        if not name.startswith(TABLE) or table_state.per_key(name[len(TABLE):]) != keyed:
+            raise InvalidArgumentError(f"{f.ref.variable}[{f.ref.shard_index}]: a table catch-up chunk "
+                                       f"{f.chunk_start} carries {name!r}, not its part of the state")
+        part[name[len(TABLE):]] = t
+    if keyed and "keys" not in part:
+        raise InvalidArgumentError(f"{f.ref.variable}[{f.ref.shard_index}]: a table catch-up chunk "
+                                   f"{f.chunk_start} carries no keys")
+    return part
 
 
 def _fill(staged: Staged, tensors: list[np.ndarray]) -> None:

@@ -334,7 +334,16 @@ class Replication(ReplicaNotes):
                 return
             state = dict(shard.slots)
             if shard.table is not None:  # a dynamic table's live rows, slots and admission state
-                state.update({catch_up.TABLE + name: arr for name, arr in table_state.snapshot(shard.table).items()})
+                table = table_state.snapshot(shard.table)
+                if catch_up.state_bytes(table) > self.chunk_bytes and table["keys"].size:
+                    base = pb.ReplicaForward(ref=pb.ShardRef(variable=key[0], shard_index=key[1]), epoch=role.epoch,
+                                             version=shard.version, spec=spec_to_pb(shard.spec),
+                                             pull_index=self._pulls_at(key, shard.version))
+                    with self._lock:
+                        self._install_at[key] = shard.version
+                    rep.put_series(key, shard.version, catch_up.table_chunks(shard, table, self.chunk_bytes, base))
+                    return
+                state.update({catch_up.TABLE + name: arr for name, arr in table.items()})
             msg = pb.ReplicaForward(ref=pb.ShardRef(variable=key[0], shard_index=key[1]), epoch=role.epoch,
                                     version=shard.version, spec=spec_to_pb(shard.spec),
                                     value=codec.header(shard.value.dtype, shard.value.shape),
@@ -416,8 +425,10 @@ class Replication(ReplicaNotes):
                 raise InvalidArgumentError(f"ps {self.ps_index} keeps no sync state; a forward of it is refused")
             self.sync_state.install(f.epoch, f.version, f.sync_state)
             return pb.REPLICA_APPLIED, shard
+        staged = self._staged.get(key)
+        if staged is not None and staged.shard.table is not None and not f.HasField("spec"):
+            return pb.REPLICA_GAP, shard  # a table is built by its last chunk, which what follows comes after
         if f.skipped:  # a skipped sync step's note: into the copy, or the one staged by a catch-up in chunks
-            staged = self._staged.get(key)
             target = staged.shard if staged is not None else shard
             noted = target is not None and note_skipped(target, f.version, f.push_id)
             return (pb.REPLICA_APPLIED if noted else pb.REPLICA_GAP), shard

@@ -118,16 +118,9 @@ class Replicator:
                 # confirms both, and the older one's waiters are answered by the newer version
                 self._queue = collections.deque(item for item in self._queue
                                                 if item[0] != key or not item[2].HasField("sync_state"))
-            if install and not msg.chunk_start and any(item[0] == key for item in self._queue):
-                # the shard's whole state supersedes what of it is still queued (its updates, an older catch-up):
-                # one snapshot per shard in memory at most; their waiters are answered by its confirmation
-                kept = [item for item in self._queue if item[0] != key]
-                self._queued_bytes -= sum([item[3] for item in self._queue if item[0] == key])
-                self._queue = collections.deque(kept)
-            fits = self._queued_bytes + nbytes <= self._max_queued or not self._queue
-            if not fits and install and not any(item[2].HasField("spec") for item in self._queue):
-                fits = True  # one whole state may overfill the queue: a shard larger than the room catches up too
-            if not fits:
+            if install and not msg.chunk_start:
+                self._supersede(key)
+            if not self._fits(nbytes, install):
                 if install:  # snapshotted again once a batch got through: no churn while the backup is down
                     self._waiting.add(key)
                 else:
@@ -149,6 +142,43 @@ class Replicator:
             if msg.pulled:  # a table pull's reply does not wait for its forward
                 self._orphaned()
             return self.queued
+
+    def put_series(self, key: Key, version: int, chunks: Sequence[tuple[pb.ReplicaForward, list[np.ndarray]]]) -> None:
+        """Queue a catch-up's chunks back to back, all or none, as one whole state (a dynamic table's, cut from
+        one snapshot: server/catch_up.py), so the shard's updates queued after it follow its last chunk; called
+        under the shard's lock, never waits. No room: its shard's updates are skipped and a new snapshot is
+        taken once a batch got through (as for a whole state)."""
+        sizes = [sum([a.nbytes for a in arrays]) for _, arrays in chunks]
+        with self._cond:
+            if key in self.refused:
+                return
+            self._supersede(key)
+            if not self._fits(sum(sizes), True):
+                self._waiting.add(key)
+                return
+            self._dirty.discard(key)
+            self._waiting.discard(key)
+            self._due.pop(key, None)
+            self._cursor.pop(key, None)  # no chunk waits for a confirmation to be copied: all are queued
+            for (msg, arrays), nbytes in zip(chunks, sizes):
+                self.queued += 1
+                self._queue.append((key, version, msg, nbytes, arrays, self.queued))
+                self._queued_bytes += nbytes
+            self._wake_sender()  # a catch-up has no push waiting for it: the thread sends it
+
+    def _supersede(self, key: Key) -> None:
+        """Under the lock: the shard's whole state supersedes what of it is still queued (its updates, an older
+        catch-up): one snapshot per shard in memory at most; their waiters are answered by its confirmation."""
+        if any(item[0] == key for item in self._queue):
+            self._queued_bytes -= sum([item[3] for item in self._queue if item[0] == key])
+            self._queue = collections.deque(item for item in self._queue if item[0] != key)
+
+    def _fits(self, nbytes: int, install: bool) -> bool:
+        """Under the lock: whether nbytes more may be queued; one whole state may overfill the queue (a shard
+        larger than the room catches up too)."""
+        if self._queued_bytes + nbytes <= self._max_queued or not self._queue:
+            return True
+        return install and not any(item[2].HasField("spec") for item in self._queue)
 
     def _orphaned(self) -> None:
         """Under the lock: a queued forward has no waiter to send it; the thread does, after LINGER_S."""

@@ -156,7 +156,7 @@ def reshard(states: list[State], num_shards: int, ordered: bool = True) -> list[
             if sub.size > 1 and not np.logical_and.reduce(sub[:-1] <= sub[1:]):  # one state's keys come sorted
                 where = where[argsort_unique(sub)]
         whole = not ordered and where.size == part["keys"].size
-        out.append({name: arr if not _per_key(name) or whole else take_rows(arr, where) for name, arr in part.items()})
+        out.append({name: arr if not per_key(name) or whole else take_rows(arr, where) for name, arr in part.items()})
     return out
 
 
@@ -206,7 +206,8 @@ def split(states: list[State], num_shards: int) -> list[tuple[State, np.ndarray]
     return out
 
 
-def _per_key(name: str) -> bool:
+def per_key(name: str) -> bool:
+    """Whether a state's array of this name has one row per key (not the filter's arrays or meta)."""
     return name != "meta" and not name.startswith(_FILTER)
 
 
@@ -224,12 +225,44 @@ def load(table: DynamicTable, state: State, where: np.ndarray | None = None) -> 
     Raises:
         InvalidArgumentError: the table is not empty, or the state does not fit its config.
     """
-    keys = state["keys"] if where is None else take_rows(state["keys"], where)
     if table.live:
         raise InvalidArgumentError(f"{table.name}: restore needs an empty table, this one holds {table.live} keys")
-    if keys.size > table.cfg.capacity:
+    _insert(table, state, where)
+    return load_rest(table, state)
+
+
+def load_rows(table: DynamicTable, state: State) -> None:
+    """Add a part of a state's keys (ascending, none in the table yet) with their rows, slots and metadata to a
+    table being built part by part (a catch-up in chunks: server/catch_up.py); `load_rest` ends it.
+
+    Raises:
+        InvalidArgumentError: the keys are not ascending, some are in the table already, or the part does not
+            fit the table's config (nothing changed).
+    """
+    keys = state["keys"]
+    if keys.ndim != 1 or (keys.size > 1 and not np.logical_and.reduce(keys[:-1] < keys[1:])):
+        raise InvalidArgumentError(f"{table.name}: a part of a table's state needs distinct ascending keys")
+    if keys.size and bool((table.lookup(keys) >= 0).any()):
+        raise InvalidArgumentError(f"{table.name}: a part of a table's state repeats keys the table holds")
+    _insert(table, state, None)
+
+
+def load_rest(table: DynamicTable, state: State) -> DynamicTable:
+    """The admission filter, version and counters of a state (its `filter.` arrays and meta); returns the table."""
+    table.filter.load({k[len(_FILTER):]: v for k, v in state.items() if k.startswith(_FILTER)})
+    meta = [int(x) for x in state["meta"]]
+    table.version, table.epoch = meta[0], meta[1]
+    table.stats = TableStats(*meta[2:6])
+    return table
+
+
+def _insert(table: DynamicTable, state: State, where: np.ndarray | None) -> None:
+    """Give a state's keys rows in the table and copy their per-key arrays there (checked first)."""
+    keys = state["keys"] if where is None else take_rows(state["keys"], where)
+    if keys.size > table.cfg.capacity - table.live:
         raise InvalidArgumentError(
-            f"{table.name}: {keys.size} saved keys exceed the shard's capacity {table.cfg.capacity}")
+            f"{table.name}: {keys.size} saved keys exceed the shard's capacity {table.cfg.capacity} "
+            f"({table.live} held)")
     if state["values"].shape[1:] != (table.cfg.dim,):
         raise InvalidArgumentError(
             f"{table.name}: saved rows of width {state['values'].shape[1:]} for a table of dim {table.cfg.dim}")
@@ -241,6 +274,8 @@ def load(table: DynamicTable, state: State, where: np.ndarray | None = None) -> 
         what = ", ".join(repr(n) for n in sorted(set(arrays) - saved)) or "nothing"
         raise InvalidArgumentError(f"{table.name}: saved state lacks {what} and has {sorted(saved - set(arrays))} "
                                    "(saved under another optimizer or eviction policy?)")
+    if where is None and any(state[name].shape[:1] != keys.shape for name in arrays):
+        raise InvalidArgumentError(f"{table.name}: a state's per-key arrays do not have one row per key")
     rows = as_run(table.index.insert(keys))  # an empty table hands out one run: whole-array copies
     for name, arr in arrays.items():
         if where is None:
@@ -249,11 +284,6 @@ def load(table: DynamicTable, state: State, where: np.ndarray | None = None) -> 
             take_rows(state[name], where, out=arr[rows])
         else:
             arr[rows] = take_rows(state[name], where)
-    table.filter.load({k[len(_FILTER):]: v for k, v in state.items() if k.startswith(_FILTER)})
-    meta = [int(x) for x in state["meta"]]
-    table.version, table.epoch = meta[0], meta[1]
-    table.stats = TableStats(*meta[2:6])
-    return table
 
 
 def export(state: State, directory: pathlib.Path, name: str,

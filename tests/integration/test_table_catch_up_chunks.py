@@ -1,0 +1,201 @@
+"""A dynamic table's catch-up in chunks (server/catch_up.py `table_chunks`) between two in-process PS cores.
+
+The table's state is many times the chunk size: it reaches the backup as a first chunk (admission filter,
+counters, push record) and chunks of keys with their rows, slots and metadata, one batch each here (the batch
+size is set to a chunk), the backup building the table outside its store until the last one. Pushes,
+row-creating pulls and an on-demand sweep made while the chunks are on the way follow the last chunk and end
+equal on both copies; a link cut halfway leaves the backup with no table counted as held, and the next
+catch-up completes it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from pscluster.proto import pscluster_pb2 as pb
+from pscluster.server import replicator
+from pscluster.server import table_state as ts
+from pscluster.server.ps import ParameterServerCore
+from pscluster.server.push_record import push_key
+from pscluster.server.replication import Role
+from pscluster.server.store import PushItem, ShardSpec
+
+from pscluster.optimizers import Adam
+from pscluster.tables import Admission, Eviction, TableConfig
+from tests.unit.test_replication import Link, make_core
+from tests.unit.test_table_replication import DYN, same_table
+
+CHUNK = 4 << 10
+BOUND_S = 20.0
+
+
+class GatedLink(Link):
+    """Counts the catch-up chunks and batches sent; batches after the first `after` wait until `gate` is set."""
+
+    def __init__(self, target: ParameterServerCore) -> None:
+        super().__init__(target)
+        self.after = 1 << 30
+        self.gate = threading.Event()
+        self.sent: list[pb.ReplicateRequest] = []
+        self.nbytes: list[int] = []  # payload bytes of every batch
+
+    def replicate(self, request: pb.ReplicateRequest, arrays: list[np.ndarray], timeout: float) -> pb.ReplicateReply:
+        self.sent.append(request)
+        self.nbytes.append(sum(a.nbytes for a in arrays))
+        if len(self.sent) > self.after:
+            self.gate.wait(BOUND_S)
+        return super().replicate(request, arrays, timeout)
+
+    def chunks(self) -> int:
+        return sum(1 for r in self.sent for f in r.forwards if f.HasField("spec"))
+
+
+@pytest.fixture
+def cores(monkeypatch):
+    monkeypatch.setattr(replicator, "BATCH_BYTES", CHUNK)  # a batch per chunk: updates can race between them
+    peers: dict[int, ParameterServerCore] = {}
+    b = make_core(1, peers, {})
+    link = GatedLink(b)
+    a = make_core(0, peers, {1: link})
+    peers.update({0: a, 1: b})
+    a.replication.chunk_bytes = CHUNK
+    a.replication.timeout = BOUND_S  # a push's wait for the backup outlasts a gated catch-up on a loaded machine
+    yield a, b, link
+    link.gate.set()
+    a.replication.stop()
+    b.replication.stop()
+
+
+def create(core: ParameterServerCore, cfg: TableConfig) -> None:
+    core.create(ShardSpec("dyn", 0, 1, (0, 8), (0, 8), 0, "<f4", Adam(0.1), True, 0, cfg.to_json()), None, "zeros", 0, 0)
+
+
+def push(core: ParameterServerCore, pid: str, keys: np.ndarray) -> None:
+    core.push(pid, 0, [PushItem(DYN, np.full((keys.size, 8), 0.5, np.float32), keys.astype(np.int64))])
+
+
+def fill(core: ParameterServerCore, n: int, repeat: int = 1) -> None:
+    """One copy while n keys get rows (each pushed `repeat` times: admission counts them)."""
+    core.replication.set_roles(1, [Role(DYN, 1, 0)])
+    keys = np.arange(n, dtype=np.int64) * 7919 - 1000
+    for r in range(repeat):
+        for i in range(0, n, 100):
+            push(core, f"fill{r}.{i}", keys[i:i + 100])
+
+
+def expected_chunks(core: ParameterServerCore) -> int:
+    """The filter's chunk, then the keys' (as many per chunk as fit CHUNK) of the table's state now."""
+    table = core.store.get(DYN).table
+    assert table is not None
+    state = ts.snapshot(table)
+    row_bytes = sum(arr.nbytes for name, arr in state.items() if ts.per_key(name)) // table.live
+    return 1 + -(-table.live // (CHUNK // row_bytes))
+
+
+def until(condition, what: str) -> None:
+    deadline = time.monotonic() + BOUND_S
+    while not condition():
+        assert time.monotonic() < deadline, f"not reached within {BOUND_S} s: {what}"
+        time.sleep(0.005)
+
+
+def backup_it(a: ParameterServerCore, b: ParameterServerCore, epoch: int = 2) -> None:
+    for core in (b, a):
+        core.replication.set_roles(epoch, [Role(DYN, epoch, 0, 1)])
+
+
+def test_a_table_several_times_the_chunk_size_reaches_its_backup_in_chunks(cores):
+    a, b, link = cores
+    create(a, TableConfig(dim=8, capacity=2048, admission=Admission("counter", min_count=2)))
+    fill(a, 600, repeat=2)
+    push(a, "candidates", np.arange(50, dtype=np.int64) + 10**9)  # seen once: admission candidates, no rows
+    table = a.store.get(DYN).table
+    assert table is not None and table.live == 600
+    chunks = expected_chunks(a)
+    backup_it(a, b)
+    until(lambda: not a.replication.catching_up(), "the catch-up to finish")
+    same_table(a, b)  # keys, rows, Adam's slots, metadata, the admission candidates, version
+    assert b.store.get(DYN).record.seen_key(push_key("fill1.500")) and b.replication.epoch_of(DYN) == 2
+    assert link.chunks() == chunks > 15  # the filter's chunk, then the keys' chunks, each sent once
+    assert max(link.nbytes) <= CHUNK  # no batch carries more than a chunk
+    push(a, "after", np.array([5, 10**9], np.int64))  # a forward on the installed table
+    same_table(a, b)
+
+
+def test_pushes_pulls_and_a_sweep_that_race_the_catch_up_end_equal_on_both(cores):
+    a, b, link = cores
+    create(a, TableConfig(dim=8, capacity=700, eviction=Eviction("steps", max_idle=2)))
+    fill(a, 600)
+    chunks = expected_chunks(a)
+    link.after = 3  # the fourth chunk waits at the link: the backup holds three, staged
+    backup_it(a, b)
+    until(lambda: len(link.sent) >= 4, "the first chunks")
+    assert b.store.find(DYN) is None  # staged, not installed
+    version = a.store.get(DYN).version
+    racing = [threading.Thread(target=push, args=(a, "race0", np.array([1, -1000, 424242], np.int64))),
+              threading.Thread(target=push, args=(a, "race1", np.array([-1000, 7, 8], np.int64)))]
+    for thread in racing:
+        thread.start()
+    until(lambda: a.store.get(DYN).version == version + 2, "both pushes applied on the primary")
+    a.pull([(DYN, np.arange(200, dtype=np.int64) + 10**6)])  # new rows (a full shard: it evicts for them)
+    evicted = a.store.get(DYN).table.stats.evicted
+    assert evicted > 0
+    swept: list[int] = []
+    sweep = threading.Thread(target=lambda: swept.append(a.evict("dyn")))  # rows idle over 2 pushes leave
+    sweep.start()
+    until(lambda: a.store.get(DYN).table.stats.evicted > evicted, "the sweep on the primary")
+    assert b.store.find(DYN) is None  # still staged: what raced waits behind the last chunk
+    link.gate.set()
+    for thread in (*racing, sweep):
+        thread.join(BOUND_S)
+    until(lambda: not a.replication.catching_up(), "the catch-up to finish")
+    assert swept and swept[0] > 0 and b.store.get(DYN).table.stats.evicted == a.store.get(DYN).table.stats.evicted
+    same_table(a, b)
+    assert link.chunks() == chunks > 15  # each chunk sent once: no GAP, what raced came after the last
+
+
+def test_a_link_cut_halfway_leaves_no_table_held_and_the_next_catch_up_completes_it(cores):
+    a, b, link = cores
+    create(a, TableConfig(dim=8, capacity=2048))
+    fill(a, 600)
+    link.after = 3
+    backup_it(a, b)
+    until(lambda: len(link.sent) >= 4, "the first chunks")
+    link.cut.set()  # the primary's link dies with half the table staged on the backup
+    link.gate.set()
+    time.sleep(0.2)  # resends fail meanwhile
+    assert b.store.find(DYN) is None and b.replication.epoch_of(DYN) == 0  # nothing of it counts as held
+    assert a.replication.catching_up() == [DYN]
+    meanwhile = threading.Thread(target=push, args=(a, "meanwhile", np.array([3, 4], np.int64)))
+    meanwhile.start()  # applied on the primary; acknowledged once the next catch-up carried it
+    until(lambda: a.store.get(DYN).table.lookup(np.array([3, 4], np.int64)).min() >= 0, "the push on the primary")
+    link.cut.clear()
+    backup_it(a, b, epoch=3)  # the pair again at a new epoch: its catch-up starts from the first chunk
+    meanwhile.join(BOUND_S)
+    until(lambda: not a.replication.catching_up(), "the second catch-up to finish")
+    same_table(a, b)
+    assert b.replication.epoch_of(DYN) == 3
+
+
+def test_a_part_that_repeats_keys_or_is_not_ascending_is_refused_and_changes_nothing():
+    from pscluster.server.dynamic_table import DynamicTable
+
+    from pscluster.errors import InvalidArgumentError
+
+    src = DynamicTable(TableConfig(dim=2, capacity=16), Adam(0.1))
+    src.push(np.array([1, 2, 3, 4], np.int64), np.ones((4, 2), np.float32))
+    state = {name: arr for name, arr in ts.snapshot(src).items() if ts.per_key(name)}
+    built = DynamicTable(TableConfig(dim=2, capacity=16), Adam(0.1))
+    ts.load_rows(built, {name: arr[:2] for name, arr in state.items()})
+    with pytest.raises(InvalidArgumentError, match="repeats keys"):
+        ts.load_rows(built, {name: arr[1:3] for name, arr in state.items()})
+    with pytest.raises(InvalidArgumentError, match="ascending"):
+        ts.load_rows(built, {name: arr[::-1][:2] for name, arr in state.items()})
+    assert built.live == 2
+    ts.load_rows(built, {name: arr[2:] for name, arr in state.items()})
+    ts.load_rest(built, {name: arr for name, arr in ts.snapshot(src).items() if not ts.per_key(name)})
+    mine, theirs = ts.snapshot(built), ts.snapshot(src)
+    assert all(np.array_equal(mine[k], theirs[k]) for k in theirs)
