@@ -57,7 +57,8 @@ def whole(f: pb.ReplicaForward, tensors: list[np.ndarray], owned: bool, dedup_wi
 
 
 def rows_per_chunk(shard: Shard, chunk_bytes: int) -> int | None:
-    """Rows per chunk of shard's state; None when it goes whole (a table, a scalar, or it fits one chunk)."""
+    """Rows per chunk of shard's state; None when it goes whole (a scalar, or it fits one chunk) or is a
+    table (cut by keys: `table_chunks`)."""
     value = shard.value
     if shard.table is not None or value.ndim == 0 or value.shape[0] < 2:
         return None

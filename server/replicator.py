@@ -315,7 +315,12 @@ class Replicator:
         """Under the lock: the next batch from the queue, marked in flight (`_send` sends it)."""
         batch: list[Item] = []
         size = 0
+        chunked = False  # a batch carries one catch-up chunk at most: a frame holds a chunk, not BATCH_BYTES of them
         while self._queue and (not batch or size + self._queue[0][3] <= BATCH_BYTES):
+            chunk = self._queue[0][2].chunk_more or self._queue[0][2].chunk_start > 0
+            if chunk and chunked:
+                break
+            chunked = chunked or chunk
             item = self._queue.popleft()
             batch.append(item)
             size += item[3]

@@ -1,9 +1,8 @@
 """A dynamic table's catch-up in chunks (server/catch_up.py `table_chunks`) between two in-process PS cores.
 
 The table's state is many times the chunk size: it reaches the backup as a first chunk (admission filter,
-counters, push record) and chunks of keys with their rows, slots and metadata, one batch each here (the batch
-size is set to a chunk), the backup building the table outside its store until the last one. Pushes,
-row-creating pulls and an on-demand sweep made while the chunks are on the way follow the last chunk and end
+counters, push record) and chunks of keys with their rows, slots and metadata, one batch each, the backup
+building the table outside its store until the last one. Pushes, row-creating pulls and an on-demand sweep made while the chunks are on the way follow the last chunk and end
 equal on both copies; a link cut halfway leaves the backup with no table counted as held, and the next
 catch-up completes it.
 """
@@ -16,7 +15,6 @@ import time
 import numpy as np
 import pytest
 from pscluster.proto import pscluster_pb2 as pb
-from pscluster.server import replicator
 from pscluster.server import table_state as ts
 from pscluster.server.ps import ParameterServerCore
 from pscluster.server.push_record import push_key
@@ -54,8 +52,7 @@ class GatedLink(Link):
 
 
 @pytest.fixture
-def cores(monkeypatch):
-    monkeypatch.setattr(replicator, "BATCH_BYTES", CHUNK)  # a batch per chunk: updates can race between them
+def cores():
     peers: dict[int, ParameterServerCore] = {}
     b = make_core(1, peers, {})
     link = GatedLink(b)
@@ -121,6 +118,7 @@ def test_a_table_several_times_the_chunk_size_reaches_its_backup_in_chunks(cores
     assert b.store.get(DYN).record.seen_key(push_key("fill1.500")) and b.replication.epoch_of(DYN) == 2
     assert link.chunks() == chunks > 15  # the filter's chunk, then the keys' chunks, each sent once
     assert max(link.nbytes) <= CHUNK  # no batch carries more than a chunk
+    assert all(sum(1 for f in r.forwards if f.HasField("spec")) == 1 for r in link.sent)
     push(a, "after", np.array([5, 10**9], np.int64))  # a forward on the installed table
     same_table(a, b)
 
