@@ -197,3 +197,43 @@ def test_a_part_that_repeats_keys_or_is_not_ascending_is_refused_and_changes_not
     ts.load_rest(built, {name: arr for name, arr in ts.snapshot(src).items() if not ts.per_key(name)})
     mine, theirs = ts.snapshot(built), ts.snapshot(src)
     assert all(np.array_equal(mine[k], theirs[k]) for k in theirs)
+
+
+def test_a_table_over_the_backups_frame_limit_catches_up_over_the_framed_bulk_port():
+    """6 MiB of table state against a 1 MiB frame limit: as one message it never got through (resent forever)."""
+    from pscluster.server import sync_replicas
+    from pscluster.server.bulk import BulkHandlers
+    from pscluster.server.replica_links import FrameLink
+    from pscluster.server.replication import Replication
+
+    from pscluster.config import ClusterSpec, Settings
+
+    backup = ParameterServerCore(1, 2)
+    sync_replicas.attach(backup)
+    backup.replication = Replication(backup.store, 1, lambda ps: pytest.fail("the backup forwards nothing"))
+    frames = BulkHandlers(backup).server("127.0.0.1", "secret", 1 << 20, max_payload_bytes=1 << 20).start()
+    settings = Settings(cluster=ClusterSpec(ps=["127.0.0.1:1", "127.0.0.1:2"]), token="secret")
+    primary = ParameterServerCore(0, 2)
+    sync_replicas.attach(primary)
+    primary.replication = Replication(primary.store, 0, lambda ps: FrameLink(
+        settings.cluster.ps[ps], settings, port_of=lambda timeout: frames.port), timeout=BOUND_S, chunk_bytes=256 << 10)
+    try:
+        cfg = TableConfig(dim=32, capacity=20000)
+        primary.create(ShardSpec("dyn", 0, 1, (0, 32), (0, 32), 0, "<f4", Adam(0.1), True, 0, cfg.to_json()), None,
+                       "zeros", 0, 0)
+        primary.replication.set_roles(1, [Role(DYN, 1, 0)])
+        keys = np.arange(16000, dtype=np.int64) * 31
+        for i in range(0, keys.size, 4000):
+            primary.push(f"fill{i}", 0, [PushItem(DYN, np.full((4000, 32), 0.25, np.float32), keys[i:i + 4000])])
+        table = primary.store.get(DYN).table
+        assert table is not None and sum(a.nbytes for a in ts.snapshot(table).values()) > 6 << 20
+        for core in (backup, primary):
+            core.replication.set_roles(2, [Role(DYN, 2, 0, 1)])
+        until(lambda: not primary.replication.catching_up(), "the catch-up to finish")
+        same_table(primary, backup)
+        primary.push("after", 0, [PushItem(DYN, np.ones((2, 32), np.float32), np.array([31, 5], np.int64))])
+        same_table(primary, backup)
+    finally:
+        primary.replication.stop()
+        backup.replication.stop()
+        frames.stop()
