@@ -25,7 +25,7 @@ sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != ROOT /
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # the benchmark process shares 2 cores with daemons
 
-from bench import chaos, closures, elastic, floor, profile, replicas, training, transfer  # noqa: E402
+from bench import chaos, closures, elastic, floor, profile, replicas, table_catch_up, training, transfer  # noqa: E402
 
 Row = tuple[str, str, str, str]  # id, what, measured, target and verdict
 
@@ -523,11 +523,24 @@ def bench_profile(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
                 + "; ".join(cells), "measure first (issue 9)")]
 
 
+def bench_b15tablecatchup(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
+    r = table_catch_up.run(args.large_keys, 64, args.runs)
+    rows = [("B15TABLECATCHUP", f"a dynamic table shard's catch-up to a new backup, {r['keys'] / 1e6:.0f} M keys x "
+             f"{r['dim']} float32 Adagrad ({r['state_mib']:.0f} MiB), over the framed bulk port in one process, "
+             f"in 8 MiB chunks vs one message, alternating, median of {len(r['time_ratios'])}: "
+             f"`python bench/run.py --only B15TABLECATCHUP --runs {args.runs}`",
+             f"chunked {r['chunked_s']:.2f} s vs whole {r['whole_s']:.2f} s (ratios {r['time_ratios']}); peak RSS "
+             f"growth {r['chunked_peak_rss_mib']:.0f} vs {r['whole_peak_rss_mib']:.0f} MiB",
+             "no frame over a chunk: met by construction (whole needs one frame of the table's size)")]
+    return r, rows
+
+
 BENCHES = {"B1": bench_b1, "B1TLS": bench_b1tls, "B9": bench_b9, "B2": bench_b2, "FLOOR": bench_floor, "B3": bench_b3, "B4": bench_b4, "B5": bench_b5,
            "B6": bench_b6, "B7": bench_b7, "B8": bench_b8,
            "B10": bench_b10, "B11": bench_b11, "B12": bench_b12, "B13": bench_b13, "B14": bench_b14, "B15": bench_b15, "B15COST": bench_b15cost, "B15TABLE1": bench_b15table1,
            "B15SCALE": bench_b15scale, "B15SCALESYNC": bench_b15scale_sync, "B15SCALELARGE": bench_b15scale_large, "B15SOAK": bench_b15_soak, "B15MEM": bench_b15_memory, "B16": bench_b16,
            "B14MP": bench_b14_precision, "B14CNN": bench_b14_cnn, "FIT": bench_fit, "PROFILE": bench_profile}
+BENCHES["B15TABLECATCHUP"] = bench_b15tablecatchup
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 

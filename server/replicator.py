@@ -382,6 +382,8 @@ class Replicator:
                     self._wake_sender()
                 elif msg.epoch >= self._epoch.get(key, 0):  # not a forward sent before the role changed
                     self.stale[key] = msg.epoch
+            if self._queue and self._queue[0][2].HasField("spec"):
+                self._wake_sender()  # a catch-up's next chunk: no push waits to send it, no linger
             self._acks.notify_all()  # a push still waiting sends the next batch
 
     def _refused(self, batch: list[Item], exc: PsclusterError) -> None:
