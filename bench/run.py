@@ -529,7 +529,8 @@ def bench_b15tablecatchup(args: argparse.Namespace) -> tuple[dict[str, Any], lis
              f"{r['dim']} float32 Adagrad ({r['state_mib']:.0f} MiB), over the framed bulk port in one process, "
              f"in 8 MiB chunks vs one message, alternating, median of {len(r['time_ratios'])}: "
              f"`python bench/run.py --only B15TABLECATCHUP --runs {args.runs}`",
-             f"chunked {r['chunked_s']:.2f} s vs whole {r['whole_s']:.2f} s (ratios {r['time_ratios']}); peak RSS "
+             f"chunked {r['chunked_s']:.2f} s vs whole {r['whole_s']:.2f} s (runs {r['chunked_runs_s']} vs "
+             f"{r['whole_runs_s']}, same-pair ratios {r['time_ratios']}); peak RSS "
              f"growth {r['chunked_peak_rss_mib']:.0f} vs {r['whole_peak_rss_mib']:.0f} MiB",
              "no frame over a chunk: met by construction (whole needs one frame of the table's size)")]
     return r, rows

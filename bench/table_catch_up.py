@@ -109,6 +109,7 @@ def run(keys: int = 1_000_000, dim: int = 64, runs: int = 3) -> dict[str, Any]:
     for i, name in enumerate(("chunked", "whole")):
         out[f"{name}_s"] = statistics.median(p[i]["seconds"] for p in pairs)
         out[f"{name}_peak_rss_mib"] = statistics.median(p[i]["peak_rss_mib"] for p in pairs)
+        out[f"{name}_runs_s"] = [round(p[i]["seconds"], 2) for p in pairs]
     out["time_ratios"] = [round(c["seconds"] / w["seconds"], 2) for c, w in pairs]
     return out
 

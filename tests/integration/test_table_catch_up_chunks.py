@@ -237,3 +237,43 @@ def test_a_table_over_the_backups_frame_limit_catches_up_over_the_framed_bulk_po
         primary.replication.stop()
         backup.replication.stop()
         frames.stop()
+
+
+def test_a_forward_that_reaches_a_staged_table_answers_gap_and_a_bad_chunk_changes_nothing():
+    from pscluster.server import catch_up
+
+    from pscluster import codec
+    from pscluster.errors import InvalidArgumentError
+    from pscluster.specs import spec_to_pb
+
+    peers: dict[int, ParameterServerCore] = {}
+    a, b = make_core(0, peers, {}), make_core(1, peers, {})
+    try:
+        create(a, TableConfig(dim=8, capacity=2048))
+        fill(a, 300)
+        shard = a.store.get(DYN)
+        assert shard.table is not None
+        base = pb.ReplicaForward(ref=pb.ShardRef(variable="dyn", shard_index=0), epoch=2, version=shard.version,
+                                 spec=spec_to_pb(shard.spec))
+        chunks = catch_up.table_chunks(shard, ts.snapshot(shard.table), CHUNK, base)
+        assert len(chunks) > 5
+        b.replication.set_roles(2, [Role(DYN, 2, 0, 1)])
+
+        def send(msg: pb.ReplicaForward, arrays: list[np.ndarray]) -> int:
+            return b.replication.receive(pb.ReplicateRequest(forwards=[msg]), arrays).outcomes[0]
+
+        assert send(*chunks[0]) == pb.REPLICA_APPLIED and send(*chunks[1]) == pb.REPLICA_APPLIED
+        keys = np.array([1], np.int64)
+        update = pb.ReplicaForward(ref=base.ref, epoch=2, version=shard.version, has_rows=True, pulled=True,
+                                   rows=codec.header(keys.dtype, keys.shape))  # a pull that made a row
+        assert send(update, [keys]) == pb.REPLICA_GAP  # out of order: never applied to half a table
+        assert send(*chunks[3]) == pb.REPLICA_GAP  # a chunk beyond the next
+        bad, arrays = chunks[2]
+        with pytest.raises(InvalidArgumentError, match="ascending"):
+            send(bad, [arrays[0]] + [arr[::-1] for arr in arrays[1:]])
+        for msg, arrays in chunks[2:]:  # the right chunk 2 and the rest: nothing of the refused one stayed
+            assert send(msg, arrays) == pb.REPLICA_APPLIED
+        same_table(a, b)
+    finally:
+        a.replication.stop()
+        b.replication.stop()
