@@ -341,7 +341,8 @@ def bench_b16(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
             f"lookup + Adagrad update {m('lookup_adagrad_update') / 1e6:.2f} M/s; inserts {m('insert') / 1e6:.2f} M "
             f"keys/s, longest batch of 65,536 {m('insert_longest_batch') * 1e3:.0f} ms (first writes of as many rows "
             f"{m('numpy_first_write_floor') / 1e6:.2f} M/s); {m('bytes_per_key_beyond_row_and_slots'):.1f} B/key beyond "
-            f"row and slots (RSS); save {m('checkpoint_save'):.2f} s/GiB, restore into 2 shards "
+            f"row and slots (RSS); save {m('checkpoint_save'):.2f} s/GiB (a plain write of as many bytes "
+            f"{m('file_write_floor'):.2f} s/GiB), restore into 2 shards "
             f"{m('restore_into_2_shards'):.2f} s/GiB; eviction sweep {m('eviction_sweep') / 1e6:.0f} M keys/s; the "
             f"compiled kernels' first call {m('kernels_first_call'):.2f} s (numba's import and the cached code: paid "
             f"once a process, so by the first row of a run)",
