@@ -9,7 +9,16 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+import numpy as np
+
 import pscluster as ps
+
+
+def increment(*counters: ps.Variable) -> int:
+    """A closure body: one -1 push (SGD(1.0): +1) to each int64 counter; returns 1 (closures completed)."""
+    for counter in counters:
+        counter.push(np.array(-1, np.int64))
+    return 1
 
 
 def poll(condition: Callable[[], object], what: str, timeout: float = 20.0) -> None:

@@ -9,31 +9,15 @@ put there is killed and restarted: each of its counters comes back at the checkp
 counts exactly the 10 closures each of them lost.
 """
 
-import time
-
-import numpy as np
 import pytest
 
 import pscluster as ps
 from pscluster.errors import FailedPreconditionError, InvalidArgumentError
+from tests.cluster.replicas import increment, poll
 
 pytestmark = pytest.mark.cluster
 
 COUNTERS = 6
-
-
-def increment(*counters):
-    for counter in counters:
-        counter.push(np.array(-1, np.int64))
-    return 1
-
-
-def poll(condition, what, timeout=20.0):
-    """Poll a cluster condition with a deadline."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 def primaries(coord):

@@ -18,24 +18,11 @@ from pscluster.errors import FailedPreconditionError, InvalidArgumentError
 from pscluster.ops import cli
 from pscluster.placement import SYNC_STATE_KEY
 from pscluster.tables import TableConfig
+from tests.cluster.replicas import increment, poll
 
 pytestmark = pytest.mark.cluster
 
 COUNTERS = 6
-
-
-def increment(*counters):
-    for counter in counters:
-        counter.push(np.array(-1, np.int64))
-    return 1
-
-
-def poll(condition, what, timeout=20.0):
-    """Poll a cluster condition with a deadline."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 def holders(coord):
