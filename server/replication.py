@@ -435,8 +435,12 @@ class Replication(ReplicaNotes):
         if f.HasField("spec"):
             with self._lock:
                 same_stream = self._copy_epoch.get(key) == f.epoch
-            if shard is not None and same_stream and shard.version >= f.version and not self._staged.get(key):
-                return pb.REPLICA_APPLIED, shard  # a resent install: this copy holds it and the updates after it
+            # a resent install: this copy holds it and the updates after it. At the same version it must also
+            # hold the pulls and sweeps the state holds (they change a table, not its version)
+            held = shard is not None and (shard.version > f.version or (
+                shard.version == f.version and self._pulls_at(key, f.version) >= f.pull_index))
+            if held and same_stream and not self._staged.get(key):
+                return pb.REPLICA_APPLIED, shard
             if f.chunk_start or f.chunk_more:  # staged; the last chunk installs the staged copy
                 done, shard, complete = self._staged.take(f, key, tensors)
                 if complete and shard is not None:

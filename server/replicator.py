@@ -175,10 +175,14 @@ class Replicator:
 
     def _fits(self, nbytes: int, install: bool) -> bool:
         """Under the lock: whether nbytes more may be queued; one whole state may overfill the queue (a shard
-        larger than the room catches up too)."""
+        larger than the room catches up too), and updates are counted against the room left beside it: a
+        table's catch-up series larger than the room must not make every update racing it start it over."""
         if self._queued_bytes + nbytes <= self._max_queued or not self._queue:
             return True
-        return install and not any(item[2].HasField("spec") for item in self._queue)
+        states = [item[3] for item in self._queue if item[2].HasField("spec")]
+        if install:
+            return not states
+        return self._queued_bytes - sum(states) + nbytes <= self._max_queued
 
     def _orphaned(self) -> None:
         """Under the lock: a queued forward has no waiter to send it; the thread does, after LINGER_S."""

@@ -277,3 +277,51 @@ def test_a_forward_that_reaches_a_staged_table_answers_gap_and_a_bad_chunk_chang
     finally:
         a.replication.stop()
         b.replication.stop()
+
+
+def test_a_series_larger_than_the_queue_room_is_not_restarted_by_the_pulls_that_race_it(cores):
+    """A table's chunks may overfill the replication queue once (a 500 MiB table against 256 MiB of room);
+    an update racing them was refused room, so its shard went dirty and the catch-up started over from a new
+    snapshot, again for every update: 798 chunks were sent in 8 s for a 42-chunk table and it never ended."""
+    a, b, link = cores
+    create(a, TableConfig(dim=8, capacity=2048))
+    fill(a, 1500)
+    chunks = expected_chunks(a)
+    link.after = 1  # the first chunk goes; the rest wait while pulls make rows (their forwards queue behind)
+    backup_it(a, b)
+    until(lambda: 1 in a.replication._replicators, "the replicator")
+    a.replication._replicators[1]._max_queued = 16 << 10  # the series is several times the room
+    until(lambda: link.chunks() >= 1, "the first chunk")
+    for i in range(20):
+        a.pull([(DYN, np.array([10**7 + i], np.int64))])  # row-creating pulls: their replies wait for nothing
+    link.gate.set()
+    until(lambda: not a.replication.catching_up(), "the catch-up's end")
+    push(a, "after", np.array([1, 2], np.int64))
+    same_table(a, b)
+    assert link.chunks() == chunks, (link.chunks(), chunks)  # one series: not restarted by the pulls
+
+
+def test_a_sweep_skipped_while_its_shard_is_resent_reaches_the_backup_with_the_state(cores):
+    """An on-demand sweep's forward is skipped while its shard's whole state is on the way (the state holds it);
+    the backup, already at that version, answered the state 'held' (same stream, same version) and kept the
+    swept keys, though Evict returned: a state at the same version is held only with its pulls and sweeps."""
+    a, b, link = cores
+    create(a, TableConfig(dim=8, capacity=700, eviction=Eviction("steps", max_idle=2)))
+    fill(a, 50)
+    backup_it(a, b)
+    until(lambda: not a.replication.catching_up(), "the catch-up")
+    for pid in ("x1", "x2", "x3"):
+        push(a, pid, np.array([1, 2], np.int64))
+    version = a.store.get(DYN).version
+    until(lambda: b.store.get(DYN).version == version, "the backup at the primary's version")
+    rep = a.replication._replicators[1]
+    shard = a.store.get(DYN)
+    with shard.lock:
+        with rep._cond:
+            rep._dirty.add(DYN)  # as after a refused update or a GAP: the next whole state carries what follows
+        assert shard.table is not None
+        gone = shard.table.sweep().evicted
+        a.replication.swept(shard, gone)  # what table_ops.sweep does under the lock
+    a.replication.wait_configured([DYN])  # Evict's wait
+    assert gone.size == 50  # every filled key: only 1 and 2 were pushed since
+    same_table(a, b)
