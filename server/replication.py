@@ -240,28 +240,28 @@ class Replication(ReplicaNotes):
     def on_pulled(self, shard: Shard, keys: np.ndarray) -> None:
         """The store's hook for a table pull that created rows (under the shard's lock): queue it, so the
         backup creates (and evicts) the same rows, with the same metadata, between the same updates."""
-        role, rep = self._replicator_of(shard.spec.key)
-        if role is None or rep is None:
-            return
-        uniq = np.unique(np.asarray(keys, np.int64))  # what the pull's decisions depend on: its distinct keys
-        msg = pb.ReplicaForward(ref=pb.ShardRef(variable=shard.spec.variable, shard_index=shard.spec.shard_index),
-                                epoch=role.epoch, version=shard.version, rows=codec.header(uniq.dtype, uniq.shape),
-                                has_rows=True, pulled=True, pull_index=self._took_pull(shard.spec.key, shard.version))
-        rep.put(shard.spec.key, shard.version, msg, [uniq])
+        # what the pull's decisions depend on: its distinct keys
+        self._forward_keys(shard, np.unique(np.asarray(keys, np.int64)), swept=False)
 
     def swept(self, shard: Shard, keys: np.ndarray) -> None:
         """An on-demand sweep's hook (under the shard's lock): queue the evicted keys, so the backup evicts the
         same ones between the same updates; `wait_configured` then waits for it as for a config change."""
+        seq = self._forward_keys(shard, np.array(keys, np.int64, copy=True), swept=True)
+        if seq is not None:
+            with self._lock:
+                self._configs[shard.spec.key] = seq
+
+    def _forward_keys(self, shard: Shard, keys: np.ndarray, swept: bool) -> int | None:
+        """Queue a table operation that changes rows but not the version (a row-creating pull, or a sweep),
+        ordered among that version's pulls; returns its place in the queue, None with no backup."""
         role, rep = self._replicator_of(shard.spec.key)
         if role is None or rep is None:
-            return
-        gone = np.array(keys, np.int64, copy=True)
+            return None
         msg = pb.ReplicaForward(ref=pb.ShardRef(variable=shard.spec.variable, shard_index=shard.spec.shard_index),
-                                epoch=role.epoch, version=shard.version, rows=codec.header(gone.dtype, gone.shape),
-                                has_rows=True, swept=True, pull_index=self._took_pull(shard.spec.key, shard.version))
-        seq = rep.put(shard.spec.key, shard.version, msg, [gone])
-        with self._lock:
-            self._configs[shard.spec.key] = seq
+                                epoch=role.epoch, version=shard.version, rows=codec.header(keys.dtype, keys.shape),
+                                has_rows=True, pulled=not swept, swept=swept,
+                                pull_index=self._took_pull(shard.spec.key, shard.version))
+        return rep.put(shard.spec.key, shard.version, msg, [keys])
 
     def _pulls_at(self, key: Key, version: int) -> int:
         """How many table pulls this copy of key took at `version`."""

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable
 from typing import Literal
 
 import numpy as np
+from pscluster.server.dynamic_table import DynamicTable
 from pscluster.server.push_record import push_key
 from pscluster.server.store import Shard, VariableStore
 
@@ -37,24 +38,24 @@ def table_counts(shard: Shard) -> dict[str, int]:
 
 
 def pull_at(shard: Shard, version: int, keys: np.ndarray) -> Literal["applied", "held", "gap"]:
-    """A backup's repeat of its primary's row-creating pull of a dynamic table at `version` (as apply_at)."""
-    with shard.lock:
-        if version < shard.version:
-            return "held"
-        if version > shard.version or shard.table is None:
-            return "gap"
-        shard.table.pull(keys)  # the same keys on the same state: the same rows created and evicted
-        return "applied"
+    """A backup's repeat of its primary's row-creating pull of a dynamic table at `version` (as apply_at):
+    the same keys on the same state create and evict the same rows."""
+    return _at_version(shard, version, lambda table: table.pull(keys))
 
 
 def evict_at(shard: Shard, version: int, keys: np.ndarray) -> Literal["applied", "held", "gap"]:
     """A backup's repeat of its primary's on-demand sweep at `version`: the same keys evicted (as pull_at)."""
+    return _at_version(shard, version, lambda table: table.evict_keys(keys))
+
+
+def _at_version(shard: Shard, version: int, op: Callable[[DynamicTable], object]) -> Literal["applied", "held", "gap"]:
+    """Run op on the shard's table if this copy is exactly at `version` (an operation that keeps the version)."""
     with shard.lock:
         if version < shard.version:
             return "held"
         if version > shard.version or shard.table is None:
             return "gap"
-        shard.table.evict_keys(keys)
+        op(shard.table)
         return "applied"
 
 
