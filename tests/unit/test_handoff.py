@@ -260,10 +260,13 @@ def test_a_sync_job_moves_a_shard_between_two_steps_and_applies_every_step_once(
     steps = 300
     barrier = threading.Barrier(2)  # the token queue: a step starts once both replicas finished the last one
     failures: list[BaseException] = []
+    moved = threading.Event()  # the last steps wait for the moves: each move falls under training, however fast
 
     def replica(i: int) -> None:
         try:
             for step in range(steps):
+                if step == steps - 10:
+                    moved.wait(20)
                 while True:  # the same push id until acknowledged, wherever the shard is
                     try:
                         by_index[primary[0]].push(f"r{i}.{step}", step, [PushItem(w, np.array(-1.0))])
@@ -282,6 +285,10 @@ def test_a_sync_job_moves_a_shard_between_two_steps_and_applies_every_step_once(
     for source, target in ((0, 1), (1, 0), (0, 1)):
         time.sleep(0.03)
         deadline = time.monotonic() + 5
+        while float(by_index[source].store.get(w).value) == 0:  # a step applied before the first move
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        deadline = time.monotonic() + 5
         while by_index[source].replication.catching_up():
             assert time.monotonic() < deadline
             time.sleep(0.001)
@@ -290,6 +297,7 @@ def test_a_sync_job_moves_a_shard_between_two_steps_and_applies_every_step_once(
         set_roles(target, source)  # the switch; the old primary stays its backup
         primary[0] = target
         by_index[source].thaw_shard(w)
+    moved.set()
     for t in threads:
         t.join(20)
     assert not failures
