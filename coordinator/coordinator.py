@@ -111,17 +111,18 @@ class ClusterCoordinator(CoordinatorAPI):
         self._sync_config: pb.SyncConfigRequest | None = None
         self._stop = threading.Event()
         self.initial_step = max(s.global_step for s in self.client.status())
+        self._monitor = PsMonitor(self.client, on_down=lambda: self._inbox.post(sch.PsDown()),
+                                  on_up=lambda: self._inbox.post(sch.PsUp()),
+                                  on_fatal=lambda exc: self._fail("ps-monitor", exc),
+                                  replicated=self.settings.replica_table)
         # replicas: 2: the keeper owns shard -> (primary, backup, epoch) and promotes backups (docs/ps_failures.md)
         self._keeper = ReplicaKeeper(
             list(self.client.stubs), book=PsBook.from_file(self.settings.cluster.ps), on_book=self.client.set_ps_addresses,
             connect=lambda address: pb_grpc.ParameterServerStub(rpc.open_channel(address, self.settings)),
-            copies=self.settings.replicas,
+            copies=self.settings.replicas, on_restored=self._monitor.shard_restored,
         ).start() if self.settings.replica_table else None
         self._elastic = Elastic(self._keeper, self._keeper.stubs) if self._keeper is not None else None
-        self._monitor = PsMonitor(self.client, on_down=lambda: self._inbox.post(sch.PsDown()),
-                                  on_up=lambda: self._inbox.post(sch.PsUp()),
-                                  on_fatal=lambda exc: self._fail("ps-monitor", exc),
-                                  lost_shards=self._keeper.lost_shards if self._keeper is not None else None).start()
+        self._monitor.start()
         self._checkpointer = AutoCheckpointer.from_settings(
             self.settings, self.initial_step, step=lambda: self.global_step, save=self.client.checkpoint,
             clock=clock, on_fatal=lambda exc: self._fail("auto-checkpoint", exc))

@@ -19,7 +19,7 @@ the next check finds the unaccounted restart again. A wake with every PS healthy
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -66,6 +66,17 @@ class VersionRanges:
         if self._starts and self._starts[0] <= v:
             self._starts[0] = v + 1
 
+    def union(self, other: VersionRanges) -> None:
+        """Add every member of `other`."""
+        pairs = sorted(zip(self._starts + other._starts, self._ends + other._ends))
+        self._starts, self._ends = [], []
+        for s, e in pairs:
+            if self._ends and s <= self._ends[-1] + 1:
+                self._ends[-1] = max(self._ends[-1], e)
+            else:
+                self._starts.append(s)
+                self._ends.append(e)
+
     def __len__(self) -> int:
         return len(self._starts)
 
@@ -105,6 +116,18 @@ class Reported:
 
 
 @dataclass(frozen=True)
+class ShardRestored:
+    """Replicated: both copies of (variable, shard_index) had died and it came back from a checkpoint on PS `ps`,
+    restarted as `incarnation`. Sent by the replica keeper before the PS may take the shard's pushes: every
+    version reported for the shard until then, by whichever PS was its primary, belongs to the copies that died."""
+
+    ps: int
+    incarnation: int
+    variable: str
+    shard_index: int
+
+
+@dataclass(frozen=True)
 class CheckPassed:
     """A check ran to its end."""
 
@@ -116,7 +139,7 @@ class CheckFailed:
     error: Exception
 
 
-Event = Polled | Restored | Reported | CheckPassed | CheckFailed
+Event = Polled | Restored | ShardRestored | Reported | CheckPassed | CheckFailed
 
 
 # -- actions --------------------------------------------------------------------------------------
@@ -182,6 +205,8 @@ class HealthState:
     # per restart: the PS, its old incarnation and the version each of its shards came back with
     # (ps, old incarnation, new incarnation, versions restored): one entry per restart
     restores: list[tuple[int, int, int, dict[tuple[str, int], int]]] = field(default_factory=list)
+    # replicated: (ps, new incarnation) -> shard -> every version reported for it before both its copies died
+    rolled_back: dict[tuple[int, int], dict[tuple[str, int], VersionRanges]] = field(default_factory=dict)
 
 
 def decide(state: HealthState, event: Event, now: float) -> list[Action]:
@@ -202,6 +227,13 @@ def decide(state: HealthState, event: Event, now: float) -> list[Action]:
             if seen is not None:
                 seen.drop_through(version)  # only what the restart rolled back can ever count
         state.incarnations[event.ps] = event.incarnation
+        return []
+    if isinstance(event, ShardRestored):
+        restored_shard = (event.variable, event.shard_index)
+        merged = VersionRanges()
+        for key in [k for k in state.seen if k[:2] == restored_shard]:  # every primary before it, failovers included
+            merged.union(state.seen.pop(key))
+        state.rolled_back.setdefault((event.ps, event.incarnation), {})[restored_shard] = merged
         return []
     if isinstance(event, CheckPassed):
         state.failures = 0
@@ -240,18 +272,20 @@ def _polled(state: HealthState, event: Polled, now: float) -> list[Action]:
     return actions + restarted + [Resume(now - state.paused_at)]
 
 
-def lost_by_variable(state: HealthState,
-                     lost_shards: Callable[[int, int], set[tuple[str, int]]] | None = None) -> dict[str, int]:
-    """Reported versions of old incarnations beyond what their restart restored, per variable; with
-    `lost_shards(ps, incarnation)` (replicas: 2) only for the shards that restart of the PS came back with
-    from a checkpoint (asked per restart: a shard lost at one restart says nothing of another)."""
+def lost_by_variable(state: HealthState) -> dict[str, int]:
+    """Reported versions beyond what a restart restored, per variable.
+
+    replicas: 1: the versions the restarted PS's old incarnation reported. Replicated: only the shards that
+    restart brought back from a checkpoint (both copies had died: `ShardRestored`), with the versions every
+    primary of the shard reported before then; a shard a backup took over lost nothing. A report that reaches
+    the coordinator after the shard's restore (a closure acknowledged by a copy that died, finishing later)
+    is not counted: it cannot be told from the restored shard's own new versions.
+    """
     out: dict[str, int] = {}
     for ps, old, new, restored in state.restores:
-        only = lost_shards(ps, new) if lost_shards is not None else None
+        rolled_back = state.rolled_back.get((ps, new), {}) if state.replicated else None
         for (var, shard), version in restored.items():
-            if only is not None and (var, shard) not in only:
-                continue  # its backup took over: nothing acknowledged was lost
-            seen = state.seen.get((var, shard, old))
+            seen = state.seen.get((var, shard, old)) if rolled_back is None else rolled_back.get((var, shard))
             if seen is not None:
                 out[var] = out.get(var, 0) + seen.count_above(version)
     return out

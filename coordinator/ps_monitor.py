@@ -17,9 +17,10 @@ with backoff; dispatch stays paused meanwhile. After `max_failures` failed check
 gives up and reports the last error through `on_fatal`, so the coordinator fails `join()` with it
 instead of staying paused forever.
 
-With replicas: 2 (`lost_shards` given, coordinator/replica_keeper.py) a PS that is down does not pause
+With a replica table (`replicated`, coordinator/replica_keeper.py) a PS that is down does not pause
 dispatch (its shards' backups take over), and a restart loses only the shards that came back from a
-checkpoint because both their copies had died: only those count.
+checkpoint because both their copies had died: the keeper says so (`shard_restored`) before the restarted
+PS may take their pushes, and the versions every earlier primary of such a shard reported count.
 
 What to do when is decided by ps_health.py's pure state machine; this module owns the thread and the RPCs.
 """
@@ -49,10 +50,10 @@ class PsMonitor:
 
     def __init__(self, client: PSClient, on_down: Callable[[], None], on_up: Callable[[], None],
                  interval: float = 0.5, on_fatal: Callable[[BaseException], None] | None = None,
-                 max_failures: int = 5, lost_shards: Callable[[int, int], set[tuple[str, int]]] | None = None,
+                 max_failures: int = 5, replicated: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._client = client
-        self._lost_shards = lost_shards
+        self._replicated = replicated
         self._on_down = on_down
         self._on_up = on_up
         self._on_fatal = on_fatal
@@ -62,7 +63,7 @@ class PsMonitor:
         self._stop = threading.Event()
         self._lock = threading.Lock()  # the state: the thread accounts while the loop records and status reads
         self._state = health.HealthState([s.incarnation for s in client.status()], max_failures,
-                                         replicated=lost_shards is not None)
+                                         replicated=replicated)
         self._thread = threading.Thread(target=self._loop, name="ps-monitor", daemon=True)
 
     @property
@@ -89,6 +90,11 @@ class PsMonitor:
         """Note shard versions reported by a finished closure."""
         self._decide(health.Reported(versions))
 
+    def shard_restored(self, ps: int, incarnation: int, shard: tuple[str, int]) -> None:
+        """Replicated: `shard` came back from a checkpoint on PS ps, restarted as `incarnation` (both copies died);
+        called before that PS takes the shard's pushes."""
+        self._decide(health.ShardRestored(ps, incarnation, *shard))
+
     @property
     def lost_updates(self) -> int:
         """Shard updates of completed closures that a PS restart rolled back (summed over shards).
@@ -100,14 +106,14 @@ class PsMonitor:
     def lost_updates_by_variable(self) -> dict[str, int]:
         """Lost shard updates per variable (for a one-shard variable: its completed closures lost)."""
         with self._lock:
-            return health.lost_by_variable(self._state, self._lost_shards)
+            return health.lost_by_variable(self._state)
 
     def _decide(self, event: health.Event) -> list[health.Action]:
         with self._lock:
             return health.decide(self._state, event, self._clock())
 
     def _poll(self, woken: bool = False) -> health.Polled:
-        if self._lost_shards is not None:  # replicas: 2: every PS that answers counts on its own
+        if self._replicated:  # a replica table: every PS that answers counts on its own
             return health.Polled(tuple(self._status(stub) for stub in self._client.stubs), woken)
         try:
             statuses = [rpc.call(stub.Status, pb.PsStatusRequest(), timeout=1.0) for stub in self._client.stubs]

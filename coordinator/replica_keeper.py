@@ -39,14 +39,18 @@ class ReplicaKeeper:
     def __init__(self, stubs: list[object], interval: float = rp.HEARTBEAT_INTERVAL_S,
                  clock: Callable[[], float] = time.monotonic, book: PsBook | None = None,
                  connect: Callable[[str], object] | None = None,
-                 on_book: Callable[[list[str]], None] | None = None, copies: int = 2) -> None:
+                 on_book: Callable[[list[str]], None] | None = None, copies: int = 2,
+                 on_restored: Callable[[int, int, Key], None] | None = None) -> None:
         """book: the PS list (ps_book.py; None: unnamed PS tasks, no joins); connect: a stub for a joining PS's
         address; on_book: told the new list after a PS joined or left (outside the lock); copies: 1 gives no
-        shard a backup but for a move (replicas: 1, elastic)."""
+        shard a backup but for a move (replicas: 1, elastic); on_restored(ps, incarnation, shard): a shard whose copies
+        both died came back from a checkpoint on that restart of ps (called outside the lock, before the table that
+        lets ps take the shard's pushes is sent)."""
         self._stubs = stubs  # grows and shrinks with the book: elastic.py holds the same list
         self.book = book or PsBook.from_file([""] * len(stubs))
         self._connect = connect
         self._on_book = on_book
+        self._on_restored = on_restored
         self._clock = clock
         self._interval = interval
         missed = rp.MISSED_HEARTBEATS if copies > 1 else rp.ONE_COPY_MISSED_HEARTBEATS  # see replicas.py
@@ -270,12 +274,16 @@ class ReplicaKeeper:
                     key = self._keys.get(ordinal)
                     if c.primary == ps and c.backup is not None and not c.in_sync and key not in pending:
                         actions += rp.decide(self.state, rp.CaughtUp(ordinal, c.epoch))
-            for action in actions:
-                self._note(action, rejoined)
+            restored = [r for r in (self._note(action, rejoined) for action in actions) if r is not None]
+        if self._on_restored is not None:
+            for ps, incarnation, key in restored:
+                self._on_restored(ps, incarnation, key)
         self._send_table(answers)
 
-    def _note(self, action: rp.ReplicaAction, rejoined: dict[int, int | None] | None = None) -> None:
-        """Log an action; rejoined: the round's PS tasks back up, with their new incarnation (None: no restart)."""
+    def _note(self, action: rp.ReplicaAction,
+              rejoined: dict[int, int | None] | None = None) -> tuple[int, int, Key] | None:
+        """Log an action; rejoined: the round's PS tasks back up, with their new incarnation (None: no restart).
+        Returns (ps, incarnation, shard) for a shard that came back from a checkpoint."""
         key = self._keys.get(action.ordinal) if not isinstance(action, rp.Publish) else None
         if isinstance(action, rp.Lost):
             log.warning("replica table: both copies of %s are gone; it waits for a checkpoint restore", key)
@@ -288,10 +296,12 @@ class ReplicaKeeper:
                 self._lost.setdefault((action.ps, incarnation), set()).add(key)
                 log.warning("replica table: %s came back from a checkpoint on ps %d (epoch %d)", key, action.ps,
                             action.epoch)
+                return action.ps, incarnation, key
         elif isinstance(action, rp.Assign) and key is not None:
             c = action.copies
             log.info("replica table: %s primary ps %d, backup %s, epoch %d", key, c.primary,
                      "none" if c.backup is None else f"ps {c.backup}", c.epoch)
+        return None
 
     def _adopt(self, answers: list[pb.PsStatus | PsclusterError]) -> None:
         """Take the newest table a PS holds (a coordinator restart); nothing to take on a new cluster."""

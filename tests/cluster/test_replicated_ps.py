@@ -197,3 +197,39 @@ def test_bounded_training_survives_a_kill_of_ps0_holding_the_clocks(fresh_cluste
     completed, counter, steps = _kill_ps0_under("bounded", fresh_cluster, staleness=1)
     assert completed == 100
     assert counter == steps == 100  # each closure's increment once, each report counted once
+
+
+def test_a_shard_whose_copies_both_die_counts_every_update_its_primaries_acknowledged_since_the_checkpoint(
+        fresh_cluster, tmp_path):
+    # PS P acknowledges 21..50 after the checkpoint (at 20), dies; its backup B, promoted, acknowledges 51..75 and
+    # dies too; the shard comes back from the checkpoint on B. Every one of the 55 is lost, not only B's 25.
+    cluster = fresh_cluster(2, 1, supervise=False, replicas=2, checkpoint_dir=tmp_path / "ckpt")
+    coord = ps.ClusterCoordinator(cluster.settings(auto_checkpoint=False))
+    try:
+        coord.wait_for_workers(1)
+        counter = coord.create_variable("counter", shape=(), dtype="int64", optimizer=ps.SGD(1.0))
+        key = ("counter", 0)
+        poll(lambda: (c := primary_of(coord, key)) is not None and c.in_sync, "the backup to hold the counter")
+        first = primary_of(coord, key)
+
+        def run(n):
+            values = [coord.schedule(increment, args=(counter,)) for _ in range(n)]
+            coord.join(timeout=30)
+            return sum(v.fetch() for v in values)
+
+        completed = run(20)
+        coord.checkpoint()
+        completed += run(30)
+        cluster.kill(cluster.ps[first.primary], signal.SIGKILL)
+        poll(lambda: primary_of(coord, key).primary == first.backup, "the backup's promotion")
+        completed += run(25)
+        cluster.kill(cluster.ps[first.backup], signal.SIGKILL)
+        poll(lambda: primary_of(coord, key).lost, "the table to say both copies are gone")
+        cluster.restart(cluster.ps[first.primary])  # not a holder any more: the shard waits for its last primary
+        cluster.restart(cluster.ps[first.backup])
+        poll(lambda: coord.lost_updates_by_variable().get("counter"), "the restore to be accounted", timeout=30)
+        assert completed == 75 and int(counter.pull()) == 20
+        assert coord.lost_updates_by_variable() == {"counter": 55}
+        assert coord.lost_updates == 55
+    finally:
+        coord.shutdown()

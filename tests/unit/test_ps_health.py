@@ -106,9 +106,9 @@ def test_replicated_only_the_shards_whose_copies_both_died_count_as_lost():
     state = h.HealthState([1], replicated=True)
     h.decide(state, versions(1, *range(1, 9)), 0.0)
     h.decide(state, versions(1, *range(1, 5), variable="v"), 0.0)
+    h.decide(state, h.ShardRestored(0, 5, "v", 0), 0.0)  # w's backup took over
     h.decide(state, h.Restored(0, 5, {("w", 0): 3, ("v", 0): 0}), 0.0)
-    assert h.lost_by_variable(state, lambda ps, inc: {("v", 0)} if (ps, inc) == (0, 5) else set()) == {"v": 4}  # w's backup took over
-    assert h.lost_by_variable(state) == {"w": 5, "v": 4}
+    assert h.lost_by_variable(state) == {"v": 4}
 
 
 def test_replicated_a_shard_lost_at_one_restart_says_nothing_of_an_earlier_one():
@@ -117,9 +117,49 @@ def test_replicated_a_shard_lost_at_one_restart_says_nothing_of_an_earlier_one()
     h.decide(state, versions(1, *range(1, 9)), 0.0)
     h.decide(state, h.Restored(0, 5, {("w", 0): 0}), 0.0)
     h.decide(state, versions(5, *range(9, 12)), 0.0)
+    h.decide(state, h.ShardRestored(0, 6, "w", 0), 0.0)
     h.decide(state, h.Restored(0, 6, {("w", 0): 10}), 0.0)
-    lost = {(0, 6): {("w", 0)}}
-    assert h.lost_by_variable(state, lambda ps, inc: lost.get((ps, inc), set())) == {"w": 1}  # version 11 only
+    assert h.lost_by_variable(state) == {"w": 1}  # version 11 only
+
+
+def test_replicated_a_lost_shard_counts_what_its_earlier_primaries_acknowledged_not_only_the_restarted_ps():
+    # PS 0 (incarnation 1) acknowledged 1..5, failed over to PS 1 (incarnation 2), which acknowledged 6..9; then
+    # both died and the shard came back at version 3 on PS 0's restart (incarnation 7): 4..9 are gone
+    state = h.HealthState([1, 2], replicated=True)
+    h.decide(state, versions(1, *range(1, 6)), 0.0)
+    h.decide(state, versions(2, *range(6, 10)), 0.0)
+    h.decide(state, h.ShardRestored(0, 7, "w", 0), 0.0)
+    h.decide(state, h.Restored(0, 7, {("w", 0): 3}), 0.0)
+    assert h.lost_by_variable(state) == {"w": 6}
+    # restored on the PS that never acknowledged a version of it: the same six
+    state = h.HealthState([1, 2], replicated=True)
+    h.decide(state, versions(1, *range(1, 10)), 0.0)
+    h.decide(state, h.Restored(1, 8, {("w", 0): 3}), 0.0)  # accounted before the keeper said which shard
+    h.decide(state, h.ShardRestored(1, 8, "w", 0), 0.0)
+    assert h.lost_by_variable(state) == {"w": 6}
+
+
+def test_replicated_versions_acknowledged_after_a_restore_count_only_if_a_later_restore_rolls_them_back():
+    state = h.HealthState([1, 2], replicated=True)
+    h.decide(state, versions(1, *range(1, 10)), 0.0)
+    h.decide(state, h.ShardRestored(0, 7, "w", 0), 0.0)
+    h.decide(state, h.Restored(0, 7, {("w", 0): 3}), 0.0)  # 4..9 lost
+    h.decide(state, versions(7, *range(4, 8)), 0.0)  # the restored shard's own new 4..7
+    h.decide(state, versions(2, 8, 9), 0.0)  # a failover to PS 1, which acknowledged 8 and 9
+    assert h.lost_by_variable(state) == {"w": 6}
+    h.decide(state, h.ShardRestored(1, 9, "w", 0), 0.0)  # both died again; back at 5 on PS 1
+    h.decide(state, h.Restored(1, 9, {("w", 0): 5}), 0.0)
+    assert h.lost_by_variable(state) == {"w": 6 + 4}  # 6..9 of the second run
+
+
+def test_version_ranges_union_merges_overlapping_and_adjacent_ranges():
+    a, b = h.VersionRanges(), h.VersionRanges()
+    for v in (1, 2, 3, 10, 11):
+        a.add(v)
+    for v in (3, 4, 7, 12):
+        b.add(v)
+    a.union(b)
+    assert len(a) == 3 and a.count_above(0) == 8  # 1..4, 7, 10..12
 
 
 def test_a_ps_that_joined_the_list_is_first_seen_not_accounted_as_a_restart():

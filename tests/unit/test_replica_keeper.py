@@ -227,7 +227,9 @@ def test_a_shard_back_on_a_ps_counts_as_lost_only_when_that_ps_restarted(restart
     # process (it only missed heartbeats, as under load) kept its copy whole; a restarted one read a checkpoint
     empty = pb.SetRolesRequest()
     stubs = [Flaky(0, [("a", 0)], empty), Flaky(1, [], empty)]
-    keeper = ReplicaKeeper(stubs)
+    told: list[tuple[int, int, tuple[str, int], bool]] = []  # (ps, incarnation, shard, ps 0 held the new table)
+    keeper = ReplicaKeeper(stubs, on_restored=lambda ps, inc, key: told.append(
+        (ps, inc, key, stubs[0].table.version >= keeper.state.version)))
     try:
         keeper._round()
         stubs[1].down = True
@@ -242,6 +244,8 @@ def test_a_shard_back_on_a_ps_counts_as_lost_only_when_that_ps_restarted(restart
         assert keeper.table()[("a", 0)].primary == 0 and not keeper.table()[("a", 0)].lost
         assert keeper.lost_shards(0, stubs[0].incarnation) == ({("a", 0), SYNC_STATE_KEY} if restarted else set())
         assert keeper.lost_shards(0, 1 if restarted else 2) == set()  # another restart says nothing of it
+        # the PS monitor hears of it before the restarted PS holds the table that lets it take the shard's pushes
+        assert sorted(told) == ([(0, 2, ("a", 0), False), (0, 2, SYNC_STATE_KEY, False)] if restarted else [])
         sent(keeper)
     finally:
         keeper.stop()
