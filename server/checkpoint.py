@@ -184,7 +184,8 @@ def _table_part(files: list[pathlib.Path], base: str) -> tuple[table_state.State
         with TensorFile(path) as fh:
             for entry in json.loads(fh.metadata()["shards"]):
                 if f"{entry['spec']['variable']}/{entry['spec']['shard_index']}" == base:
-                    state = {k[len(prefix):]: fh.get(k) for k in fh.keys() if k.startswith(prefix)}
+                    # mapped, not read: table_state.load gathers the rows from the page cache into the table
+                    state = {k[len(prefix):]: fh.view(k) for k in fh.keys() if k.startswith(prefix)}
                     return state, [int(x) for x in entry.get("table_chain", [])]
     raise FailedPreconditionError(f"checkpoint step files {[str(p) for p in files]} lack {base}, which a later "
                                   "increment builds on; restore an older complete step or a full one")
@@ -291,7 +292,8 @@ def restore(store: VariableStore, root: pathlib.Path, ps_index: int, num_ps: int
                 if spec.table:
                     table = DynamicTable(TableConfig.from_json(spec.table), spec.optimizer, shard_name(spec))
                     prefix = f"{base}/table/"
-                    state = {k[len(prefix):]: fh.get(k) for k in fh.keys() if k.startswith(prefix)}
+                    # mapped, not read: table_state.load gathers the rows from the page cache into the table
+                    state = {k[len(prefix):]: fh.view(k) for k in fh.keys() if k.startswith(prefix)}
                     chain = entry.get("table_chain", [])
                     table_state.load(table, _table_state(root, state, chain, base, index, processes[index]))
                 store.install(Shard(spec, value, slots, entry["version"], entry["version"], record, table=table))

@@ -75,3 +75,25 @@ def test_a_header_longer_than_the_file_or_malformed_is_refused_by_name(tmp_path:
     with TensorFile(path) as f, pytest.raises(InvalidArgumentError, match=r"no tensor 'values' \(it holds \['rows'\]\)"):
         f.get("values")
     assert size < len(whole)
+
+
+def test_mapped_views_equal_reads_are_aligned_writable_and_leave_the_file_alone(tmp_path: pathlib.Path) -> None:
+    """A restore maps table files (view) instead of reading them: the arrays must be the same, aligned (numba
+    kernels copy unaligned arrays), and a write to one must not reach the file or another reader."""
+    path = tmp_path / "a.safetensors"
+    odd = {"u8": np.arange(3, dtype=np.uint8), "f32": np.arange(5, dtype=np.float32),
+           "i64": np.arange(7, dtype=np.int64), "f16": np.arange(3, dtype=np.float16), **arrays()}
+    write(path, odd, {})
+    with TensorFile(path) as f:
+        assert f.keys() == list(odd)  # the header keeps the caller's order; the data goes by alignment
+        views = {name: f.view(name) for name in odd}
+    for name, want in odd.items():  # valid after close: each view holds the mapping
+        got = views[name]
+        np.testing.assert_array_equal(got, want)
+        assert got.shape == want.shape and got.flags.aligned and got.flags.writeable and got.flags.c_contiguous
+    views["rows"][:] = -1
+    with TensorFile(path) as f:
+        np.testing.assert_array_equal(f.get("rows"), odd["rows"])
+        np.testing.assert_array_equal(f.view("rows"), odd["rows"])
+        with pytest.raises(InvalidArgumentError, match="no tensor 'nope'"):
+            f.view("nope")
