@@ -91,10 +91,11 @@ Chunk = tuple[pb.ReplicaForward, list[np.ndarray]]
 def table_chunks(shard: Shard, state: table_state.State, chunk_bytes: int, base: pb.ReplicaForward) -> list[Chunk]:
     """Under the shard's lock, from its table's snapshot `state` (copies, keys ascending): a catch-up's chunks
     (base: an install with ref, epoch, version, spec and pull_index); chunk 0 holds the admission filter,
-    counters and push record, each later one keys with their rows, slots and metadata, about chunk_bytes (one
-    key at least); chunk_start numbers them, chunk_more marks all but the last."""
+    counters and push record, then the rest of the filter if it does not fit (table_state.filter_pieces: no chunk
+    over chunk_bytes), each later one keys with their rows, slots and metadata, about chunk_bytes (one key at
+    least); chunk_start numbers them, chunk_more marks all but the last."""
     per_key = {name: arr for name, arr in state.items() if table_state.per_key(name)}
-    parts = [{name: arr for name, arr in state.items() if name not in per_key}]
+    parts = table_state.filter_pieces({name: arr for name, arr in state.items() if name not in per_key}, chunk_bytes)
     n = int(per_key["keys"].shape[0])
     row_bytes = max(1, sum(arr.nbytes for arr in per_key.values()) // max(1, n))
     step = max(1, chunk_bytes // row_bytes)
@@ -190,7 +191,10 @@ def add(staged: Staged, f: pb.ReplicaForward, tensors: list[np.ndarray]) -> Lite
     if f.chunk_start > staged.rows or f.version != staged.shard.version:
         return "gap"
     if staged.shard.table is not None:
-        table_state.load_rows(staged.shard.table, _table_part(f, tensors, True))
+        if staged.rest is not None and not any(table_state.per_key(n[len(TABLE):]) for n in f.slots if n.startswith(TABLE)):
+            table_state.add_piece(staged.rest, _table_part(f, tensors, False))  # more of the filter (filter_pieces)
+        else:
+            table_state.load_rows(staged.shard.table, _table_part(f, tensors, True))
         staged.rows += 1
     else:
         _fill(staged, tensors)

@@ -335,7 +335,7 @@ class Replication(ReplicaNotes):
             state = dict(shard.slots)
             if shard.table is not None:  # a dynamic table's live rows, slots and admission state
                 table = table_state.snapshot(shard.table)
-                if catch_up.state_bytes(table) > self.chunk_bytes and table["keys"].size:
+                if catch_up.state_bytes(table) > self.chunk_bytes:  # (no keys yet: a sketch alone may be)
                     base = pb.ReplicaForward(ref=pb.ShardRef(variable=key[0], shard_index=key[1]), epoch=role.epoch,
                                              version=shard.version, spec=spec_to_pb(shard.spec),
                                              pull_index=self._pulls_at(key, shard.version))

@@ -177,11 +177,15 @@ class SketchAdmit:
         return {"sketch": self.table.copy()}
 
     def load(self, state: dict[str, np.ndarray]) -> None:
-        """The saved sketch (shards' sketches summed by the caller when the shard count changes)."""
-        if state["sketch"].shape != self.table.shape:
+        """The saved sketch (shards' sketches summed by the caller when the shard count changes), or the same
+        flat (a catch-up sends it in pieces: table_state.filter_pieces)."""
+        sketch = state["sketch"]
+        if sketch.ndim == 1 and sketch.size == self.table.size:
+            sketch = sketch.reshape(self.table.shape)
+        if sketch.shape != self.table.shape:
             raise InvalidArgumentError(
-                f"saved sketch of shape {state['sketch'].shape} does not match this table's {self.table.shape}")
-        self.table[:] = state["sketch"]
+                f"saved sketch of shape {sketch.shape} does not match this table's {self.table.shape}")
+        self.table[:] = sketch
 
 
 class ChanceAdmit:

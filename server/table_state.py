@@ -206,6 +206,54 @@ def split(states: list[State], num_shards: int) -> list[tuple[State, np.ndarray]
     return out
 
 
+def filter_pieces(state: State, piece_bytes: int) -> list[State]:
+    """A state's arrays that are not per key (meta and the admission filter's) cut into pieces of at most
+    piece_bytes each (one element at least): the first holds meta, then each filter array goes flat, in
+    name order, its slices over as many pieces as it needs. `add_piece` joins them again; the filter's
+    load takes the flat arrays (SketchAdmit reshapes its sketch).
+
+    Why: a catch-up's first chunk carried the whole filter, 16 MiB for a default count-min sketch, over
+    any chunk size (server/catch_up.py), so a frame limit below that could never carry it.
+    """
+    meta = state["meta"]
+    pieces: list[State] = [{"meta": meta}]
+    room = piece_bytes - meta.nbytes
+    for name in sorted(n for n in state if n.startswith(_FILTER)):
+        flat = np.ascontiguousarray(state[name]).reshape(-1)
+        start = 0
+        while True:
+            take = min(flat.size - start, max(room // flat.itemsize, 0 if pieces[-1] else 1))
+            if take <= 0 and start < flat.size:  # no room for one element here: the next piece
+                pieces.append({})
+                room = piece_bytes
+                continue
+            pieces[-1][name] = flat[start:start + take]
+            room -= take * flat.itemsize
+            start += take
+            if start >= flat.size:
+                break
+    return pieces
+
+
+def add_piece(rest: State, piece: State) -> None:
+    """Append a later piece of `filter_pieces` to the pieces joined so far (`rest`, from the first piece).
+
+    Raises:
+        InvalidArgumentError: the piece is empty, carries meta or a per-key array, or a dtype other than
+            the part before it (nothing changed).
+    """
+    if not piece:
+        raise InvalidArgumentError("a later piece of a table's filter carries nothing")
+    for name, arr in piece.items():
+        if not name.startswith(_FILTER):
+            raise InvalidArgumentError(f"a later piece of a table's filter carries {name!r}")
+        if name in rest and (rest[name].dtype != arr.dtype or arr.ndim != 1):
+            raise InvalidArgumentError(f"a piece of the table's {name!r} of {arr.dtype} x {arr.shape} does not "
+                                       f"continue its {rest[name].dtype} x {rest[name].shape}")
+    for name, arr in piece.items():
+        rest[name] = np.concatenate([rest[name].reshape(-1), arr]) if name in rest else np.array(arr, copy=True)
+
+
 def per_key(name: str) -> bool:
     """Whether a state's array of this name has one row per key (not the filter's arrays or meta)."""
     return name != "meta" and not name.startswith(_FILTER)

@@ -104,6 +104,26 @@ def backup_it(a: ParameterServerCore, b: ParameterServerCore, epoch: int = 2) ->
         core.replication.set_roles(epoch, [Role(DYN, epoch, 0, 1)])
 
 
+@pytest.mark.parametrize("min_count", [2, 5])
+def test_a_sketch_larger_than_a_chunk_reaches_the_backup_in_pieces_no_chunk_over_the_size(cores, min_count):
+    """Chunk 0 carried the whole admission filter (16 MiB for a default count-min sketch), so a frame limit
+    below it could never carry a catch-up; a table with no key admitted yet (min_count 5) went whole."""
+    a, b, link = cores
+    cfg = TableConfig(dim=8, capacity=2048, admission=Admission("cms", min_count=min_count, cms_width=4096, cms_depth=2))
+    create(a, cfg)
+    fill(a, 300, repeat=2)
+    table = a.store.get(DYN).table
+    assert table is not None and table.live == (300 if min_count == 2 else 0)
+    sketch_chunks = -(-(2 * 4096 * 4 + 48) // CHUNK)  # 32 KiB of sketch and the meta
+    chunks = sketch_chunks + (expected_chunks(a) - 1 if table.live else 0)
+    backup_it(a, b)
+    until(lambda: not a.replication.catching_up(), "the catch-up to finish")
+    same_table(a, b)  # the sketch (and keys, rows, slots, version) equal on the backup
+    assert link.chunks() == chunks and max(link.nbytes) <= CHUNK
+    push(a, "after", np.array([5, 10**9], np.int64))  # counted on both: the next occurrence admits alike
+    same_table(a, b)
+
+
 def test_a_table_several_times_the_chunk_size_reaches_its_backup_in_chunks(cores):
     a, b, link = cores
     create(a, TableConfig(dim=8, capacity=2048, admission=Admission("counter", min_count=2)))

@@ -106,6 +106,37 @@ def test_sketch_admission_state_is_summed_when_the_shard_count_changes() -> None
     assert after.push(keys, np.ones((40, 4), np.float32)).inserted == 40
 
 
+@pytest.mark.parametrize("piece_bytes", [5, 64, 1000, 1 << 20])
+def test_a_filter_cut_into_pieces_of_any_size_joins_into_the_same_filter(piece_bytes: int) -> None:
+    """A catch-up sends a filter larger than a chunk in pieces (server/catch_up.py): none over the size (one
+    element at least), and the joined pieces load the filter exactly, for the sketch and the counter."""
+    sketch_cfg = TableConfig(dim=4, capacity=100, admission=Admission("cms", min_count=3, cms_width=96, cms_depth=3))
+    for cfg in (sketch_cfg, CFG):
+        before = Sharded(1, cfg)
+        for keys, grads in batches(3, 5):
+            before.push(keys, grads)
+        state = before.states()[0]
+        rest = {name: arr for name, arr in state.items() if not ts.per_key(name)}
+        pieces = ts.filter_pieces(rest, piece_bytes)
+        assert "meta" in pieces[0] and all("meta" not in p for p in pieces[1:])
+        assert all(sum(a.nbytes for a in p.values()) <= max(piece_bytes, 8 + 48) for p in pieces)
+        assert len(pieces) == 1 or piece_bytes < sum(a.nbytes for a in rest.values())
+        joined = {name: np.array(arr, copy=True) for name, arr in pieces[0].items()}
+        for piece in pieces[1:]:
+            ts.add_piece(joined, piece)
+        after = DynamicTable(cfg, Adam(0.01))
+        ts.load_rest(after, joined)
+        got = after.filter.state()
+        for name, arr in before.tables[0].filter.state().items():
+            assert np.array_equal(got[name], arr) and got[name].shape == arr.shape, name
+    with pytest.raises(InvalidArgumentError, match="carries 'meta'"):
+        ts.add_piece(joined, {"meta": state["meta"]})
+    with pytest.raises(InvalidArgumentError, match="carries nothing"):
+        ts.add_piece(joined, {})
+    with pytest.raises(InvalidArgumentError, match="does not continue"):
+        ts.add_piece(joined, {"filter.pending_keys": np.zeros(2, np.float32)})
+
+
 def test_full_checkpoint_plus_increments_restores_exactly() -> None:
     live = Sharded(2)
     for keys, grads in batches(5, 10):
