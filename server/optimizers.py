@@ -56,7 +56,7 @@ def _blocks(rows: int, row_bytes: int) -> Iterator[slice]:
         yield slice(start, min(rows, start + step) if rows else None)
 
 
-def _clip_scale(cfg: OptimizerConfig, g: np.ndarray) -> float:
+def clip_scale(cfg: OptimizerConfig, g: np.ndarray) -> float:
     """Keras's clipnorm factor clip_norm / max(||g||, clip_norm) over the whole gradient (1.0: no change)."""
     if not cfg.clip_norm or g.dtype.kind != "f":
         return 1.0
@@ -106,7 +106,7 @@ def apply_dense(cfg: OptimizerConfig, value: np.ndarray, grad: np.ndarray,
         # the common small case in one ufunc call, without the block loop (a W2 push: 3 shards per request)
         np.subtract(value, value.dtype.type(lr) * grad, out=value)
         return
-    scale = _clip_scale(cfg, grad)
+    scale = clip_scale(cfg, grad)
     if value.ndim == 0:
         v = value.reshape(1)
         _update(cfg, v, grad.reshape(1), {k: s.reshape(1) for k, s in slots.items()}, t, lr, scale)
@@ -128,7 +128,7 @@ def apply_rows(cfg: OptimizerConfig, value: np.ndarray, unique: np.ndarray, summ
     """Apply one gradient per row to rows `unique` (no repeats: a caller that sums duplicates itself)."""
     w = take_rows(value, unique)
     sub = {k: take_rows(s, unique) for k, s in slots.items()}
-    _update(cfg.at(t), w, summed, sub, t, cfg.lr_at(t), _clip_scale(cfg, summed))
+    _update(cfg.at(t), w, summed, sub, t, cfg.lr_at(t), clip_scale(cfg, summed))
     put_rows(value, unique, w)
     for k, s in slots.items():
         put_rows(s, unique, sub[k])

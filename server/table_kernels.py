@@ -1,4 +1,4 @@
-"""Typed entry points to the hash index's compiled loops (server/table_jit.py).
+"""Typed entry points to the compiled loops: the hash index's (table_jit.py) and the row updates (update_jit.py).
 
 numba is imported on the first call, not with this module: every PS process imports the store, which
 imports the dynamic tables, and importing numba costs about 0.8 s of CPU here, which only a process
@@ -16,6 +16,7 @@ import numpy as np
 from pscluster.errors import FailedPreconditionError
 
 _jit: ModuleType | None = None
+_upd: ModuleType | None = None
 _warm = False
 
 
@@ -40,9 +41,14 @@ def load() -> None:
     repeated(twice)
     for dtype in (np.float32, np.float64):
         one, zero = dtype(1), dtype(0)
-        for in_sqrt in (False, True):
-            adagrad_rows(np.zeros((4, 2), dtype), np.ones((4, 2), dtype), keys[:2], np.ones((2, 2), dtype), lr=one,
-                         eps=one, eps_in_sqrt=in_sqrt, scale=one, clip=zero, wd=zero, decay=one)
+        row = np.zeros((4, 2), dtype)
+        grads = np.ones((2, 2), dtype)
+        prep = {"scale": one, "clip": zero, "wd": zero, "decay": one}
+        sgd_rows(row, keys[:2], grads, lr=one, **prep)
+        for flag in (False, True):
+            adagrad_rows(row, np.ones((4, 2), dtype), keys[:2], grads, lr=one, eps=one, eps_in_sqrt=flag, **prep)
+            adam_rows(row, row.copy(), row.copy(), row.copy(), keys[:2], grads, one_b1=one, b2=one, one_b2=one,
+                      amsgrad=flag, eps=one, epsilon_hat=flag, sqrt_bc2=one, step_size=one, **prep)
     group_by_shard(keys, 2)
     _warm = True
 
@@ -57,6 +63,14 @@ def _kernels() -> ModuleType:
                 f"dynamic tables need numba>=0.68 (pip install 'numba>=0.68') and a cache folder it can write "
                 f"(beside pscluster/server/table_jit.py, or set NUMBA_CACHE_DIR): {exc}") from exc
     return _jit
+
+
+def _updates() -> ModuleType:
+    global _upd
+    if _upd is None:
+        _kernels()  # numba present and a cache folder it may write (a precise error otherwise)
+        _upd = importlib.import_module("pscluster.server.update_jit")
+    return _upd
 
 
 def _plain(a: np.ndarray) -> np.ndarray:
@@ -130,9 +144,27 @@ def sum_repeated(keys: np.ndarray, grads: np.ndarray, in_dup: np.ndarray) -> tup
     return k, c, g
 
 
+def sgd_rows(values: np.ndarray, rows: np.ndarray, grads: np.ndarray, *, lr: np.floating, scale: np.floating,
+             clip: np.floating, wd: np.floating, decay: np.floating) -> None:
+    """SGD on values[rows] (unique row ids) in place, in one pass (server/update_jit.sgd_rows); the scalars in
+    values' dtype, clip and wd 0 for none, decay 1 for none (scale, clip, wd, decay: every row kernel's
+    gradient preparation, as server/optimizers._update does it)."""
+    _updates().sgd_rows(values, _int64(rows), _plain(grads), lr, scale, clip, wd, decay)
+
+
 def adagrad_rows(values: np.ndarray, acc: np.ndarray, rows: np.ndarray, grads: np.ndarray, *, lr: np.floating,
                  eps: np.floating, eps_in_sqrt: bool, scale: np.floating, clip: np.floating, wd: np.floating,
                  decay: np.floating) -> None:
     """Adagrad on values[rows] (unique row ids) and their accumulator rows, in place, in one pass (see
-    server/table_jit.adagrad_rows); the scalars in values' dtype, clip and wd 0 for none, decay 1 for none."""
-    _kernels().adagrad_rows(values, acc, _int64(rows), _plain(grads), lr, eps, eps_in_sqrt, scale, clip, wd, decay)
+    server/update_jit.adagrad_rows); the scalars as for sgd_rows."""
+    _updates().adagrad_rows(values, acc, _int64(rows), _plain(grads), lr, eps, eps_in_sqrt, scale, clip, wd, decay)
+
+
+def adam_rows(values: np.ndarray, m: np.ndarray, v: np.ndarray, v_max: np.ndarray, rows: np.ndarray,
+              grads: np.ndarray, *, one_b1: np.floating, b2: np.floating, one_b2: np.floating, amsgrad: bool,
+              eps: np.floating, epsilon_hat: bool, sqrt_bc2: np.floating, step_size: np.floating,
+              scale: np.floating, clip: np.floating, wd: np.floating, decay: np.floating) -> None:
+    """Adam (and AMSGrad: v_max read only then) on values[rows] and their moment rows, in place, in one pass
+    (server/update_jit.adam_rows); the scalars as for sgd_rows."""
+    _updates().adam_rows(values, m, v, v_max, _int64(rows), _plain(grads), one_b1, b2, one_b2, amsgrad, eps,
+                         epsilon_hat, sqrt_bc2, step_size, scale, clip, wd, decay)
