@@ -8,16 +8,18 @@ Prints one JSON line per figure (median of --runs, with every run): inserts/s an
 insert batch while growing from empty; lookups/s of batches of 4,096 live keys; lookup + Adagrad update
 of such batches (keys/s, each key pulled once and pushed once; each rate per wall second, and per CPU second of the
 thread as cpu_median); resident bytes per key beyond its row
-and slot bytes; checkpoint save (snapshot + safetensors file, as server/checkpoint.py writes it) and
-restore (read, re-shard, load) into 2 shards, s/GiB of state; an eviction sweep over every live key
-(keys scanned/s, none evicted). The numpy floors in the same run: first writes of as many rows, and a
-gather of 4,096 random rows with np.take (the fastest numpy gather; fancy indexing runs 2-3 x slower).
+and slot bytes; checkpoint save (snapshot + safetensors file, as server/checkpoint.py writes it: into the
+page cache, then made durable by fsync) and restore (map the file, re-shard, load) into 2 shards, s/GiB of
+state; an eviction sweep over every live key (keys scanned/s, none evicted). The floors in the same run:
+first writes of as many rows, a gather of 4,096 random rows with np.take (the fastest numpy gather;
+fancy indexing runs 2-3 x slower), and a plain file of the state's size written (and fsynced) the same way.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import statistics
 import tempfile
@@ -158,36 +160,58 @@ def bench(n: int, dim: int, runs: int, checkpoint: bool) -> dict[str, dict[str, 
         sweeps.append(live / (time.perf_counter() - start))
     _emit("eviction_sweep", sweeps, "keys scanned/s")
     if checkpoint:
-        saves, restores, floors = [], [], []
-        with tempfile.TemporaryDirectory() as tmp:
-            path = pathlib.Path(tmp) / "shard.safetensors"
-            for _ in range(runs):
-                # the file system's own speed, in the same run: as many bytes written as the save writes, from
-                # one plain array, by the same write loop (this machine's page cache: 0.9-2.5 s/GiB)
-                plain = np.ones(sum(a.nbytes for a in ts.snapshot(table, ordered=False).values()) // 8, np.float64)
-                start = time.perf_counter()
-                write(pathlib.Path(tmp) / "plain.safetensors", {"a": plain}, {})
-                floors.append((time.perf_counter() - start) / (plain.nbytes / 2**30))
-                del plain
+        _checkpoint(table, n, dim, optimizer, runs)
+    return dict(FIGURES)
+
+
+def _durable_write(path: pathlib.Path, tensors: dict[str, np.ndarray]) -> tuple[float, float]:
+    """(seconds of write(2) into the page cache, seconds of the fsync that makes it durable), to a new file as
+    checkpoint.save writes one (a fresh name: overwriting a file would wait for its old pages first)."""
+    path.unlink(missing_ok=True)
+    start = time.perf_counter()
+    write(path, tensors, {})
+    mid = time.perf_counter()
+    with open(path, "rb+") as fh:
+        os.fsync(fh.fileno())
+    return mid - start, time.perf_counter() - mid
+
+
+def _checkpoint(table: DynamicTable, n: int, dim: int, optimizer: OptimizerConfig, runs: int) -> None:
+    """Save (into the page cache, then made durable by fsync) against a plain file of as many bytes written the
+    same way in the same run (the floors), and restore into 2 shards from the mapped file, s/GiB."""
+    figures: dict[str, list[float]] = {name: [] for name in (
+        "checkpoint_save", "checkpoint_save_durable", "file_write_floor", "file_durable_floor",
+        "save_snapshot", "restore_into_2_shards", "restore_cpu")}
+    with tempfile.TemporaryDirectory() as tmp:
+        path, plain_path = pathlib.Path(tmp) / "shard.safetensors", pathlib.Path(tmp) / "plain.safetensors"
+        gib = sum(a.nbytes for a in ts.snapshot(table, ordered=False).values()) / 2**30
+        plain = np.ones(int(gib * 2**30) // 8, np.float64)  # pages written before the clock starts
+        for run in range(runs):
+            for which in ("floor", "save") if run % 2 == 0 else ("save", "floor"):  # alternating: neither goes first
+                if which == "floor":
+                    cached, synced = _durable_write(plain_path, {"a": plain})
+                    figures["file_write_floor"].append(cached / gib)
+                    figures["file_durable_floor"].append((cached + synced) / gib)
+                    plain_path.unlink()
+                    continue
                 start = time.perf_counter()
                 state = ts.snapshot(table, ordered=False)  # what checkpoint.save writes (for_checkpoint)
-                write(path, state, {})
-                gib = sum(a.nbytes for a in state.values()) / 2**30
-                saves.append((time.perf_counter() - start) / gib)
+                figures["save_snapshot"].append((time.perf_counter() - start) / gib)
+                cached, synced = _durable_write(path, state)
+                figures["checkpoint_save"].append((time.perf_counter() - start - synced) / gib)
+                figures["checkpoint_save_durable"].append((time.perf_counter() - start) / gib)
                 del state
-                start = time.perf_counter()
-                with TensorFile(path) as fh:
-                    loaded = {k: fh.view(k) for k in fh.keys()}  # mapped, as checkpoint.restore reads tables
-                parts = ts.split([loaded], 2)  # each shard's rows gathered straight into its table
-                for part, where in parts:
-                    ts.load(_table(n, dim, optimizer), part, where)
-                del loaded
-                restores.append((time.perf_counter() - start) / gib)
-                del parts
-        _emit("checkpoint_save", saves, "s/GiB", state_gib=round(gib, 3))
-        _emit("file_write_floor", floors, "s/GiB")
-        _emit("restore_into_2_shards", restores, "s/GiB")
-    return dict(FIGURES)
+            start, cpu = time.perf_counter(), time.thread_time()
+            with TensorFile(path) as fh:
+                loaded = {k: fh.view(k) for k in fh.keys()}  # mapped, as checkpoint.restore reads tables
+            for part, where in ts.split([loaded], 2):  # each shard's rows gathered straight into its table
+                ts.load(_table(n, dim, optimizer), part, where)
+            figures["restore_into_2_shards"].append((time.perf_counter() - start) / gib)
+            figures["restore_cpu"].append((time.thread_time() - cpu) / gib)
+            del loaded
+        del plain
+    for name, values in figures.items():
+        _emit(name, values, "s/GiB", **({"state_gib": round(gib, 3)} if name == "checkpoint_save" else {}))
 
 
 def check(ops: int) -> None:

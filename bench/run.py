@@ -328,7 +328,9 @@ def bench_b16(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
 
         met = {f"lookups >= {goals[keys] / 1e6:.0f} M/s": m("lookup") >= goals[keys],
                "inserts >= 2 M/s, pause <= 200 ms": m("insert") >= 2e6 and m("insert_longest_batch") <= 0.2,
-               "save <= 1 s/GiB": m("checkpoint_save") <= 1, "restore <= 3 s/GiB": m("restore_into_2_shards") <= 3,
+               "save <= 1 s/GiB (into the page cache)": m("checkpoint_save") <= 1,
+               "durable save <= 1.1 x its floor": m("checkpoint_save_durable") <= 1.1 * m("file_durable_floor"),
+               "restore <= 3 s/GiB": m("restore_into_2_shards") <= 3,
                "sweep >= 50 M/s": m("eviction_sweep") >= 50e6}
         if keys >= 10_000_000:  # the issue sets these at 10 M keys (memory at 8 floats a row)
             met["update >= 2 M/s"] = m("lookup_adagrad_update") >= 2e6
@@ -341,9 +343,11 @@ def bench_b16(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
             f"lookup + Adagrad update {m('lookup_adagrad_update') / 1e6:.2f} M/s; inserts {m('insert') / 1e6:.2f} M "
             f"keys/s, longest batch of 65,536 {m('insert_longest_batch') * 1e3:.0f} ms (first writes of as many rows "
             f"{m('numpy_first_write_floor') / 1e6:.2f} M/s); {m('bytes_per_key_beyond_row_and_slots'):.1f} B/key beyond "
-            f"row and slots (RSS); save {m('checkpoint_save'):.2f} s/GiB (a plain write of as many bytes "
-            f"{m('file_write_floor'):.2f} s/GiB), restore into 2 shards "
-            f"{m('restore_into_2_shards'):.2f} s/GiB; eviction sweep {m('eviction_sweep') / 1e6:.0f} M keys/s; the "
+            f"row and slots (RSS); save into the page cache {m('checkpoint_save'):.2f} s/GiB (a plain write of as "
+            f"many bytes {m('file_write_floor'):.2f}; the snapshot's share {m('save_snapshot'):.3f}), made durable "
+            f"(fsync) {m('checkpoint_save_durable'):.2f} s/GiB (plain write + fsync {m('file_durable_floor'):.2f}), "
+            f"restore into 2 shards {m('restore_into_2_shards'):.2f} s/GiB ({m('restore_cpu'):.2f} s/GiB of CPU); "
+            f"eviction sweep {m('eviction_sweep') / 1e6:.0f} M keys/s; the "
             f"compiled kernels' first call {m('kernels_first_call'):.2f} s (numba's import and the cached code: paid "
             f"once a process, so by the first row of a run)",
             "goals " + ", ".join(f"{k} {'met' if v else 'NOT met'}" for k, v in met.items())))
