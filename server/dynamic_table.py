@@ -8,8 +8,8 @@ for huge pages; the OS commits a page when it is first written), so growing neve
 
 A push validates everything and plans its evictions before it changes anything; then it sums the
 gradients of duplicate keys (in float64, in arrival order: server/table_kernels.sum_repeated), admits,
-makes room, and applies the table's optimizer (server/table_updates.py: Adagrad compiled, the others
-through the PS's sparse kernel, server/optimizers.py) with this table's slot arrays. `t` is the table's push count, as for fixed
+makes room, and applies the table's optimizer (server/table_updates.py: SGD, Adagrad and Adam compiled,
+the others through the PS's sparse kernel, server/optimizers.py) with this table's slot arrays. `t` is the table's push count, as for fixed
 tables. Callers hold `lock` (the store does); checkpoints live in server/table_state.py.
 """
 
