@@ -32,7 +32,7 @@ from pscluster.server.store import PushItem, Shard
 from pscluster import codec
 from pscluster.errors import FailedPreconditionError, InvalidArgumentError, PermissionDeniedError
 from pscluster.net import shm, tls
-from pscluster.net.frame_server import FrameServer
+from pscluster.net.frame_server import ON_LOOP, FrameServer
 from pscluster.net.framing import PREFIX, drain, recv_into, refuse_payload, send_buffer, send_frame
 
 PULL_COPY_BYTES = 1 << 20  # per pulling connection; see the module docstring
@@ -191,7 +191,8 @@ class BulkHandlers:
             payload_len <= reply_segment.capacity else None
         try:
             items = push_items(req.items, buf, payload_len)
-            results = self.core.push(req.push_id, req.step, items, req.final_below, into, req.skip_step)
+            results = self.core.push(req.push_id, req.step, items, req.final_below, into, req.skip_step,
+                                     bool(state.get(ON_LOOP)))
         finally:
             items = []
             del buf  # a large one-off buffer goes back to the OS before the reply, not after

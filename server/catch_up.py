@@ -148,6 +148,18 @@ class Stager:
         """Forget key's catch-up under way (a whole install replaced it)."""
         self._staged.pop(key, None)
 
+    def keys(self) -> list[Key]:
+        """The shards with a catch-up under way."""
+        return list(self._staged)
+
+    def drop_before(self, key: Key, epoch: int | None) -> None:
+        """Forget key's catch-up under way if it is of an epoch before `epoch` (None: this PS no longer backs
+        key up): the roles changed, so its primary starts any catch-up again from its first chunk, and a
+        half-built copy must not hold a shard's memory until then (an aborted move: never)."""
+        staged = self._staged.get(key)
+        if staged is not None and (epoch is None or staged.epoch < epoch):
+            del self._staged[key]
+
     def take(self, f: pb.ReplicaForward, key: Key,
              tensors: list[np.ndarray]) -> tuple[Literal["applied", "held", "gap"], Shard | None, bool]:
         """A chunk: (its outcome, the staged copy, whether it is complete: the caller installs it)."""
@@ -162,7 +174,7 @@ class Stager:
                 return done, staged.shard, False
         if f.chunk_more:
             return "applied", staged.shard, False
-        del self._staged[key]
+        self._staged.pop(key, None)
         if staged.shard.table is not None and staged.rest is not None:
             table_state.load_rest(staged.shard.table, staged.rest)  # the table is complete: its filter and counters
         return "applied", staged.shard, True

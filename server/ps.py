@@ -156,20 +156,23 @@ class ParameterServerCore:
         return [self.store.pull(key, ids) for key, ids in items]
 
     def push(self, push_id: str, step: int, items: Sequence[PushItem], final_below: int = 0,
-             values_into: np.ndarray | None = None, skip_step: bool = False) -> list[PushResult]:
+             values_into: np.ndarray | None = None, skip_step: bool = False,
+             on_loop: bool = False) -> list[PushResult]:
         """Apply (async) or accumulate (sync) a push; final_below, values_into: see VariableStore.push
         (an accumulating PS copies no values). With replicas: 2 the reply waits until the shards' backups hold
         the versions this push made (for a push held already: the version it was applied at). skip_step: the
         replica's gradient of this sync step was not finite; the named shards skip the step (see
-        SyncReplicas.skip), an async PS changes nothing."""
+        SyncReplicas.skip), an async PS changes nothing. on_loop: served on the bulk port's loop thread,
+        which never waits: a shard that got a backup since the loop took the push (a move's temporary one,
+        elastic with one copy) makes it answer a retryable UnavailableError once applied (`Replication.wait`)."""
         if self.replication is None:
-            return self._push(push_id, step, items, final_below, values_into, skip_step)
+            return self._push(push_id, step, items, final_below, values_into, skip_step, on_loop)
         # a shard moving to another PS refuses new pushes, and its move waits for those admitted (handoff.py)
         with self.gate.admit((item.key for item in items), step):
-            return self._push(push_id, step, items, final_below, values_into, skip_step)
+            return self._push(push_id, step, items, final_below, values_into, skip_step, on_loop)
 
     def _push(self, push_id: str, step: int, items: Sequence[PushItem], final_below: int,
-              values_into: np.ndarray | None, skip_step: bool) -> list[PushResult]:
+              values_into: np.ndarray | None, skip_step: bool, on_loop: bool = False) -> list[PushResult]:
         replication = self.replication
         if replication is not None:
             replication.check_primary(item.key for item in items)
@@ -194,7 +197,7 @@ class ParameterServerCore:
             return results
         results = self.store.push(push_id, items, final_below, values_into)
         if replication is not None:
-            replication.wait([(item.key, r.version) for item, r in zip(items, results)])
+            replication.wait([(item.key, r.version) for item, r in zip(items, results)], block=not on_loop)
         return results
 
     def freeze_shard(self, key: tuple[str, int], successor: int, lease_s: float) -> int:

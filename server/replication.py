@@ -30,6 +30,7 @@ import json
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
@@ -85,7 +86,9 @@ class Replication(ReplicaNotes):
         # that is inside an RPC to a stopped backup)
         self._retired: list[Replicator] = []
         self._install_at: dict[Key, int] = {}  # a resync's version, until the backup confirmed it
-        self._configs: dict[Key, int] = {}  # a config change's place in its replicator's queue, until waited for
+        # per shard, the replicator and queue place of its latest config change or sweep; kept (not popped by a
+        # waiter: two changes at once each wait for the later one), and a place counts only on its own replicator
+        self._configs: dict[Key, tuple[weakref.ref[Replicator], int]] = {}
         # per shard, (version, how many table pulls this copy took at that version): a pull forward's place
         self._pulls: dict[Key, tuple[int, int]] = {}
         # backup side: per shard, the epoch of the whole state this copy was installed from (a resent older
@@ -137,18 +140,32 @@ class Replication(ReplicaNotes):
         for key in resync:
             now, target = self._replicator_of(key)
             if now is not None and target is not None:
-                target.forget(key, now.epoch)
+                # queued by the replicator's thread after this answer: encoding a large shard here would hold a
+                # move's freeze (it ends when the successor has answered) for as long as the encode; the
+                # successor is then a primary whose backup catches up, as after a failover
+                target.forget(key, now.epoch, resync=key != SYNC_STATE_KEY)
                 if key != SYNC_STATE_KEY:
-                    # queued by the replicator's thread after this answer: encoding a large shard here would
-                    # hold a move's freeze (it ends when the successor has answered) for as long as the encode;
-                    # the successor is then a primary whose backup catches up, as after a failover
-                    target.resync_later(key)
                     continue
             self.resync(key)
         for rep in self._current():
             rep.poke()
+        self._drop_staged()
         if self.sync_state is not None:
             self.sync_state.roles_changed()
+
+    def _drop_staged(self) -> None:
+        """Backup side, after a roles change: drop the catch-ups in chunks of an older epoch, or of shards this PS
+        no longer backs up (each under its shard's key lock: a chunk may be arriving)."""
+        for key in self._staged.keys():
+            with self._lock:
+                role = self._roles.get(key)
+            epoch = role.epoch if role is not None and role.backup == self.ps_index else None
+            with self._key_lock(key):
+                self._staged.drop_before(key, epoch)
+
+    def staging(self) -> list[Key]:
+        """Backup side: the shards whose catch-up in chunks is under way here (staged, not installed yet)."""
+        return sorted(self._staged.keys())
 
     def roles(self) -> tuple[int, list[Role]]:
         """The table this PS holds, and its version."""
@@ -246,14 +263,13 @@ class Replication(ReplicaNotes):
     def swept(self, shard: Shard, keys: np.ndarray) -> None:
         """An on-demand sweep's hook (under the shard's lock): queue the evicted keys, so the backup evicts the
         same ones between the same updates; `wait_configured` then waits for it as for a config change."""
-        seq = self._forward_keys(shard, np.array(keys, np.int64, copy=True), swept=True)
-        if seq is not None:
-            with self._lock:
-                self._configs[shard.spec.key] = seq
+        queued = self._forward_keys(shard, np.array(keys, np.int64, copy=True), swept=True)
+        if queued is not None:
+            self._queued_config(shard.spec.key, *queued)
 
-    def _forward_keys(self, shard: Shard, keys: np.ndarray, swept: bool) -> int | None:
+    def _forward_keys(self, shard: Shard, keys: np.ndarray, swept: bool) -> tuple[Replicator, int] | None:
         """Queue a table operation that changes rows but not the version (a row-creating pull, or a sweep),
-        ordered among that version's pulls; returns its place in the queue, None with no backup."""
+        ordered among that version's pulls; returns its replicator and place in its queue, None with no backup."""
         role, rep = self._replicator_of(shard.spec.key)
         if role is None or rep is None:
             return None
@@ -261,7 +277,7 @@ class Replication(ReplicaNotes):
                                 epoch=role.epoch, version=shard.version, rows=codec.header(keys.dtype, keys.shape),
                                 has_rows=True, pulled=not swept, swept=swept,
                                 pull_index=self._took_pull(shard.spec.key, shard.version))
-        return rep.put(shard.spec.key, shard.version, msg, [keys])
+        return rep, rep.put(shard.spec.key, shard.version, msg, [keys])
 
     def _pulls_at(self, key: Key, version: int) -> int:
         """How many table pulls this copy of key took at `version`."""
@@ -292,9 +308,13 @@ class Replication(ReplicaNotes):
         msg = pb.ReplicaForward(ref=pb.ShardRef(variable=shard.spec.variable, shard_index=shard.spec.shard_index),
                                 epoch=role.epoch, version=shard.version,
                                 optimizer=optimizer_to_pb(shard.spec.optimizer))
-        seq = rep.put(shard.spec.key, shard.version, msg, [])
+        self._queued_config(shard.spec.key, rep, rep.put(shard.spec.key, shard.version, msg, []))
+
+    def _queued_config(self, key: Key, rep: Replicator, seq: int) -> None:
         with self._lock:
-            self._configs[shard.spec.key] = seq
+            old = self._configs.get(key)
+            if old is None or old[0]() is not rep or old[1] < seq:
+                self._configs[key] = (weakref.ref(rep), seq)
 
     def wait_configured(self, keys: Sequence[Key], timeout: float | None = None) -> None:
         """Return once the backups of keys hold the config changes and sweeps queued for them (`configured`, `swept`).
@@ -305,10 +325,17 @@ class Replication(ReplicaNotes):
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         for key in keys:
             with self._lock:
-                seq = self._configs.pop(key, None)
+                entry = self._configs.get(key)
             _, rep = self._replicator_of(key)
-            if seq is not None and rep is not None:
-                rep.wait_config(key, seq, deadline)  # the change applied, or a whole state after it
+            if entry is None or rep is None:
+                continue  # none queued, or no backup now
+            if entry[0]() is rep:
+                rep.wait_config(key, entry[1], deadline)  # the change applied, or a whole state after it
+                continue
+            # queued for another backup (the roles changed since): the whole state the new one gets carries it
+            shard = self.store.find(key)
+            if shard is not None:
+                self.wait([(key, shard.version)], max(0.0, deadline - time.monotonic()))
 
     def resync(self, key: Key, start: int = 0) -> None:
         """Queue shard key's whole state for its backup (catch-up), in order with its updates; a state larger
@@ -357,11 +384,15 @@ class Replication(ReplicaNotes):
                 self._install_at[key] = shard.version
             rep.put(key, shard.version, msg, arrays)
 
-    def wait(self, versions: Sequence[tuple[Key, int]], timeout: float | None = None) -> None:
-        """Return once every (shard, version) is held by the shard's backup (at once for a shard without one).
+    def wait(self, versions: Sequence[tuple[Key, int]], timeout: float | None = None, block: bool = True) -> None:
+        """Return once every (shard, version) is held by the shard's backup (at once for a shard without one);
+        block=False (a push served on the bulk port's loop, which must not stall its other peers): raise
+        instead of waiting for a backup that has not confirmed yet.
 
         Raises:
-            UnavailableError: not confirmed within timeout, or this PS is no longer the shard's primary.
+            UnavailableError: not confirmed within timeout (at once with block=False: the client retries the push
+                with the same id, on a thread, and the PS's push record answers it), or this PS is no longer
+                the shard's primary.
         """
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         for key, version in versions:
@@ -374,6 +405,10 @@ class Replication(ReplicaNotes):
                     # push is not acknowledged here; the client retries it, same id, on the shard's primary
                     raise UnavailableError(f"{name_of(key)}: ps {self.ps_index} is no longer its primary or is "
                                            "stopping; the push was not acknowledged (retry it with the same id)")
+                if not block and not rep.held(key, version):
+                    raise UnavailableError(f"{name_of(key)} got a backup on ps {self.ps_index} (a move) after the "
+                                           "bulk port's loop took this push, which must not wait for it; the push was "
+                                           "applied but not acknowledged: retry it with the same id")
                 if rep.wait(key, version, deadline):
                     break  # confirmed; False: the roles changed, look again
 

@@ -219,6 +219,15 @@ class Replicator:
                 self._orphaned()  # what it queued may still be queued: the thread sends it
                 raise
 
+    def held(self, key: Key, version: int) -> bool:
+        """Whether the backup confirmed `version` of key already; if not, what is queued goes by the thread (the
+        caller does not wait to send it)."""
+        with self._cond:
+            if self.acked.get(key, -1) >= version:
+                return True
+            self._orphaned()
+            return False
+
     def _check(self, key: Key) -> None:
         """Under the lock: raise for a shard whose waiters cannot be confirmed at this epoch."""
         if key in self.stale:
@@ -260,9 +269,11 @@ class Replicator:
                 self._orphaned()
                 raise
 
-    def forget(self, key: Key, epoch: int) -> None:
+    def forget(self, key: Key, epoch: int, resync: bool = False) -> None:
         """Drop what the backup confirmed of key: its role changed (now at epoch), the next confirmation starts
-        afresh; a refusal of a forward of an older epoch still in flight no longer counts."""
+        afresh; a refusal of a forward of an older epoch still in flight no longer counts. resync: as
+        `resync_later`, in the same critical section (an update between the two would be neither skipped nor
+        held back, and could be confirmed by a copy the backup kept from before)."""
         with self._cond:
             self.acked.pop(key, None)
             self.stale.pop(key, None)
@@ -271,6 +282,8 @@ class Replicator:
             self._cursor.pop(key, None)
             self._due.pop(key, None)
             self._epoch[key] = epoch
+            if resync:
+                self._resync_later(key)
 
     def resync_later(self, key: Key) -> None:
         """Have the thread queue key's whole state soon (a new backup or epoch); until it does, key's updates
@@ -279,9 +292,12 @@ class Replicator:
         Nothing of key counts as held until that state is confirmed: an update sent before it (queued between
         the thread taking the mark and its snapshot) may land on an older copy the backup kept."""
         with self._cond:
-            self._dirty.add(key)
-            self._staging.add(key)
-            self._wake_sender()
+            self._resync_later(key)
+
+    def _resync_later(self, key: Key) -> None:
+        self._dirty.add(key)
+        self._staging.add(key)
+        self._wake_sender()
 
     def poke(self) -> None:
         """Wake waiters (and the sender) to look at the roles again."""

@@ -45,7 +45,9 @@ tls_role = tls.role_of_peercert
 
 # handler(conn, request, payload_len, per-connection state) serves one request
 Handler = Callable[[socket.socket, pb.BulkRequest, int, dict[str, Any]], None]
-# inline(request, state): whether a payload-less request may be served on the loop thread (small, immediate reply)
+# inline(request, state): whether a payload-less request may be served on the loop thread (small, immediate reply);
+# while the loop serves it, state[ON_LOOP] is True: a handler that finds it must wait after all answers instead
+ON_LOOP = "on_loop"
 Inline = Callable[[pb.BulkRequest, dict[str, Any]], bool]
 PEEK_BYTES = 16 << 10  # a request header the loop serves fits in this (larger ones keep their thread)
 
@@ -236,10 +238,13 @@ class FrameServer:
         if not self._inline(request, served.state) or unsent_bytes(conn):
             return handoff  # a stalled reader's replies pile up in its own thread, not here
         conn.recv_into(self._peek, PREFIX.size + header_len)  # consume what was peeked
+        served.state[ON_LOOP] = True
         try:
             self._run(conn, request, 0, served.state)
         except (ConnectionError, OSError):
             return lambda: self._end(served)
+        finally:
+            served.state[ON_LOOP] = False
         return None
 
     def _handoff(self, served: Served) -> None:

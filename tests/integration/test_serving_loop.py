@@ -21,6 +21,7 @@ from pscluster.server.store import ShardSpec
 from pscluster.server.sync_replicas import attach
 
 from pscluster import codec
+from pscluster.errors import UnavailableError
 from pscluster.net import framing, shm
 from pscluster.net.bulk import BulkCall, BulkClient
 
@@ -174,3 +175,91 @@ def test_a_table_connection_alternating_row_pulls_and_pushes_keeps_one_thread(po
     finally:
         client.close()
         frames.stop()
+
+
+class _HeldLink:
+    """Replicate to an in-process core through the wire format, once `release` is set (a backup that has not
+    answered yet)."""
+
+    def __init__(self, target: ParameterServerCore) -> None:
+        self.target = target
+        self.release = threading.Event()
+
+    def replicate(self, request, arrays, timeout):
+        from pscluster.server.replica_links import payload_views
+
+        if not self.release.wait(timeout):
+            raise UnavailableError("backup did not answer (held by the test)")
+        parsed = pb.ReplicateRequest.FromString(request.SerializeToString())
+        payload = np.concatenate([np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays]) \
+            if arrays else np.empty(0, np.uint8)
+        return self.target.replication.receive(parsed, payload_views(parsed, payload))
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_push_on_the_loop_that_finds_a_moves_new_backup_answers_unavailable_at_once_not_after_the_timeout(pool):
+    """Elastic, one copy: the loop took a push while its shard had no backup, and a move's temporary backup
+    appeared before it applied. Waiting for that backup on the loop would stall every connection on the port for
+    up to the replication timeout (5 s here); the push answers a retryable UNAVAILABLE instead, and its retry
+    (same id, on a thread) is acknowledged once the backup holds it, applied once."""
+    from pscluster.server.replication import Replication, Role
+
+    key = ("w", 0)
+    backup = ParameterServerCore(1, 2)
+    backup.replication = Replication(backup.store, 1, lambda ps: None, timeout=5.0)
+    link = _HeldLink(backup)
+    core = ParameterServerCore(0, 2)
+    core.replication = Replication(core.store, 0, lambda ps: link, timeout=5.0)
+    core.create(ShardSpec("w", 0, 1, SHAPE, SHAPE, 0, "<f4", OptimizerConfig("sgd", 1.0)),
+                np.zeros(SHAPE, np.float32), "zeros", 0.0, 0)
+    for c in (backup, core):
+        c.replication.set_roles(1, [Role(key, 1, 0)])  # one copy on PS 0: pushes are served by the loop
+    frames = BulkHandlers(core).server("127.0.0.1", None, 1 << 16).start()
+    applied = core.store.on_applied
+    moved = threading.Event()
+
+    def move_under_the_push(*args):  # the move's SetRoles lands between the loop's check and the apply
+        if not moved.is_set():
+            moved.set()
+            for c in (backup, core):
+                c.replication.set_roles(2, [Role(key, 2, 0, 1)])
+        applied(*args)
+
+    client = BulkClient(["127.0.0.1"], lambda _: frames.port, None, timeout=10.0, pool=pool, io_timeout=10.0)
+    other = BulkClient(["127.0.0.1"], lambda _: frames.port, None, timeout=10.0, pool=pool, io_timeout=10.0)
+
+    def push(push_id: str) -> None:
+        request = pb.PushRequest(push_id=push_id, items=[pb.PushItem(ref=pb.ShardRef(variable="w"),
+                                                                     grad=codec.header(np.float32, SHAPE))])
+        client.run([BulkCall(0, pb.BulkRequest(push=request), payloads=[np.full(SHAPE, 1.0, np.float32)])])
+
+    try:
+        push("warm")  # the segment offer, then the loop serves this connection
+        _pull(other)
+        assert _wait(lambda: not _conn_threads())
+        core.store.on_applied = move_under_the_push
+        started = time.monotonic()
+        with pytest.raises(UnavailableError, match="retry it with the same id"):
+            push("p1")
+        assert time.monotonic() - started < 2.0  # the old code held the loop for the whole 5 s timeout
+        assert moved.is_set() and core.store.get(key).version == 2  # applied, not acknowledged
+        link.release.set()  # the backup answers: its catch-up lands
+        push("p1")  # the retry: on a thread (the shard has a backup), held by the push record, acknowledged
+        assert core.store.get(key).version == 2 and backup.store.get(key).version == 2
+        np.testing.assert_array_equal(backup.store.get(key).value, np.full(SHAPE, -2.0, np.float32))
+    finally:
+        link.release.set()
+        client.close()
+        other.close()
+        frames.stop()
+        core.replication.stop()
+        backup.replication.stop()
+
+
+def _pull(client):
+    target = np.empty(SHAPE, np.float32)
+    pull = pb.BulkRequest(pull=pb.PullRequest(items=[pb.PullItem(ref=pb.ShardRef(variable="w"))]), shm_reply=True)
+    client.run([BulkCall(0, pull, targets=[target])])
+    return target

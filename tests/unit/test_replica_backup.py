@@ -91,3 +91,37 @@ def test_a_resent_pull_at_the_same_version_does_not_re_create_rows_a_later_pull_
     same_table(a, b)  # before: the first pull ran again on the backup and brought back rows 3 and 4
     a.push("c2.0", 0, [PushItem(DYN, np.ones((1, 2), np.float32), np.array([5], np.int64))])
     same_table(a, b)
+
+
+def _first_chunk(a, epoch: int) -> tuple[pb.ReplicaForward, list[np.ndarray]]:
+    """The first chunk of a catch-up of a's (16, 4) Adam shard "big"[0] in 4 chunks, at `epoch`."""
+    from pscluster.server import catch_up
+
+    from pscluster.specs import spec_to_pb
+
+    shard = a.store.get(("big", 0))
+    msg = pb.ReplicaForward(ref=pb.ShardRef(variable="big", shard_index=0), epoch=epoch, version=shard.version,
+                            spec=spec_to_pb(shard.spec))
+    return msg, catch_up.chunk(shard, 0, 4, msg)
+
+
+def test_a_half_staged_catch_up_is_dropped_when_the_roles_change_not_kept_until_the_next_one(pair):
+    from pscluster.server.optimizers import OptimizerConfig
+    from pscluster.server.replication import Role
+
+    a, b, _ = pair
+    big = ("big", 0)
+    a.create(ShardSpec("big", 0, 1, (16, 4), (16, 4), 0, "<f4", OptimizerConfig("adam", 0.1)), None, "ones", 0, 0)
+    b.replication.set_roles(1, [Role(big, 1, 0, 1)])  # a move: PS 1 the temporary backup
+    msg, arrays = _first_chunk(a, 1)
+    assert b.replication.receive(pb.ReplicateRequest(forwards=[msg]), arrays).outcomes == [pb.REPLICA_APPLIED]
+    assert b.replication.staging() == [big]  # 16 rows staged, 4 filled
+    b.replication.set_roles(2, [Role(big, 1, 0, 1), Role(KEY, 2, 0)])  # another shard's change: kept
+    assert b.replication.staging() == [big]
+    b.replication.set_roles(3, [Role(big, 3, 0, 1)])  # a new epoch: its catch-up starts from chunk 0 again
+    assert b.replication.staging() == []
+    msg, arrays = _first_chunk(a, 3)
+    b.replication.receive(pb.ReplicateRequest(forwards=[msg]), arrays)
+    assert b.replication.staging() == [big]
+    b.replication.set_roles(4, [Role(big, 4, 0)])  # the move aborted: one copy on PS 0, nothing more comes
+    assert b.replication.staging() == [] and b.store.find(big) is None

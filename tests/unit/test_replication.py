@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -484,3 +485,49 @@ def test_one_copy_async_pushes_are_served_inline_until_a_move_gives_the_shard_a_
     for core in (a, b):
         core.replication.set_roles(*table(3, 3, 1))  # switched: PS 1 the primary, no backup again
     assert not a.replication.forwards() and not b.replication.forwards() and b.replication.is_primary(KEY)
+
+
+def test_an_update_forwarded_while_a_new_backup_is_set_is_left_to_its_whole_state_never_sent_alone(pair, monkeypatch):
+    """set_roles forgot what the backup confirmed, then (a second critical section) marked the shard for its
+    whole state: an update forwarded between the two was queued alone, and could be confirmed by an older copy
+    the backup kept. Now the shard is marked in the same critical section: the update rides in the state."""
+    from pscluster.server.replicator import Replicator
+
+    a, b, _ = pair
+    create(a)
+    a.replication.set_roles(*table(1, 1, 0))
+    between: list[int] = []
+    forget = Replicator.forget
+
+    def forget_then_forward(rep, key, epoch, *args, **kwargs):
+        forget(rep, key, epoch, *args, **kwargs)
+        if key == KEY:  # what a push's forward does right here (`on_applied`, under the shard's lock)
+            before = rep.queued
+            rep.put(KEY, 1, pb.ReplicaForward(ref=pb.ShardRef(variable="w"), epoch=epoch, version=1,
+                                              grad=pb.Tensor()), [grad(1.0)])
+            between.append(rep.queued - before)
+
+    monkeypatch.setattr(Replicator, "forget", forget_then_forward)
+    b.replication.set_roles(*table(2, 2, 0, 1))
+    a.replication.set_roles(*table(2, 2, 0, 1))
+    assert between == [0]  # skipped: the whole state, queued after, holds it
+
+
+def test_two_config_changes_at_once_each_wait_for_the_backup_neither_returns_unconfirmed(pair):
+    """Before: one place per shard, popped by the first waiter: the second change's caller found none and returned
+    at once, before the backup held its change."""
+    a, b, links = pair
+    create(a)
+    roles(a, b)
+    links[1].cut.set()  # the backup does not answer
+    shard = a.store.get(KEY)
+    for lr in (0.2, 0.3):  # two set_hyperparameters calls on one shard, both queued before either waits
+        with shard.lock:
+            shard.spec = replace(shard.spec, optimizer=OptimizerConfig("adam", lr))
+            a.replication.configured(shard)
+    for _ in range(2):
+        with pytest.raises(UnavailableError, match="did not confirm a config change"):
+            a.replication.wait_configured([KEY], timeout=0.3)
+    links[1].cut.clear()
+    a.replication.wait_configured([KEY])  # the retry, once the backup holds both
+    assert b.store.get(KEY).spec.optimizer == OptimizerConfig("adam", 0.3)
