@@ -26,10 +26,9 @@ from pscluster.client import context, plans
 from pscluster.client.cluster_ops import ClusterOperations
 from pscluster.client.fresh import FreshValues
 from pscluster.client.routes import Routes, retry_wait
-from pscluster.client.variables import ShardPlacement, Variable
+from pscluster.client.variables import ShardPlacement, Variable, refuse_redefinition
 from pscluster.config import Settings
 from pscluster.errors import (
-    AlreadyExistsError,
     InvalidArgumentError,
     NonFiniteGradientError,
     NotFoundError,
@@ -41,6 +40,7 @@ from pscluster.net.bulk import BulkClient, BulkTensors
 from pscluster.net.channels import Channels
 from pscluster.net.grpc_tensors import GrpcTensors
 from pscluster.net.transport import PullPlan, PushPlan, TensorTransport, ValueTargets
+from pscluster.optimizer_config import optimizer_from_pb
 from pscluster.placement import SYNC_STATE_KEY, Partitioner, ps_for_new_shard, ps_for_ordinal, split_rows
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
@@ -79,6 +79,7 @@ class PSClient(ClusterOperations):
         # this client's own definitions (CreateShard requests by PS), to create a shard again on a PS that
         # restarted from a checkpoint older than the variable: one entry per variable, not per step
         self._definitions: dict[str, list[tuple[int, str, Any]]] = {}
+        self._optimizers: dict[str, OptimizerConfig] = {}  # per known variable, the optimizer it was made with
         self._timeout = settings.rpc_timeout_s
         self.fresh = FreshValues(settings.push_pull_max_age_s)  # fused push-pull values (pscluster/client/fresh.py)
         # replicas: 2: each shard's primary after failovers (pscluster/client/routes.py); None: the handles' placement
@@ -185,9 +186,11 @@ class PSClient(ClusterOperations):
                 if info.spec.shard_index not in by_name[info.spec.variable] or ps == home:
                     by_name[info.spec.variable][info.spec.shard_index] = (home, info)
         found = {}
+        optimizers = {}
         for name, shards in by_name.items():
             items = sorted(shards.values(), key=lambda x: x[1].spec.shard_index)
             spec = items[0][1].spec
+            optimizers[name] = optimizer_from_pb(spec.optimizer)
             found[name] = Variable(
                 name, tuple(spec.full_shape), np.dtype(spec.dtype),
                 tuple(ShardPlacement(i.spec.shard_index, ps, i.spec.row_offset,
@@ -196,6 +199,7 @@ class PSClient(ClusterOperations):
                 spec.sparse, spec.table)
         with self._lock:
             self._known = found
+            self._optimizers = optimizers
         return dict(found)
 
     def variables(self) -> dict[str, Variable]:
@@ -216,7 +220,8 @@ class PSClient(ClusterOperations):
         count over capacity x PS tasks rows.
 
         Raises:
-            AlreadyExistsError: the name exists with another shape, dtype or sharding.
+            AlreadyExistsError: the name exists with another shape, dtype, sharding or optimizer (its kind or
+                structure; the hyper-parameters a driver may change may differ): nothing changes.
             InvalidArgumentError: bad shape, dtype, partitioner or optimizer.
         """
         optimizer = (optimizer or OptimizerConfig()).validate()
@@ -256,14 +261,9 @@ class PSClient(ClusterOperations):
                 assert self._known is not None
                 existing = self._known.get(name)
                 if existing is not None:
-                    # a dynamic table made with one shard per PS task keeps the count it was saved with when a
-                    # checkpoint is restored onto another number of tasks: the same call finds it again
                     any_count = bool(table_json) and partitioner is None
-                    if existing.shape != full or existing.dtype != dt or existing.table != table_json or \
-                            (len(existing.shards) != len(rows) and not any_count):
-                        raise AlreadyExistsError(
-                            f"variable {name!r} exists as {existing.dtype}{list(existing.shape)} in "
-                            f"{existing.num_shards} shard(s); cannot redefine it as {dt}{list(full)} in {len(rows)}")
+                    refuse_redefinition(existing, self._optimizers.get(name), full, dt, table_json,
+                                        0 if any_count else len(rows), optimizer)
                     return existing
                 other = self._creating.get(name)
                 if other is None:
@@ -295,6 +295,7 @@ class PSClient(ClusterOperations):
             with self._lock:
                 assert self._known is not None
                 self._known[name] = var
+                self._optimizers[name] = optimizer
                 self._definitions[name] = calls
         finally:
             with self._lock:

@@ -13,13 +13,14 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Protocol
 
 import numpy as np
 
 from pscluster.closures import pickle_by_reference
-from pscluster.errors import FailedPreconditionError, InvalidArgumentError
+from pscluster.errors import AlreadyExistsError, FailedPreconditionError, InvalidArgumentError
+from pscluster.optimizer_config import OptimizerConfig
 from pscluster.tables import shard_of
 
 
@@ -216,3 +217,29 @@ def current_client() -> Backend:
         raise FailedPreconditionError(
             "no PS client in this process: create a ClusterCoordinator or PSClient first")
     return client
+
+
+def refuse_redefinition(existing: Variable, existing_optimizer: OptimizerConfig | None, shape: tuple[int, ...],
+                        dtype: np.dtype, table: str, shards: int, optimizer: OptimizerConfig) -> None:
+    """AlreadyExistsError unless create_variable(shape, dtype, table, shards, optimizer) re-creates `existing`,
+    whose optimizer is existing_optimizer (None: not known here); the hyper-parameters a driver may change while
+    training may differ (`OptimizerConfig.structure`), and a dynamic table made with one shard per PS task keeps
+    the count it was saved with when a checkpoint is restored onto another number of tasks (shards 0: any)."""
+    if existing.shape != shape or existing.dtype != dtype or existing.table != table or \
+            (shards and len(existing.shards) != shards):
+        raise AlreadyExistsError(
+            f"variable {existing.name!r} exists as {existing.dtype}{list(existing.shape)} in "
+            f"{existing.num_shards} shard(s); cannot redefine it as {dtype}{list(shape)} in {shards or 'any'}")
+    if existing_optimizer is not None and existing_optimizer.structure() != optimizer.structure():
+        raise AlreadyExistsError(
+            f"variable {existing.name!r} exists with optimizer {_optimizer_words(existing_optimizer, optimizer)}; "
+            f"cannot re-create it with {_optimizer_words(optimizer, existing_optimizer)} (nothing changed)")
+
+
+def _optimizer_words(opt: OptimizerConfig, other: OptimizerConfig) -> str:
+    """opt's kind, and the structural fields in which it differs from other."""
+    mine, theirs = opt.structure(), other.structure()
+    names = [f.name for f in fields(mine) if f.name != "kind" and getattr(mine, f.name) != getattr(theirs, f.name)]
+    if opt.kind != other.kind or not names:
+        return repr(opt.kind)
+    return f"{opt.kind!r} ({', '.join(f'{n}={getattr(opt, n)!r}' for n in names)})"

@@ -81,9 +81,14 @@ def test_create_is_idempotent_and_conflicts_are_clear(client):
     assert client.create_variable("idem", shape=(4,), optimizer=ps.SGD(1.0)) == a
     with pytest.raises(AlreadyExistsError, match="cannot redefine"):
         client.create_variable("idem", shape=(5,))
+    with pytest.raises(AlreadyExistsError, match="optimizer 'sgd'; cannot re-create it with 'adam'"):
+        client.create_variable("idem", shape=(4,), optimizer=ps.Adam(0.1))
     # a second client (say a restarted coordinator) discovers the same variable and placement
     with ps.PSClient(client.settings) as other:
         assert other.discover()["idem"] == a
+        with pytest.raises(AlreadyExistsError, match="optimizer 'sgd'; cannot re-create it with 'adam'"):
+            other.create_variable("idem", shape=(4,), optimizer=ps.Adam(0.1))
+        assert other.create_variable("idem", shape=(4,), optimizer=ps.SGD(0.5)) == a  # another rate: the same
 
 
 @pytest.mark.parametrize("bulk", [True, False], ids=["bulk-tcp", "grpc-streams"])
