@@ -39,9 +39,7 @@ from pscluster.coordinator.elastic import JOIN_GRACE_S, Elastic, ScaleReport, ne
 from pscluster.coordinator.inbox import Inbox, Posted
 from pscluster.coordinator.job_queues import MAIN
 from pscluster.coordinator.joins import JobJoins, JobSessions
-from pscluster.coordinator.ps_book import PsBook
-from pscluster.coordinator.ps_monitor import PsMonitor
-from pscluster.coordinator.replica_keeper import ReplicaKeeper
+from pscluster.coordinator.ps_watch import start_ps_watch
 from pscluster.coordinator.replicas import Copies
 from pscluster.coordinator.snapshot import RateMeter, Snapshot, take, to_status
 from pscluster.coordinator.values import RemoteValue, reply_error
@@ -111,18 +109,11 @@ class ClusterCoordinator(CoordinatorAPI):
         self._sync_config: pb.SyncConfigRequest | None = None
         self._stop = threading.Event()
         self.initial_step = max(s.global_step for s in self.client.status())
-        self._monitor = PsMonitor(self.client, on_down=lambda: self._inbox.post(sch.PsDown()),
-                                  on_up=lambda: self._inbox.post(sch.PsUp()),
-                                  on_fatal=lambda exc: self._fail("ps-monitor", exc),
-                                  replicated=self.settings.replica_table)
         # replicas: 2: the keeper owns shard -> (primary, backup, epoch) and promotes backups (docs/ps_failures.md)
-        self._keeper = ReplicaKeeper(
-            list(self.client.stubs), book=PsBook.from_file(self.settings.cluster.ps), on_book=self.client.set_ps_addresses,
-            connect=lambda address: pb_grpc.ParameterServerStub(rpc.open_channel(address, self.settings)),
-            copies=self.settings.replicas, on_restored=self._monitor.shard_restored,
-        ).start() if self.settings.replica_table else None
-        self._elastic = Elastic(self._keeper, self._keeper.stubs) if self._keeper is not None else None
-        self._monitor.start()
+        watch = start_ps_watch(self.settings, self.client, on_down=lambda: self._inbox.post(sch.PsDown()),
+                               on_up=lambda: self._inbox.post(sch.PsUp()),
+                               on_fatal=lambda exc: self._fail("ps-monitor", exc))
+        self._keeper, self._elastic, self._monitor = watch.keeper, watch.elastic, watch.monitor
         self._checkpointer = AutoCheckpointer.from_settings(
             self.settings, self.initial_step, step=lambda: self.global_step, save=self.client.checkpoint,
             clock=clock, on_fatal=lambda exc: self._fail("auto-checkpoint", exc))

@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 from pscluster.coordinator import ps_health as health
 from pscluster.coordinator.ps_health import VersionRanges as VersionRanges
+from pscluster.coordinator.replicas import Copies
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 
@@ -51,9 +52,13 @@ class PsMonitor:
     def __init__(self, client: PSClient, on_down: Callable[[], None], on_up: Callable[[], None],
                  interval: float = 0.5, on_fatal: Callable[[BaseException], None] | None = None,
                  max_failures: int = 5, replicated: bool = False,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 table: Callable[[], dict[tuple[str, int], Copies]] | None = None) -> None:
+        """table: the replica keeper's (replicas: 2 or elastic): where each shard lives now (a restarted PS gets
+        again only the shards it is primary of)."""
         self._client = client
         self._replicated = replicated
+        self._table = table
         self._on_down = on_down
         self._on_up = on_up
         self._on_fatal = on_fatal
@@ -171,7 +176,8 @@ class PsMonitor:
 
     def _account(self, action: health.Account) -> None:
         ps = action.ps
-        created = self._client.recreate_missing(ps)  # before dispatch resumes: no NotFoundError to closures
+        primaries = {key: c.primary for key, c in self._table().items()} if self._table is not None else None
+        created = self._client.recreate_missing(ps, primaries)  # before dispatch resumes: no NotFoundError to closures
         if created:
             log.warning("ps %d came back without %d shard(s) created after its checkpoint; created them again",
                         ps, created)

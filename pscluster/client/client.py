@@ -26,7 +26,7 @@ from pscluster.client import context, plans
 from pscluster.client.cluster_ops import ClusterOperations
 from pscluster.client.fresh import FreshValues
 from pscluster.client.routes import Routes, retry_wait
-from pscluster.client.variables import ShardPlacement, Variable, refuse_redefinition
+from pscluster.client.variables import ShardPlacement, Variable, missing_here, refuse_redefinition
 from pscluster.config import Settings
 from pscluster.errors import (
     InvalidArgumentError,
@@ -304,12 +304,14 @@ class PSClient(ClusterOperations):
         return var
 
     # -- pull ------------------------------------------------------------------------------------
-    def recreate_missing(self, ps: int) -> int:
-        """Create again on PS `ps` the shards this client defined that it no longer holds; returns how many."""
+    def recreate_missing(self, ps: int, primaries: dict[tuple[str, int], int] | None = None) -> int:
+        """Create again on PS `ps` the shards this client defined that it no longer holds and that live there:
+        by the replica table `primaries` (shard -> its primary now; replicas: 2 or elastic), else by their
+        placement; returns how many."""
         with self._lock:
-            mine = [call for calls in self._definitions.values() for call in calls if call[0] == ps]
+            calls = [call for calls in self._definitions.values() for call in calls]
         held = {(i.spec.variable, i.spec.shard_index) for i in self._call(ps, "ListShards", pb.ListShardsRequest()).shards}
-        missing = [call for call in mine if (call[2].spec.variable, call[2].spec.shard_index) not in held]
+        missing = missing_here(ps, calls, held, primaries)
         if missing:
             self._gather(missing)
         return len(missing)

@@ -14,7 +14,7 @@ import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -243,3 +243,19 @@ def _optimizer_words(opt: OptimizerConfig, other: OptimizerConfig) -> str:
     if opt.kind != other.kind or not names:
         return repr(opt.kind)
     return f"{opt.kind!r} ({', '.join(f'{n}={getattr(opt, n)!r}' for n in names)})"
+
+
+def missing_here(ps: int, calls: Sequence[tuple[int, str, Any]], held: set[tuple[str, int]],
+                 primaries: dict[tuple[str, int], int] | None) -> list[tuple[int, str, Any]]:
+    """Of a client's CreateShard calls (placement PS, method, request), those to send PS `ps` again (it restarted
+    from a checkpoint older than them): the shards it does not hold whose primary it is now (`primaries`, the
+    replica table: a shard a scale moved off its placement PS is not made again there, where nothing routes to
+    it or saves it; one it backs up comes whole from its primary), else (no table, or no row yet) whose
+    placement it is."""
+    out = []
+    for placed, method, request in calls:
+        key = (request.spec.variable, request.spec.shard_index)
+        home = placed if primaries is None else primaries.get(key, placed)
+        if home == ps and key not in held:
+            out.append((ps, method, request))
+    return out

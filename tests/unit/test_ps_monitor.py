@@ -25,7 +25,7 @@ class FakeClient:
     def status(self):
         return [s.Status(None, 1.0) for s in self.stubs]
 
-    def recreate_missing(self, ps):
+    def recreate_missing(self, ps, primaries=None):
         return 0
 
 
