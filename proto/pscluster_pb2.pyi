@@ -1412,6 +1412,7 @@ class ReplicaForward(_message.Message):
     SYNC_STATE_FIELD_NUMBER: _builtins.int
     SKIPPED_FIELD_NUMBER: _builtins.int
     SWEPT_FIELD_NUMBER: _builtins.int
+    CLOCK_S_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     """of the shard's (primary, backup) configuration; an older one is refused"""
     version: _builtins.int
@@ -1447,6 +1448,10 @@ class ReplicaForward(_message.Message):
     swept: _builtins.bool
     """an on-demand sweep of a dynamic table at `version` (not an update: the version stays): the backup evicts
     exactly the keys in `rows` that its primary evicted; ordered among that version's pulls by pull_index
+    """
+    clock_s: _builtins.int
+    """a dynamic table's operation (an update or a row-creating pull): the seconds since the table's epoch it decided
+    by on the primary ("seconds" eviction); the backup repeats it at these seconds, not by its own clock
     """
     @_builtins.property
     def ref(self) -> Global___ShardRef: ...
@@ -1495,13 +1500,19 @@ class ReplicaForward(_message.Message):
         sync_state: _builtins.str | None = ...,
         skipped: _builtins.bool = ...,
         swept: _builtins.bool = ...,
+        clock_s: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_sync_state", b"_sync_state", "grad", b"grad", "optimizer", b"optimizer", "ref", b"ref", "rows", b"rows", "spec", b"spec", "sync_state", b"sync_state", "value", b"value"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_clock_s", b"_clock_s", "_sync_state", b"_sync_state", "clock_s", b"clock_s", "grad", b"grad", "optimizer", b"optimizer", "ref", b"ref", "rows", b"rows", "spec", b"spec", "sync_state", b"sync_state", "value", b"value"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_sync_state", b"_sync_state", "chunk_more", b"chunk_more", "chunk_start", b"chunk_start", "epoch", b"epoch", "final_below", b"final_below", "grad", b"grad", "has_rows", b"has_rows", "optimizer", b"optimizer", "pull_index", b"pull_index", "pulled", b"pulled", "push_id", b"push_id", "record", b"record", "ref", b"ref", "rows", b"rows", "skipped", b"skipped", "slots", b"slots", "spec", b"spec", "swept", b"swept", "sync_state", b"sync_state", "value", b"value", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_clock_s", b"_clock_s", "_sync_state", b"_sync_state", "chunk_more", b"chunk_more", "chunk_start", b"chunk_start", "clock_s", b"clock_s", "epoch", b"epoch", "final_below", b"final_below", "grad", b"grad", "has_rows", b"has_rows", "optimizer", b"optimizer", "pull_index", b"pull_index", "pulled", b"pulled", "push_id", b"push_id", "record", b"record", "ref", b"ref", "rows", b"rows", "skipped", b"skipped", "slots", b"slots", "spec", b"spec", "swept", b"swept", "sync_state", b"sync_state", "value", b"value", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__clock_s: _TypeAlias = _typing.Literal["clock_s"]  # noqa: Y015
+    _WhichOneofArgType__clock_s: _TypeAlias = _typing.Literal["_clock_s", b"_clock_s"]  # noqa: Y015
     _WhichOneofReturnType__sync_state: _TypeAlias = _typing.Literal["sync_state"]  # noqa: Y015
     _WhichOneofArgType__sync_state: _TypeAlias = _typing.Literal["_sync_state", b"_sync_state"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__clock_s) -> _WhichOneofReturnType__clock_s | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__sync_state) -> _WhichOneofReturnType__sync_state | None: ...
 
 Global___ReplicaForward: _TypeAlias = ReplicaForward  # noqa: Y015

@@ -159,6 +159,11 @@ class DynamicTable:
         self.touched_s = zeros(cap if cfg.eviction.policy == "seconds" else 0, np.uint32)
         self.dirty = zeros(cap, np.bool_)
         self.epoch = int(clock())
+        # "seconds" eviction decides by the seconds since epoch at the start of each operation (`_start`): one
+        # reading per operation, which a primary forwards with it, and a backup repeating it pins (`pinned_s`) so
+        # that both copies touch and evict the same rows, whatever their own clocks say
+        self.now_s = 0
+        self.pinned_s: int | None = None
         self.filter = make_filter(cfg)
         self.version = 0
         self.stats = TableStats()
@@ -189,6 +194,7 @@ class DynamicTable:
         """Rows of keys (n, dim). Absent keys get a row when admission is "always" (evicting at a full
         shard, or ResourceExhaustedError with on_full="refuse"); otherwise they read their initial row."""
         self.check_keys(keys)
+        self._start()
         rows, absent = self.index.find(keys)  # duplicates look up twice: cheaper than sorting every batch
         result = TableResult(self.version)
         out = np.empty((keys.size, self.cfg.dim), self.dtype)
@@ -231,6 +237,7 @@ class DynamicTable:
         push does. A store that applies several items all or nothing prepares each of them first, holding
         every lock, then commits them (the plan is valid only until the table changes)."""
         self.check_keys(keys)
+        self._start()
         if grads.shape != (keys.size, self.cfg.dim) or grads.dtype != self.dtype:
             raise InvalidArgumentError(
                 f"{self.name}: gradients {grads.dtype}{list(grads.shape)} for {keys.size} keys; expected "
@@ -248,6 +255,7 @@ class DynamicTable:
     def check_room(self, keys: np.ndarray) -> None:
         """ResourceExhaustedError (counted as refused) unless a push of keys would fit now; changes nothing."""
         self.check_keys(keys)
+        self._start()
         uniq, counts, _, _ = group_keys(keys)
         rows = self.index.lookup(uniq)
         missing = np.flatnonzero(rows < 0)
@@ -279,14 +287,19 @@ class DynamicTable:
         self.version = step
         ev = self.cfg.eviction
         if ev.every_steps and step % ev.every_steps == 0:
-            evicted.append(self.sweep().evicted)
+            evicted.append(self._sweep().evicted)
         if ev.max_rows and self.live > ev.max_rows:
             evicted.append(self._remove(self._lowest(self.live - int(ev.max_rows * ev.low_water), None)))
         out = np.sort(np.concatenate(evicted))
         return TableResult(step, int(live_rows.size), dropped, int(new.size), out)
 
     def sweep(self) -> TableResult:
-        """Evict every row the policy's threshold condemns now (the on-demand and periodic trigger)."""
+        """Evict every row the policy's threshold condemns now (the on-demand trigger; the periodic one runs in
+        its push's operation)."""
+        self._start()
+        return self._sweep()
+
+    def _sweep(self) -> TableResult:
         rows = self.index.live_rows()
         ev = self.cfg.eviction
         if ev.policy == "none" or not rows.size:
@@ -305,10 +318,13 @@ class DynamicTable:
         return np.sort(self._remove(rows[rows >= 0]))
 
     # -- internals -------------------------------------------------------------------------------
+    def _start(self) -> None:
+        """An operation starts: the seconds it decides by (see __init__)."""
+        self.now_s = self.pinned_s if self.pinned_s is not None else int(self.clock()) - self.epoch
+
     def _idle(self, rows: np.ndarray) -> np.ndarray:
         if self.cfg.eviction.policy == "seconds":
-            now = int(self.clock()) - self.epoch
-            return np.asarray(now - self.touched_s[rows].astype(np.int64))
+            return np.asarray(self.now_s - self.touched_s[rows].astype(np.int64))
         return np.asarray(self.version - self.last_step[rows].astype(np.int64))
 
     def _score(self, rows: np.ndarray) -> np.ndarray:
@@ -377,7 +393,7 @@ class DynamicTable:
         if self.freq.size:
             self.freq[rows] = 0.0
         if self.touched_s.size:
-            self.touched_s[rows] = int(self.clock()) - self.epoch
+            self.touched_s[rows] = self.now_s
         self.dirty[rows] = True
         self.stats.inserted += rows.size
         return rows
@@ -387,5 +403,5 @@ class DynamicTable:
             self.freq[rows] = (self._frequency(rows) + counts).astype(np.float32)
         self.last_step[rows] = step
         if self.touched_s.size:
-            self.touched_s[rows] = int(self.clock()) - self.epoch
+            self.touched_s[rows] = self.now_s
         self.dirty[rows] = True

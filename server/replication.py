@@ -33,7 +33,6 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from functools import partial
 
 import numpy as np
 from pscluster.proto import pscluster_pb2 as pb
@@ -252,6 +251,8 @@ class Replication(ReplicaNotes):
             msg.rows.CopyFrom(codec.header(rows.dtype, rows.shape))
             msg.has_rows = True
             arrays.append(rows)
+        if shard.table is not None:
+            msg.clock_s = shard.table.now_s  # the backup repeats it at the primary's seconds
         rep.put(shard.spec.key, version, msg, arrays)
 
     def on_pulled(self, shard: Shard, keys: np.ndarray) -> None:
@@ -277,6 +278,8 @@ class Replication(ReplicaNotes):
                                 epoch=role.epoch, version=shard.version, rows=codec.header(keys.dtype, keys.shape),
                                 has_rows=True, pulled=not swept, swept=swept,
                                 pull_index=self._took_pull(shard.spec.key, shard.version))
+        if shard.table is not None and not swept:
+            msg.clock_s = shard.table.now_s
         return rep, rep.put(shard.spec.key, shard.version, msg, [keys])
 
     def _pulls_at(self, key: Key, version: int) -> int:
@@ -497,8 +500,9 @@ class Replication(ReplicaNotes):
                     return pb.REPLICA_APPLIED, shard  # a resent pull: repeating it could re-create evicted rows
                 if f.pull_index > taken:
                     return pb.REPLICA_GAP, shard  # an earlier pull at this version is missing
-            repeat = table_ops.evict_at if f.swept else table_ops.pull_at
-            done = repeat(shard, f.version, _ids(tensors[0], key))
+            keys = _ids(tensors[0], key)
+            done = table_ops.evict_at(shard, f.version, keys) if f.swept else \
+                table_ops.pull_at(shard, f.version, keys, f.clock_s if f.HasField("clock_s") else None)
             if done == "applied":
                 self._took_pull(key, f.version)
             return (pb.REPLICA_GAP if done == "gap" else pb.REPLICA_APPLIED), shard
@@ -506,8 +510,10 @@ class Replication(ReplicaNotes):
             configured = _configure_at(shard, f.version, optimizer_from_pb(f.optimizer))
             return (pb.REPLICA_APPLIED if configured else pb.REPLICA_GAP), shard
         local = _ids(tensors[1], key) if f.has_rows else None
-        apply = self.store.apply_at if staged is None else partial(catch_up.apply_at, staged)
-        done = apply(shard, f.version, tensors[0], local, push_key(f.push_id) if f.push_id else None, f.final_below)
+        pid = push_key(f.push_id) if f.push_id else None
+        done = self.store.apply_at(shard, f.version, tensors[0], local, pid, f.final_below,
+                                   f.clock_s if f.HasField("clock_s") else None) if staged is None else \
+            catch_up.apply_at(staged, shard, f.version, tensors[0], local, pid, f.final_below)
         return (pb.REPLICA_GAP if done == "gap" else pb.REPLICA_APPLIED), shard
 
     def _installed(self, f: pb.ReplicaForward, shard: Shard) -> Shard:

@@ -406,10 +406,11 @@ class VariableStore:
 
     @staticmethod
     def apply_at(shard: Shard, version: int, grad: np.ndarray, local: np.ndarray | None, key: PushKey | None,
-                 final_below: int) -> Literal["applied", "held", "gap"]:
+                 final_below: int, clock_s: int | None = None) -> Literal["applied", "held", "gap"]:
         """A backup's apply of its primary's update number `version` (server/replication.py), only if it is
         the next one: "held" for one applied already (a resend), "gap" for one beyond the next (the backup
-        needs the shard's whole state first)."""
+        needs the shard's whole state first). clock_s: a dynamic table's update decides by the primary's
+        seconds (DynamicTable.pinned_s)."""
         with shard.lock:
             if version <= shard.version:
                 return "held"
@@ -418,7 +419,11 @@ class VariableStore:
             shard.record.advance(final_below)
             if shard.table is not None:
                 assert local is not None  # the primary applied row gradients by key
-                shard.table.push(local, grad)
+                shard.table.pinned_s = clock_s
+                try:
+                    shard.table.push(local, grad)
+                finally:
+                    shard.table.pinned_s = None
             elif local is None:
                 opt.apply_dense(shard.spec.optimizer, shard.value, grad, shard.slots, version)
             else:

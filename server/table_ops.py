@@ -37,10 +37,17 @@ def table_counts(shard: Shard) -> dict[str, int]:
     return {"live_keys": table.live, "evicted_keys": table.stats.evicted, "dropped_rows": table.stats.dropped}
 
 
-def pull_at(shard: Shard, version: int, keys: np.ndarray) -> Literal["applied", "held", "gap"]:
+def pull_at(shard: Shard, version: int, keys: np.ndarray, clock_s: int | None = None) -> Literal["applied", "held", "gap"]:
     """A backup's repeat of its primary's row-creating pull of a dynamic table at `version` (as apply_at):
-    the same keys on the same state create and evict the same rows."""
-    return _at_version(shard, version, lambda table: table.pull(keys))
+    the same keys on the same state, at the primary's seconds (clock_s), create and evict the same rows."""
+    def pull(table: DynamicTable) -> None:
+        table.pinned_s = clock_s
+        try:
+            table.pull(keys)
+        finally:
+            table.pinned_s = None
+
+    return _at_version(shard, version, pull)
 
 
 def evict_at(shard: Shard, version: int, keys: np.ndarray) -> Literal["applied", "held", "gap"]:

@@ -147,3 +147,32 @@ def test_a_sync_step_whose_new_keys_do_not_fit_is_skipped_settles_and_tells_its_
     push_step(1, 0, [1])
     push_step(1, 1, [2])  # the next step fits and applies
     assert table.live == 2 and core.store.get(DYN).version == 1
+
+
+def test_seconds_eviction_on_a_backup_follows_its_primarys_clock_not_its_own(pair):
+    """"Untouched for k seconds" was decided by each copy's own clock: a backup that applied an update 2 s later
+    than its primary (or whose clock ran ahead) swept keys its primary kept. Each table operation now decides by
+    one reading of the primary's clock, forwarded with it, and the backup repeats it at that reading."""
+    from pscluster.tables import Eviction
+
+    a, b, _ = pair
+    cfg = TableConfig(dim=2, capacity=16, eviction=Eviction("seconds", max_idle=5, every_steps=1))
+    a.create(ShardSpec("dyn", 0, 1, (0, 2), (0, 2), 0, "<f4", Adam(0.1), True, 0, cfg.to_json()), None, "zeros", 0, 0)
+    now = {"a": 100.0, "b": 100.0}
+    ta = a.store.get(DYN).table
+    ta.clock, ta.epoch = (lambda: now["a"]), 0
+    for core in (b, a):
+        set_roles(core)
+    a.replication.wait([(DYN, a.store.get(DYN).version)])  # the catch-up: the backup's table, epoch 0
+    tb = b.store.get(DYN).table
+    tb.clock = lambda: now["b"]
+    push(a, "c1.0", [1, 2])  # touched at 100 on both
+    a.pull([(DYN, np.array([3], np.int64))])  # a row-creating pull: touched at the primary's 100 too
+    now["a"], now["b"] = 104.0, 107.0  # the backup's clock is 3 s ahead (or its apply came 3 s late)
+    push(a, "c2.0", [4])  # the periodic sweep: idle 4 <= 5 on the primary, which keeps 1, 2 and 3
+    assert sorted(ta.index.row_keys[ta.index.live_rows()].tolist()) == [1, 2, 3, 4]
+    same_table(a, b)  # the backup kept them too (before: it evicted 1, 2 and 3 at idle 7)
+    now["a"], now["b"] = 106.0, 100.0
+    push(a, "c3.0", [4])  # idle 6 on the primary: 1, 2 and 3 go, on the backup too (its own clock says 0)
+    assert sorted(ta.index.row_keys[ta.index.live_rows()].tolist()) == [4]
+    same_table(a, b)
