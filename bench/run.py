@@ -25,7 +25,7 @@ sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != ROOT /
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # the benchmark process shares 2 cores with daemons
 
-from bench import chaos, closures, elastic, floor, profile, replicas, table_catch_up, training, transfer  # noqa: E402
+from bench import chaos, closures, elastic, floor, heartbeats, profile, replicas, table_catch_up, training, transfer  # noqa: E402
 
 Row = tuple[str, str, str, str]  # id, what, measured, target and verdict
 
@@ -549,6 +549,22 @@ BENCHES = {"B1": bench_b1, "B1TLS": bench_b1tls, "B9": bench_b9, "B2": bench_b2,
            "B15SCALE": bench_b15scale, "B15SCALESYNC": bench_b15scale_sync, "B15SCALELARGE": bench_b15scale_large, "B15SOAK": bench_b15_soak, "B15MEM": bench_b15_memory, "B16": bench_b16,
            "B14MP": bench_b14_precision, "B14CNN": bench_b14_cnn, "FIT": bench_fit, "PROFILE": bench_profile}
 BENCHES["B15TABLECATCHUP"] = bench_b15tablecatchup
+
+
+def bench_b15falsedown(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
+    r = heartbeats.run(args.false_down_s, args.burners)
+    return r, [("B15FALSEDOWN", f"replicas: 2, 2 PS, a counter pushed back to back, nothing killed, {r['burners']} "
+                f"busy-looping processes beside it for {r['seconds']:.0f} s (bench/heartbeats.py): "
+                f"`python bench/run.py --only B15FALSEDOWN --burners {r['burners']}`",
+                f"live PS tasks marked down {r['marked_down']}; the keeper's Status calls p50 "
+                f"{r['status_p50_ms']:.0f} ms, p99 {r['status_p99_ms']:.0f} ms, max {r['status_max_ms']:.0f} ms "
+                f"(a call times out at 250 ms), {r['status_over_250_ms']} of {r['status_calls']} over 250 ms; counter "
+                f"{r['counter']} = {r['acknowledged']} acknowledged, lost_updates {r['lost_updates']} (load "
+                f"{r['load_before']:.1f} -> {r['load_after']:.1f})",
+                f"no live PS marked down: {'met' if r['marked_down'] == 0 and r['exact'] else 'NOT met'}")]
+
+
+BENCHES["B15FALSEDOWN"] = bench_b15falsedown
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 
@@ -596,6 +612,8 @@ def main() -> int:
     parser.add_argument("--large-keys", type=int, default=1_000_000, help="B15SCALELARGE: the dynamic table's keys")
     parser.add_argument("--sync-cycles", type=int, default=3, help="B15SCALESYNC: drain-and-add-back cycles")
     parser.add_argument("--joins", type=int, default=3, help="B15SCALE: join-add-remove cycles of an unlisted PS")
+    parser.add_argument("--burners", type=int, default=16, help="B15FALSEDOWN: busy processes beside the cluster")
+    parser.add_argument("--false-down-s", type=float, default=60.0, help="B15FALSEDOWN: seconds under that load")
     parser.add_argument("--soak-kills", type=int, default=100, help="B15SOAK: PS kills, split over async/sync/bounded")
     parser.add_argument("--write", help="rewrite the table between the bench markers of this file")
     parser.add_argument("--tf-python", default=None, help="B13: a Python with tensorflow-cpu 2.21 (optional peer)")

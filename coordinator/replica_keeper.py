@@ -61,6 +61,7 @@ class ReplicaKeeper:
         # (ps, incarnation) -> shards that restart of the PS brought back from a checkpoint
         self._lost: dict[tuple[int, int], set[Key]] = {}
         self._incarnations: dict[int, int] = {}  # the incarnation each PS answered with last
+        self.marked_down = 0  # PS tasks marked down so far (each one logged with why: B15FALSEDOWN counts them)
         # the table the PS tasks hold when this keeper starts (a restarted coordinator goes on from it, not
         # from the initial placement: failovers and elastic moves changed it); None until asked
         self._adopted: dict[Key, pb.ShardRole] | None = None
@@ -222,29 +223,39 @@ class ReplicaKeeper:
             for o, c in sorted(self.state.shards.items()) if o in self._keys and not c.lost])
 
     def _loop(self) -> None:
+        planned = self._clock()  # when this round should start: its lateness is the coordinator's own delay
         while not self._stop.is_set():
             started = self._clock()
             try:
-                self._round()
+                self._round(max(0.0, started - planned))
             except Exception as exc:
                 log.warning("replica-keeper: round failed: %s", exc, exc_info=True)
-            self._stop.wait(max(0.0, self._interval - (self._clock() - started)))
+            ended = self._clock()
+            planned = max(started + self._interval, ended)
+            self._stop.wait(max(0.0, planned - ended))
+
+    @property
+    def _status_timeout(self) -> float:
+        return max(0.25, 2.5 * self._interval)
 
     def _status(self, ps: int) -> pb.PsStatus | PsclusterError:
         try:
             status: pb.PsStatus = rpc.call(self._stubs[ps].Status, pb.PsStatusRequest(),  # type: ignore[attr-defined]
-                                           timeout=max(0.25, 2.5 * self._interval))
+                                           timeout=self._status_timeout)
             return status
         except PsclusterError as exc:
             return exc
 
-    def _round(self) -> None:
+    def _round(self, late: float = 0.0) -> None:
+        """One round of heartbeats; late: how far past its planned start the keeper thread ran it."""
+        asked = self._clock()
         answers = list(self._pool.map(self._status, range(len(self._stubs))))
         now = self._clock()
         actions: list[rp.ReplicaAction] = []
         rejoined: dict[int, int | None] = {}  # PS back up this round -> its new incarnation (None: no restart)
         with self._lock:
             state = self.state
+            seen = {ps: (rec.up, rec.last_seen) for ps, rec in state.ps.items()}
             for ps, answer in enumerate(answers):
                 rec = state.ps.get(ps)  # None: it left the PS list since the round asked
                 if isinstance(answer, pb.PsStatus):
@@ -260,7 +271,16 @@ class ReplicaKeeper:
                         rp.decide(state, rp.Heartbeat(ps, now))
                 elif rec is not None and isinstance(answer, UnavailableError):
                     actions += rp.decide(state, rp.ConnectionLost(ps))
-            actions += rp.decide(state, rp.Tick(now))
+            # a round the keeper itself ran late judges no PS by time (a starved keeper saw live PS tasks'
+            # Status calls time out on its own clock, and failed their shards over)
+            slack = rp.own_delay(late, asked, now, self._status_timeout)
+            actions += rp.decide(state, rp.Tick(now, slack))
+            down = [ps for ps, (up, _) in seen.items() if up and ps in state.ps and not state.ps[ps].up]
+            self.marked_down += len(down)
+        for ps in down:
+            why = answers[ps] if ps < len(answers) and isinstance(answers[ps], PsclusterError) else "no answer"
+            log.warning("replica-keeper: ps %d marked down: %s; last answer %.0f ms before this round's end, whose "
+                        "Status calls took %.0f ms", ps, why, 1000 * (now - seen[ps][1]), 1000 * (now - asked))
         if self._adopted is None:
             self._adopt(answers)
         if self._adopted is not None:  # a shard's placement comes from the PS tasks' table first

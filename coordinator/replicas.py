@@ -9,7 +9,9 @@ guarantees.
 
 Rules:
 - A PS is down after a dropped connection, or when `missed` heartbeats in a row did not come
-  (`now - last_seen > missed * interval`).
+  (`now - last_seen > missed * interval`), judged only in a round the coordinator ran on time: one whose own
+  scheduling delay (`Tick.slack`, `own_delay`) passed `interval` says nothing about the PS tasks (a starved
+  coordinator sees its own Status calls time out); the next round on time judges them.
 - Every change of a shard's (primary, backup) bumps its epoch: a backup refuses forwards of an older
   epoch and a PS refuses pushes for a shard it is not primary of at the current epoch, so a deposed
   primary that wakes up (SIGSTOP) cannot change anything.
@@ -118,9 +120,18 @@ class ConnectionLost(NamedTuple):
 
 
 class Tick(NamedTuple):
-    """Time passed: look for missed heartbeats."""
+    """Time passed: look for missed heartbeats; slack: how late the coordinator itself ran (`own_delay`): past
+    `interval` the round judges nothing."""
 
     now: float
+    slack: float = 0.0
+
+
+def own_delay(late: float, asked: float, now: float, timeout: float) -> float:
+    """The keeper's own scheduling delay in a round: its start `late` past the planned one, plus its Status
+    calls' return past their deadline (asked at `asked`, all back at `now`; each call ends by `timeout` when the
+    coordinator runs on time)."""
+    return max(0.0, late) + max(0.0, now - asked - timeout)
 
 
 class Rejoined(NamedTuple):
@@ -220,7 +231,7 @@ def decide(state: ReplicaState, event: ReplicaEvent) -> list[ReplicaAction]:
     elif isinstance(event, Tick):
         limit = state.missed * state.interval
         for ps, rec in sorted(state.ps.items()):
-            if rec.up and event.now - rec.last_seen > limit:
+            if rec.up and event.now - rec.last_seen > limit and event.slack <= state.interval:
                 _mark_down(state, ps, actions)
     elif isinstance(event, Rejoined):
         rec = state.ps.get(event.ps)

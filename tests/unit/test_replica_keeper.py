@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
+import grpc
 import pytest
 from pscluster.coordinator import replicas as rp
 from pscluster.coordinator.ps_book import PsBook
@@ -247,5 +248,62 @@ def test_a_shard_back_on_a_ps_counts_as_lost_only_when_that_ps_restarted(restart
         # the PS monitor hears of it before the restarted PS holds the table that lets it take the shard's pushes
         assert sorted(told) == ([(0, 2, ("a", 0), False), (0, 2, SYNC_STATE_KEY, False)] if restarted else [])
         sent(keeper)
+    finally:
+        keeper.stop()
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _Late(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self) -> str:
+        return "Deadline Exceeded"
+
+
+class Slow(Ps):
+    """A Status call that ends by its deadline after `takes` seconds of the keeper's clock: `answers` False, it
+    times out (a SIGSTOPped PS, or a coordinator too starved to read the answer in time)."""
+
+    def __init__(self, clock: _Clock, *args: object) -> None:
+        super().__init__(*args)  # type: ignore[arg-type]
+        self.clock, self.takes, self.answers = clock, 0.0, True
+
+    def Status(self, request: pb.PsStatusRequest, timeout: float) -> pb.PsStatus:  # noqa: N802
+        self.clock.now += self.takes
+        if not self.answers:
+            raise _Late()
+        return super().Status(request, timeout)
+
+
+@pytest.mark.parametrize("starved", [True, False], ids=["starved-coordinator", "stopped-ps"])
+def test_a_heartbeat_counts_as_missed_only_past_the_coordinators_own_scheduling_delay(starved: bool) -> None:
+    """Under load 10+ on 2 cores a starved coordinator saw a live PS's Status call time out on its own clock (the
+    answer came, the keeper thread did not run) and failed the PS's shards over. A round the keeper ran late
+    (started late, or its calls came back past their deadline) now judges no PS by time; a PS that does not
+    answer while the keeper runs on time (SIGSTOP) is marked down in the same round as before."""
+    clock = _Clock()
+    empty = pb.SetRolesRequest()
+    slow = Slow(clock, 1, [("b", 1)], empty)
+    keeper = ReplicaKeeper([Ps(0, [("a", 0)], empty), slow], clock=clock)
+    try:
+        keeper._round()  # both answer at 100.0
+        clock.now += 0.1
+        slow.answers = False
+        slow.takes = 0.55 if starved else 0.25  # starved: the calls came back 0.3 s past their 0.25 s deadline
+        keeper._round()
+        assert keeper.state.ps[1].up == starved
+        assert keeper.marked_down == (0 if starved else 1)
+        if starved:
+            slow.takes = 0.25  # the next round runs on time: a PS still silent is down now
+            keeper._round()
+            assert not keeper.state.ps[1].up and keeper.marked_down == 1
     finally:
         keeper.stop()
