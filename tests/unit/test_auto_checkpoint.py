@@ -3,7 +3,16 @@
 import threading
 
 import pytest
-from pscluster.coordinator.checkpoints import AutoCheckpointer, PolicyState, Refused, Save, Saved, Tick, decide
+from pscluster.coordinator.checkpoints import (
+    AutoCheckpointer,
+    PolicyState,
+    Refused,
+    Save,
+    Saved,
+    Tick,
+    decide,
+    needs_step,
+)
 
 from pscluster.config import load_settings
 from pscluster.errors import ConfigError, FailedPreconditionError, UnavailableError
@@ -36,6 +45,16 @@ def test_a_refusal_switches_the_policy_off():
     state = PolicyState(every_steps=1, every_s=None, last_step=0, last_time=0.0)
     decide(state, Refused(), 0.0)
     assert decide(state, Tick(50), 1.0) == [] and not state.enabled
+
+
+def test_the_step_is_asked_for_only_when_a_save_could_be_due():
+    by_time = PolicyState(every_steps=None, every_s=60.0, last_step=0, last_time=100.0)
+    assert not needs_step(by_time, 159.9)  # a sync job's step costs RPCs to every PS: not asked every tick
+    assert needs_step(by_time, 160.0)
+    by_steps = PolicyState(every_steps=10, every_s=None, last_step=0, last_time=100.0)
+    assert needs_step(by_steps, 100.0)
+    decide(by_steps, Refused(), 100.0)
+    assert not needs_step(by_steps, 1000.0)
 
 
 class FakeCluster:
