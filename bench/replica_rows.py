@@ -9,7 +9,7 @@ import os
 import statistics
 from typing import Any
 
-from bench import elastic, heartbeats, replicas, table_catch_up
+from bench import elastic, heartbeats, replica_floor, replicas, table_catch_up
 
 Row = tuple[str, str, str, str]  # id, what, measured, target and verdict
 
@@ -189,7 +189,18 @@ def bench_b15falsedown(args: argparse.Namespace) -> tuple[dict[str, Any], list[R
                 f"no live PS marked down: {'met' if r['marked_down'] == 0 and r['exact'] else 'NOT met'}")]
 
 
+def bench_b15floor(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
+    f = replica_floor.floor(runs=args.runs)
+    load = f"load {f['load_before']:.1f} -> {f['load_after']:.1f}"
+    return f, [("B15FLOOR", f"the second copy's least CPU per W2 push, in-process (bench/replica_floor.py: a primary and a "
+                f"backup behind a real bulk port, {f['pushes']} pushes, medians of {args.runs} alternating rounds); "
+                f"`python bench/run.py --only B15FLOOR --runs {args.runs}`",
+                f"one copy {f['one']:.2f} ms; backup acks without applying {f['ack']:.2f} ms (transport "
+                f"{f['transport_ms']:.2f}); backup applies {f['apply']:.2f} ms (apply {f['apply_ms']:.2f}); the copy "
+                f"{f['copy_ms']:.2f} ms per push ({load})", "measure (issue 24: what 2 cores allow)")]
+
+
 BENCHES = {"B15": bench_b15, "B15COST": bench_b15cost, "B15TABLE1": bench_b15table1, "B15SCALE": bench_b15scale,
            "B15SCALESYNC": bench_b15scale_sync, "B15SCALELARGE": bench_b15scale_large, "B15SOAK": bench_b15_soak,
            "B15MEM": bench_b15_memory, "B15TABLECATCHUP": bench_b15tablecatchup,
-           "B15FALSEDOWN": bench_b15falsedown}
+           "B15FALSEDOWN": bench_b15falsedown, "B15FLOOR": bench_b15floor}
