@@ -631,15 +631,23 @@ class SaveRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     STEP_FIELD_NUMBER: _builtins.int
+    ABSENT_FIELD_NUMBER: _builtins.int
     step: _builtins.int
+    @_builtins.property
+    def absent(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """PS tasks that are down while a live copy of each shard they held is saved in this step by others: this PS
+        writes an empty task file for each (no shard of its own), which completes the step (replicas: 2)
+        """
+
     def __init__(
         self,
         *,
         step: _builtins.int = ...,
+        absent: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["absent", b"absent", "step", b"step"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -650,15 +658,21 @@ class SaveReply(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     PATH_FIELD_NUMBER: _builtins.int
+    SAVED_FIELD_NUMBER: _builtins.int
     path: _builtins.str
+    @_builtins.property
+    def saved(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardRef]:
+        """the shards this save wrote"""
+
     def __init__(
         self,
         *,
         path: _builtins.str = ...,
+        saved: _abc.Iterable[Global___ShardRef] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["path", b"path"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["path", b"path", "saved", b"saved"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

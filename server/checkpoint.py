@@ -153,19 +153,55 @@ def remove_stale_temporaries(root: pathlib.Path, ps_index: int, num_ps: int) -> 
     return removed
 
 
+def save_absent(root: pathlib.Path, step: int, tasks: list[int], num_ps: int, keep: int, ps_index: int,
+                extra: dict[str, object] | None = None) -> list[pathlib.Path]:
+    """Write an empty task file at `step` for each task in `tasks` (down while every shard it held has a live
+    copy that other tasks saved in this step: the caller checked), which completes the step; a task file
+    already there is left alone. The header says `absent`; `extra` is the writer's (restore reads it from
+    the first file that is not absent). Returns the files written."""
+    step_dir = root / f"step-{step:012d}"
+    step_dir.mkdir(parents=True, exist_ok=True)
+    out = []
+    for task in tasks:
+        final = step_dir / f"ps-{task}-of-{num_ps}.safetensors"
+        if final.exists():
+            continue
+        tmp = step_dir / f".{final.name}.tmp-{os.getpid()}"  # task `task` removes it if this save dies mid-write
+        write(tmp, {}, {"placement_version": str(PLACEMENT_VERSION), "step": str(step), "shards": "[]",
+                        "extra": json.dumps(extra or {}), "writer": f"{_PROCESS:012x}", "absent": "true"})
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, final)
+        out.append(final)
+    _fsync_dir(step_dir)
+    prune(root, keep, ps_index, num_ps)
+    return out
+
+
 def prune(root: pathlib.Path, keep: int, ps_index: int, num_ps: int) -> None:
-    """Keep the newest `keep` complete steps; remove every older step directory (any task's files) and
-    this task's stale temporaries (see remove_stale_temporaries)."""
+    """Keep the newest `keep` complete steps and one save in progress: remove every older step directory
+    (any task's files), every incomplete step directory but the newest of all (a save that failed, or one a
+    task killed mid-save never finished, is never completed: the next save is at a newer step), and this
+    task's stale temporaries (see remove_stale_temporaries). A step a kept step's table increments build on
+    stays, complete or not."""
     steps = complete_steps(root)
-    if len(steps) > keep:
-        kept = steps[-keep:]
-        oldest_kept = kept[0][0]
-        needed = {step for _, files in kept for path in files for step in _needs(path)}  # increments' bases
-        for step_dir in root.iterdir():
-            m = _STEP.match(step_dir.name)
-            if m and step_dir.is_dir() and int(m.group(1)) < oldest_kept and int(m.group(1)) not in needed:
-                shutil.rmtree(step_dir, ignore_errors=True)
+    kept = steps[-keep:] if steps else []
+    oldest_kept = kept[0][0] if len(steps) > keep else -1
+    complete = {step for step, _ in steps}
+    needed = {step for _, files in kept for path in files for step in _needs(path)}  # increments' bases
+    dirs = {int(m.group(1)): d for d in root.iterdir() if (m := _STEP.match(d.name)) and d.is_dir()}
+    newest = max(dirs, default=-1)
+    for step, step_dir in dirs.items():
+        if step in needed or step == newest and step not in complete:
+            continue
+        if step < oldest_kept or step not in complete:
+            shutil.rmtree(step_dir, ignore_errors=True)
     remove_stale_temporaries(root, ps_index, num_ps)
+
+
+def _header(path: pathlib.Path) -> dict[str, str]:
+    with TensorFile(path) as fh:
+        return dict(fh.metadata())
 
 
 def _needs(path: pathlib.Path) -> list[int]:
@@ -256,7 +292,8 @@ def restore(store: VariableStore, root: pathlib.Path, ps_index: int, num_ps: int
     if not steps:
         return None
     step, files = steps[-1]
-    extra: dict[str, object] = {}
+    extra: dict[str, object] = json.loads(_header(files[0]).get("extra", "{}"))  # every file absent: the writer's
+    extra_found = False
     best: dict[str, tuple[tuple[int, int, int, int], int, dict[str, Any]]] = {}  # base -> (rank, index, entry)
     own: set[str] = set()
     processes: dict[int, str | None] = {}  # file index -> the process that wrote it (its tables' lineage)
@@ -264,8 +301,8 @@ def restore(store: VariableStore, root: pathlib.Path, ps_index: int, num_ps: int
         with TensorFile(path) as fh:
             header = fh.metadata()
         processes[index] = header.get("writer")
-        if index == 0:
-            extra = json.loads(header.get("extra", "{}"))
+        if not extra_found and header.get("absent") != "true":  # an absent task's file has another's extra
+            extra, extra_found = json.loads(header.get("extra", "{}")), True
         for entry in json.loads(header["shards"]):
             base = f"{entry['spec']['variable']}/{entry['spec']['shard_index']}"
             rank = (int(entry.get("epoch", 0)), int(entry["version"]), -len(entry.get("table_chain", [])), -index)

@@ -361,20 +361,36 @@ class ParameterServerCore:
         """Variable -> the rate of its next update on this task (schedule at the shard's count, or the set rate)."""
         return {s.spec.variable: s.spec.optimizer.lr_at(s.version + 1) for s in self.store.shards()}
 
-    def save(self, step: int) -> pathlib.Path:
-        """Checkpoint every shard at `step` (consistent on this task: pushes wait)."""
+    def save(self, step: int, absent: Sequence[int] = ()) -> tuple[pathlib.Path, list[tuple[str, int]]]:
+        """Checkpoint every shard at `step` (consistent on this task: pushes wait); returns the file and the
+        shards it holds. `absent`: write only empty files for these down tasks (checkpoint.save_absent)."""
         if self.checkpoint_dir is None:
             raise FailedPreconditionError(
                 f"ps {self.ps_index} has no checkpoint_dir; start it with --checkpoint-dir")
         if step < 0:
             raise InvalidArgumentError(f"checkpoint step must be >= 0, got {step}")
+        if bad := [t for t in absent if not 0 <= t < self.num_ps or t == self.ps_index]:
+            raise InvalidArgumentError(f"Save: absent tasks {bad} are not other PS tasks of 0..{self.num_ps - 1}")
         with self._save_lock:
             extra: dict[str, object] = {"sync": self.sync.snapshot() if self.sync is not None else None}
+            if absent:
+                paths = checkpoint.save_absent(self.checkpoint_dir, step, sorted(set(absent)), self.num_ps,
+                                               self.keep_checkpoints, self.ps_index, extra)
+                return (paths[0] if paths else self.checkpoint_dir), []
+            holds = self._holds()
+            saved: list[tuple[str, int]] = []
+
+            def writes(key: tuple[str, int]) -> bool:  # records what the save actually wrote
+                if holds is not None and not holds(key):
+                    return False
+                saved.append(key)
+                return True
+
             path = checkpoint.save(self.store, self.checkpoint_dir, step, self.ps_index, self.num_ps,
-                                   self.keep_checkpoints, extra, self._holds(),
+                                   self.keep_checkpoints, extra, writes,
                                    self.replication.epoch_of if self.replication is not None else None)
             self.global_step = max(self.global_step, step)
-            return path
+            return path, saved
 
     def _holds(self) -> Callable[[tuple[str, int]], bool] | None:
         """replicas: 2: the shards a save writes: those the replica table names this PS for, and those it does

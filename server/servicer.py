@@ -91,7 +91,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return pb.PushReply(versions=[result.version], applied=[result.applied], incarnation=self.core.incarnation)
 
     def Save(self, request: pb.SaveRequest, context: grpc.ServicerContext) -> pb.SaveReply:
-        return pb.SaveReply(path=str(self.core.save(request.step)))
+        path, saved = self.core.save(request.step, request.absent)
+        return pb.SaveReply(path=str(path), saved=[pb.ShardRef(variable=v, shard_index=i) for v, i in saved])
 
     def ConfigureSync(self, request: pb.SyncConfigRequest, context: grpc.ServicerContext) -> pb.SyncConfigReply:
         step = self.core.replicas().configure(request.mode or "async", request.replicas_to_aggregate,

@@ -6,9 +6,11 @@ discovery and pulls, and keeps the data path (pull, push, tokens) to itself.
 
 from __future__ import annotations
 
+import logging
 import pathlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import numpy as np
@@ -18,10 +20,30 @@ from pscluster.client.routes import Routes
 from pscluster.client.variables import Variable
 from pscluster.errors import InvalidArgumentError, NotFoundError, PsclusterError
 from pscluster.optimizer_config import changes_to_json
+from pscluster.placement import SYNC_STATE_KEY
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.tables import write_export
 
 T = TypeVar("T")
+
+# how long a checkpoint retries a PS that is down before saving from the live copies (replicas: 2)
+SAVE_RETRY_S = 2.0
+log = logging.getLogger(__name__)
+
+
+def uncovered_shards(shards: set[tuple[str, int]], saved: dict[int, set[tuple[str, int]]]) -> list[tuple[str, int]]:
+    """The shards of the replica table (the sync state's row aside: not a shard) that no task's save wrote."""
+    written = set().union(*saved.values()) if saved else set()
+    return sorted(k for k in shards if k != SYNC_STATE_KEY and k not in written)
+
+
+def _outcome(future: Future[Any]) -> Any:
+    """A future's result, or the PsclusterError it raised."""
+    try:
+        return future.result()
+    except PsclusterError as err:
+        return err
+
 
 # rows per ReadTable page of an export (the PS caps it too: server/table_ops.py)
 EXPORT_PAGE_ROWS = 1 << 15
@@ -96,9 +118,37 @@ class ClusterOperations(ABC):
         return reply
 
     def checkpoint(self, step: int) -> list[str]:
-        """Write a checkpoint of every PS task at `step` (call with pushes quiesced for consistency)."""
-        replies = self._gather([(ps, "Save", pb.SaveRequest(step=step)) for ps in range(self.num_ps)])
-        return [r.path for r in replies]
+        """Write a checkpoint of every PS task at `step` (call with pushes quiesced for consistency).
+
+        With replicas: 2 a PS task that is down does not stop it while each shard has a live copy: the live
+        tasks save theirs, and one of them writes an empty file for each down task, which completes the step
+        (restore finds every shard in whichever file of the step holds it)."""
+        if self.routes is None:
+            replies = self._gather([(ps, "Save", pb.SaveRequest(step=step)) for ps in range(self.num_ps)])
+            return [r.path for r in replies]
+        with ThreadPoolExecutor(max_workers=self.num_ps, thread_name_prefix="save") as pool:  # joined on exit
+            futures = [pool.submit(self._call, ps, "Save", pb.SaveRequest(step=step), SAVE_RETRY_S)
+                       for ps in range(self.num_ps)]
+            outcomes = [_outcome(f) for f in futures]
+        down = {ps: err for ps, err in enumerate(outcomes) if isinstance(err, PsclusterError)}
+        if not down:
+            return [r.path for r in outcomes if isinstance(r, pb.SaveReply)]
+        saved = {ps: {(ref.variable, ref.shard_index) for ref in r.saved}
+                 for ps, r in enumerate(outcomes) if isinstance(r, pb.SaveReply)}
+        first = next(iter(down.values()))
+        if not saved or any(not err.retryable for err in down.values()):
+            raise first
+        roles = [self._call(ps, "GetRoles", pb.GetRolesRequest()) for ps in saved]
+        newest = max(roles, key=lambda r: r.version)
+        uncovered = uncovered_shards({(r.ref.variable, r.ref.shard_index) for r in newest.roles}, saved)
+        if uncovered:
+            raise type(first)(f"checkpoint at step {step}: PS tasks {sorted(down)} are down and no live task "
+                              f"saved {uncovered[:5]} ({len(uncovered)} shards): {first}")
+        writer = min(saved)
+        self._call(writer, "Save", pb.SaveRequest(step=step, absent=sorted(down)), SAVE_RETRY_S)
+        log.warning("checkpoint at step %d: PS tasks %s are down; ps %d wrote their empty files (every shard has "
+                    "a saved live copy)", step, sorted(down), writer)
+        return [r.path for r in outcomes if isinstance(r, pb.SaveReply)]
 
     def table_stats(self, table: Variable) -> dict[str, int]:
         """A dynamic table's live keys, evicted keys and dropped (not admitted) gradient rows, summed
