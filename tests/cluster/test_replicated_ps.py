@@ -233,3 +233,28 @@ def test_a_shard_whose_copies_both_die_counts_every_update_its_primaries_acknowl
         assert coord.lost_updates == 55
     finally:
         coord.shutdown()
+
+
+def test_a_checkpoint_completes_from_the_live_copies_while_a_ps_is_down(fresh_cluster):
+    from pscluster.server import checkpoint
+    from pscluster.server.store import VariableStore
+
+    cluster = fresh_cluster(3, 0, supervise=False, replicas=2)
+    coord = ps.ClusterCoordinator(cluster.settings())
+    try:
+        w = coord.create_variable("w", shape=(6, 2), dtype="float32", optimizer=ps.SGD(1.0),
+                                  partitioner=ps.FixedShardsPartitioner(3))
+        w.push(-np.ones((6, 2), np.float32))
+        keys = [("w", i) for i in range(3)]
+        poll(lambda: all((c := primary_of(coord, k)) is not None and c.in_sync for k in keys), "backups in sync")
+        cluster.kill(cluster.ps[1], signal.SIGKILL)
+        poll(lambda: all(primary_of(coord, k).primary != 1 for k in keys), "ps 1's shards failed over")
+        coord.checkpoint(7)  # failed on 'ps 1 ... Save' before: the step lacked ps 1's file
+        assert [s for s, _ in checkpoint.complete_steps(cluster.checkpoint_dir)] == [7]
+        stores = [VariableStore() for _ in range(3)]
+        for task, store in enumerate(stores):  # the whole cluster restarting from that step gets every shard
+            checkpoint.restore(store, cluster.checkpoint_dir, task, 3, held=True)
+        got = {sh.spec.shard_index: sh.value for s in stores for sh in s.shards()}
+        assert sorted(got) == [0, 1, 2] and all((v == 1).all() for v in got.values())
+    finally:
+        coord.shutdown()
