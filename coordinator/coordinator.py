@@ -68,6 +68,8 @@ REPLICAS_1_REFUSAL = ("moving shards between PS tasks needs the replica table: w
                       "clients find a shard by its handle's placement (k mod P), so a moved shard could not be found; "
                       "start the cluster with elastic: true (one copy, routed by the table) or replicas: 2 "
                       "(docs/elastic.md)")
+JOIN_REFUSAL = ("a PS joining (--join) needs the replica table (replicas: 2, or elastic: true); this cluster runs with "
+                "replicas: 1 and elastic: false, where clients find a shard by its handle's placement (docs/elastic.md)")
 LONG_POLL_SLICE_S = 2.0  # a remote Join/Fetch waits at most this long in a server thread, then re-polls
 
 
@@ -256,7 +258,9 @@ class ClusterCoordinator(CoordinatorAPI):
     def join_ps(self, address: str) -> tuple[int, list[str], int]:
         """A PS the cluster file does not list joins the PS list: (its task index, the list, its epoch). It holds
         nothing until add_ps(index) (docs/elastic.md)."""
-        return self._elastic_ready().join(address)
+        if self._elastic is None:
+            raise FailedPreconditionError(JOIN_REFUSAL)
+        return self._elastic.join(address)
 
     def _elastic_ready(self) -> Elastic:
         if self._elastic is None:

@@ -63,6 +63,7 @@ class ScaleReport(NamedTuple):
     active: list[int]
     moved: int
     freezes_s: list[float]
+    left: tuple[int, ...] = ()  # joined PS tasks that left the PS list after the scale: their processes can stop
 
 
 class Elastic:
@@ -93,12 +94,14 @@ class Elastic:
 
     def scale_to(self, count: int, cancelled: Callable[[], bool] = never) -> ScaleReport:
         """Make PS tasks 0 .. count-1 the active set."""
-        least = self._keeper.state.copies
-        if not least <= count <= len(self._stubs):
+        least, listed = self._keeper.state.copies, len(self._stubs)
+        if count > listed:
+            raise InvalidArgumentError(f"scale --ps {count}: only {listed} PS tasks (0..{listed - 1}) are in the list; "
+                                       "start another with `pscluster ps --join --port P` first (LocalCluster.scale "
+                                       f"does both), or pass {least}..{listed}")
+        if count < least:
             need = "replicas: 2 needs at least 2 active" if least > 1 else "at least 1 must be active"
-            raise InvalidArgumentError(f"scale --ps {count}: this cluster has PS tasks 0..{len(self._stubs) - 1} and "
-                                       f"{need}; pass {least}..{len(self._stubs)}, or start more PS tasks first "
-                                       "(`pscluster ps --join`, LocalCluster.scale)")
+            raise InvalidArgumentError(f"scale --ps {count}: {need}; pass {least}..{listed}")
         return self.scale(list(range(count)), cancelled)
 
     def add(self, task: int, cancelled: Callable[[], bool] = never) -> ScaleReport:
@@ -127,15 +130,21 @@ class Elastic:
         """Whether PS task `task` joined the PS list (the cluster file does not list it)."""
         return self._keeper.book.listed <= task < len(self._stubs)
 
-    def _leave_drained(self) -> None:
-        """Joined PS tasks at the end of the list that a scale drained leave it (ps_book.py: indices stay dense)."""
+    def _leave_drained(self) -> list[int]:
+        """Joined PS tasks at the end of the list that a scale drained leave it (ps_book.py: indices stay dense);
+        returns those that left."""
         book = self._keeper.book
+        left: list[int] = []
         while len(book.addresses) > book.listed and len(book.addresses) - 1 not in self.active:
+            task = len(book.addresses) - 1
             try:
-                self._keeper.leave(len(book.addresses) - 1)
+                self._keeper.leave(task)
             except FailedPreconditionError as exc:  # a failover gave it a copy meanwhile: the next scale retries
                 log.warning("ps list: %s", exc)
-                return
+                break
+            log.warning("ps %d left the PS list: stop its process", task)
+            left.append(task)
+        return left
 
     def scale(self, active: Sequence[int], cancelled: Callable[[], bool] = never) -> ScaleReport:
         """Move shard copies so that only `active` PS tasks hold them (rebalance.py's plan); `cancelled` is
@@ -157,8 +166,7 @@ class Elastic:
                                           "replica table) and try again")
         try:
             report = self._scale(sorted(active), cancelled)
-            self._leave_drained()
-            return report
+            return report._replace(left=tuple(self._leave_drained()))
         finally:
             self._busy.release()
 

@@ -249,4 +249,4 @@ class RemoteCoordinator(CoordinatorAPI):
 def scale(stub: pb_grpc.CoordinatorStub, request: pb.ScaleRequest) -> ScaleReport:
     """One ScalePs call, not retried (a scale that ran half-way must be looked at, not repeated blindly)."""
     reply: pb.ScaleReply = rpc.call(stub.ScalePs, request, timeout=600.0, what="coordinator ScalePs")
-    return ScaleReport(list(reply.active), reply.moves, [ms / 1e3 for ms in reply.freezes_ms])
+    return ScaleReport(list(reply.active), reply.moves, [ms / 1e3 for ms in reply.freezes_ms], tuple(reply.left))

@@ -166,7 +166,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         # a caller that went away (cancelled, or its deadline passed) stops the scale between moves
         report = scale(getattr(request, change), lambda: not context.is_active())
         return pb.ScaleReply(active=report.active, moves=report.moved,
-                             freezes_ms=[1e3 * f for f in report.freezes_s])
+                             freezes_ms=[1e3 * f for f in report.freezes_s], left=report.left)
 
     def JoinPs(self, request: pb.JoinPsRequest, context: grpc.ServicerContext) -> pb.JoinPsReply:
         index, addresses, epoch = self.coordinator.join_ps(request.address)

@@ -2426,6 +2426,7 @@ class ScaleReply(_message.Message):
     ACTIVE_FIELD_NUMBER: _builtins.int
     MOVES_FIELD_NUMBER: _builtins.int
     FREEZES_MS_FIELD_NUMBER: _builtins.int
+    LEFT_FIELD_NUMBER: _builtins.int
     moves: _builtins.int
     """shard copies moved"""
     @_builtins.property
@@ -2436,16 +2437,21 @@ class ScaleReply(_message.Message):
     def freezes_ms(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """per moved primary: how long it refused pushes"""
 
+    @_builtins.property
+    def left(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """joined PS tasks that left the PS list: stop their processes"""
+
     def __init__(
         self,
         *,
         active: _abc.Iterable[_builtins.int] | None = ...,
         moves: _builtins.int = ...,
         freezes_ms: _abc.Iterable[_builtins.float] | None = ...,
+        left: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active", b"active", "freezes_ms", b"freezes_ms", "moves", b"moves"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active", b"active", "freezes_ms", b"freezes_ms", "left", b"left", "moves", b"moves"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

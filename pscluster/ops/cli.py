@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pscluster.config import Settings, load_settings
-from pscluster.errors import ConfigError, StartupError
+from pscluster.errors import ConfigError, PsclusterError, StartupError
 
 
 def _version() -> str:
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(ps)
     ps.add_argument("--index", type=int, default=None, help="task index in the cluster's ps list")
     ps.add_argument("--join", action="store_true", help="a PS the cluster file does not list: ask the coordinator "
-                    "for a task index (replicas: 2; needs --port; then `pscluster scale --add INDEX`)")
+                    "for a task index (replicas: 2 or `elastic: true`; needs --port; then `pscluster scale --add INDEX`)")
     ps.add_argument("--checkpoint-dir", help="directory for checkpoints (shared by all PS tasks)")
     ps.add_argument("--keep-checkpoints", type=int)
     ps.add_argument("--restore", action="store_true", help="load the newest complete checkpoint at start")
@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     ps.add_argument("--framed-port", type=int, help="port of the raw tensor (bulk) listener (default: any free port)")
     wk = sub.add_parser("worker", help="run a worker daemon")
     _common(wk)
-    wk.add_argument("--index", type=int, default=None, help="task index in the cluster's worker list, if any")
+    wk.add_argument("--index", type=int, default=None, help="which address of the cluster's worker list to "
+                    "listen on, if any; the worker number is given at registration")
     wk.add_argument("--framed-port", type=int, help="port of the framed closure listener (default: any free port)")
     co = sub.add_parser("coordinator", help="run a coordinator daemon")
     _common(co)
@@ -106,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     _client(st)
     st.add_argument("--wait", type=float, default=0.0, metavar="SECONDS",
                     help="wait up to SECONDS for every PS and the coordinator to answer")
-    sc = sub.add_parser("scale", help="change the active PS tasks of a running replicas: 2 cluster (docs/elastic.md)")
+    sc = sub.add_parser("scale", help="change the active PS tasks of a running replicas: 2 or `elastic: true` "
+                        "cluster (docs/elastic.md)")
     _client(sc)
     change = sc.add_mutually_exclusive_group(required=True)
     change.add_argument("--ps", type=int, metavar="N", help="PS tasks 0..N-1 hold the shards; the others are drained")
@@ -117,7 +119,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _scale(args: argparse.Namespace) -> int:
     from pscluster.coordinator.remote import scale
-    from pscluster.errors import PsclusterError
     from pscluster.net import rpc
     from pscluster.proto import pscluster_pb2 as pb
     from pscluster.proto import pscluster_pb2_grpc as pb_grpc
@@ -141,6 +142,8 @@ def _scale(args: argparse.Namespace) -> int:
     worst = f", freeze per moved primary: median {1e3 * freezes[len(freezes) // 2]:.1f} ms, max " \
         f"{1e3 * freezes[-1]:.1f} ms" if freezes else ""
     print(f"active PS tasks: {', '.join(map(str, report.active))}; {report.moved} shard copies moved{worst}")
+    for task in report.left:
+        print(f"ps {task} left the PS list: stop its process")
     return 0
 
 
@@ -190,7 +193,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             from pscluster.server.main import join, serve
 
             settings = settings_from_args(args, "ps")
-            serve(join(settings) if args.join else settings)
+            if args.join:
+                try:
+                    settings = join(settings)
+                except PsclusterError as exc:  # refused (replicas: 1) or no coordinator: one line, as scale says it
+                    print(f"pscluster ps --join: {exc}", file=sys.stderr)
+                    return 2
+            serve(settings)
         elif args.command == "worker":
             from pscluster.worker.main import serve as serve_worker
 

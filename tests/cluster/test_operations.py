@@ -76,7 +76,10 @@ def test_metrics_of_live_ps_worker_and_coordinator(fresh_cluster):
         coord.shutdown()
 
 
-def test_status_command_shows_ps_variables_and_workers(fresh_cluster):
+def test_status_command_shows_ps_variables_and_workers(fresh_cluster, capsys):
+    from pscluster.ops import cli
+    from pscluster.ops.launcher import free_port
+
     cluster = fresh_cluster(2, 1, supervise=False)
     coord = ps.ClusterCoordinator(cluster.settings())
     try:
@@ -87,6 +90,12 @@ def test_status_command_shows_ps_variables_and_workers(fresh_cluster):
         assert out.returncode == 0, out.stderr
         for text in ("parameter servers", "embedding", "1/2", "2/2", "(50, 8)", "sgd sparse", "workers", "alive"):
             assert text in out.stdout, text
+        # a PS joining a replicas: 1 cluster is refused in one line (it printed a traceback)
+        argv = ["ps", "--join", "--port", str(free_port()), "--cluster", str(cluster.cluster_file)]
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert "Traceback" not in err and len(err.splitlines()) == 1
+        assert "a PS joining (--join) needs the replica table (replicas: 2, or elastic: true)" in err
     finally:
         coord.shutdown()
     cluster.kill(cluster.ps[1])

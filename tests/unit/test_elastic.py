@@ -118,7 +118,8 @@ def test_adding_the_drained_ps_back_gives_it_its_share() -> None:
     (lambda e: e.remove(5), InvalidArgumentError, "unknown PS task 5: this cluster has PS tasks 0..2"),
     (lambda e: e.add(1), FailedPreconditionError, "ps 1 is active already"),
     (lambda e: e.scale_to(1), InvalidArgumentError, "at least 2 active"),
-    (lambda e: e.scale_to(4), InvalidArgumentError, "pass 2..3"),
+    (lambda e: e.scale_to(4), InvalidArgumentError,
+     r"only 3 PS tasks \(0..2\) are in the list; start another with `pscluster ps --join --port P` first"),
     (lambda e: e.scale([0, 0]), InvalidArgumentError, "names a PS twice"),
 ])
 def test_bad_input_is_refused_and_changes_nothing(call, error, match) -> None:
@@ -334,3 +335,27 @@ def test_one_copy_the_sync_states_row_moves_with_a_freeze_and_keeps_no_backup() 
     row = keeper.sync_row()
     assert row is not None and row.primary in (1, 2) and row.backup is None
     assert ("freeze", 0, "v-1", row.primary) in log and ("table", rp.SYNC_ORDINAL, row.primary, None) in log
+
+
+def test_a_scale_down_says_which_joined_ps_left_the_list_and_a_scale_past_the_list_says_to_join_one(caplog) -> None:
+    elastic, keeper, stubs, log = make()
+    keeper.state.ps[3] = rp.PsRec()  # ps 3 joined (ReplicaKeeper.join) and took its share
+    keeper.state.num_ps = 4
+    keeper.state.inactive = {3}
+    keeper.book.join("h:3")
+    stubs.append(Stub(3, log))
+
+    def leave(task: int) -> None:  # ReplicaKeeper.leave: the book and the stub list shrink
+        keeper.book.leave(task)
+        stubs.pop()
+        keeper.state.ps.pop(task)
+        keeper.state.num_ps = len(stubs)
+
+    keeper.leave = leave  # type: ignore[attr-defined]
+    elastic.add(3)
+    with caplog.at_level("WARNING", logger="pscluster.coordinator.elastic"):
+        report = elastic.scale_to(3)
+    assert report.active == [0, 1, 2] and report.left == (3,)
+    assert "ps 3 left the PS list: stop its process" in caplog.text
+    with pytest.raises(InvalidArgumentError, match=r"scale --ps 4: only 3 PS tasks \(0..2\) are in the list"):
+        elastic.scale_to(4)  # the joined task left: not 'at least 1 must be active'
