@@ -29,14 +29,21 @@ TOKEN_KEY = "x-pscluster-token"
 T = TypeVar("T")
 
 
-def channel_options(settings: Settings) -> list[tuple[str, Any]]:
+KEEPALIVE_MS = 20_000  # a ping on every idle connection this often: a dead peer is found without a call
+
+
+def channel_options(settings: Settings, keepalive_ms: int = KEEPALIVE_MS) -> list[tuple[str, Any]]:
     """Channel/server options: message size limits and keepalive suited to long training runs."""
     return [
         ("grpc.max_send_message_length", settings.max_message_bytes),
         ("grpc.max_receive_message_length", settings.max_message_bytes),
-        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_time_ms", keepalive_ms),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
+        # the server's side of the same keepalive: it accepts a ping without calls this often (gRPC's own
+        # default, 5 min, counted each of our pings a strike and ended an idle connection after three with
+        # GOAWAY ENHANCE_YOUR_CALM "too_many_pings"); half the period leaves room for timer jitter
+        ("grpc.http2.min_ping_interval_without_data_ms", keepalive_ms // 2),
         ("grpc.so_reuseport", 0),
         # A restarted daemon is back within a second or two: reconnect fast, not after 1 s..120 s backoff.
         ("grpc.initial_reconnect_backoff_ms", 100),
