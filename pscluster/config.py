@@ -8,6 +8,7 @@ environment variables -> explicit overrides (CLI flags). Nothing else in psclust
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import json
 import logging
@@ -404,10 +405,18 @@ def validate(data: Mapping[str, Any]) -> Settings:
             value = err.get("input")
             shown = "" if isinstance(value, dict) else f" (got {value!r})"
             loc = err["loc"]
+            if loc == ("replicas",) and err["type"] in ("less_than_equal", "greater_than_equal"):
+                problems.append(f"replicas: {value!r}: only 1 or 2 copies are supported")
+                continue
             if err["type"] == "extra_forbidden" and len(loc) == 2 and loc[0] == "cluster" and \
                     loc[1] in Settings.model_fields:
                 # a setting written beside the addresses of a bare cluster file
                 shown += (f": `{loc[1]}` is a setting; a cluster file with settings puts the addresses under a "
                           f"top-level `cluster:` key and the settings beside it")
+            elif err["type"] == "extra_forbidden" and loc:
+                known = ClusterSpec.model_fields if loc[0] == "cluster" and len(loc) == 2 else \
+                    Settings.model_fields if len(loc) == 1 else {}
+                close = difflib.get_close_matches(str(loc[-1]), list(known), n=1)
+                shown += f": did you mean {close[0]!r}?" if close else ""
             problems.append(f"{field}: {err['msg']}{shown}")
         raise ConfigError("invalid configuration: " + "; ".join(problems)) from exc

@@ -167,3 +167,25 @@ def test_a_setting_beside_the_addresses_of_a_bare_cluster_file_says_where_it_goe
     full = tmp_path / "full.yaml"
     full.write_text('cluster:\n  ps: ["127.0.0.1:7001", "127.0.0.1:7002"]\n  coordinator: "127.0.0.1:7000"\nreplicas: 2\n')
     assert load_settings(full).replicas == 2
+
+
+@pytest.mark.parametrize("replicas", [0, 3])
+def test_replicas_out_of_range_says_which_counts_are_supported(replicas):
+    with pytest.raises(ConfigError, match=rf"replicas: {replicas}: only 1 or 2 copies are supported"):
+        validate({"cluster": {"ps": PS}, "replicas": replicas})
+
+
+@pytest.mark.parametrize("data,hint", [
+    ({"cluster": {"ps": PS}, "replica": 2}, "replica: Extra inputs are not permitted (got 2): did you mean 'replicas'?"),
+    ({"cluster": {"ps": PS, "coordinater": "127.0.0.1:1"}}, "did you mean 'coordinator'?"),
+])
+def test_a_mistyped_key_gets_the_closest_field(data, hint):
+    with pytest.raises(ConfigError) as info:
+        validate(data)
+    assert hint in str(info.value)
+
+
+def test_an_unknown_key_like_no_field_gets_no_guess():
+    with pytest.raises(ConfigError) as info:
+        validate({"cluster": {"ps": PS}, "zzzzzz": 1})
+    assert "did you mean" not in str(info.value)
