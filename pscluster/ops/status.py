@@ -28,6 +28,16 @@ class ClusterStatus:
     coordinator_error: str = ""
     coordinator_address: str = ""
     listed: int | None = None  # PS tasks the cluster file lists; the others joined (docs/elastic.md)
+    # the newest replica table the PS tasks hold: (variable, shard) -> (primary, backup); None without one
+    roles: dict[tuple[str, int], tuple[int, int]] | None = None
+
+    def role(self, variable: str, shard: int, ps: int) -> str:
+        """A copy's role: P (primary), B (backup), or '-' (a copy the replica table gives other PS tasks: a
+        deposed or restored one, dropped at its next roles update); one copy without a table is P."""
+        if self.roles is None:
+            return "P"
+        primary, backup = self.roles.get((variable, shard), (-1, -1))
+        return "P" if primary == ps else "B" if backup == ps else "-"
 
     def answered(self) -> tuple[int, int]:
         """(tasks that answered, tasks asked)."""
@@ -49,7 +59,8 @@ def _problem(err: PsclusterError) -> str:
 def gather(settings: Settings, timeout: float = 3.0) -> ClusterStatus:
     """Ask every PS task and the coordinator (if the spec names one) for their state."""
     out = ClusterStatus(listed=len(settings.cluster.ps))
-    for address in _ps_list(settings, timeout):
+    addresses, out.roles = _ps_list(settings, timeout)
+    for address in addresses:
         channel = rpc.open_channel(address, settings)
         stub = pb_grpc.ParameterServerStub(channel)
         try:
@@ -100,12 +111,14 @@ def _render_silence(status: ClusterStatus, console: Console) -> None:
         console.print(f"[red]no task answered[/red]: {problem}{hint}: {', '.join(names)}", soft_wrap=True)
 
 
-def _ps_list(settings: Settings, timeout: float) -> list[str]:
+def _ps_list(settings: Settings, timeout: float) -> tuple[list[str], dict[tuple[str, int], tuple[int, int]] | None]:
     """The coordinator's PS list, which PS tasks that joined extend (replicas: 2: it rides the replica table
-    every PS holds); the cluster file's when no PS has a newer one."""
+    every PS holds), the cluster file's when no PS has a newer one; and the newest replica table (None: the
+    cluster has none)."""
     newest, epoch = list(settings.cluster.ps), 0
     if not settings.replica_table:
-        return newest
+        return newest, None
+    roles: pb.SetRolesRequest | None = None
     for address in settings.cluster.ps:
         channel = rpc.open_channel(address, settings)
         try:
@@ -116,7 +129,10 @@ def _ps_list(settings: Settings, timeout: float) -> list[str]:
             channel.close()
         if table.ps_epoch > epoch and table.ps_addresses:
             newest, epoch = list(table.ps_addresses), table.ps_epoch
-    return newest
+        if roles is None or table.version > roles.version:
+            roles = table
+    return newest, {} if roles is None else {(r.ref.variable, r.ref.shard_index): (r.primary, r.backup)
+                                             for r in roles.roles}
 
 
 def render(status: ClusterStatus, console: Console) -> None:
@@ -128,7 +144,7 @@ def render(status: ClusterStatus, console: Console) -> None:
     for col in ("ps", "address", "state", "global step", "restored step", "shards", "held", "stale dropped"):
         ps_table.add_column(col)
     var_table = Table(title="variables")
-    for col in ("variable", "shard", "ps", "shape", "dtype", "optimizer", "version"):
+    for col in ("variable", "shard", "ps", "role", "shape", "dtype", "optimizer", "version"):
         var_table.add_column(col)
     for i, (address, st, shards) in enumerate(status.ps):
         if st is None:
@@ -141,7 +157,8 @@ def render(status: ClusterStatus, console: Console) -> None:
                          _mib(st.total_bytes), str(st.dropped_stale))
         for info in shards:
             s = info.spec
-            var_table.add_row(s.variable, f"{s.shard_index + 1}/{s.num_shards}", str(i), str(tuple(s.shape)),
+            var_table.add_row(s.variable, f"{s.shard_index + 1}/{s.num_shards}", str(i),
+                              status.role(s.variable, s.shard_index, i), str(tuple(s.shape)),
                               s.dtype, s.optimizer.kind + (" sparse" if s.sparse else ""), str(info.version))
     _print(console, ps_table)
     _print(console, var_table)

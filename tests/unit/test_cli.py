@@ -65,3 +65,24 @@ def test_status_marks_a_ps_that_joined_the_list():
     render(status, Console(file=out, width=120))
     rows = [line for line in out.getvalue().splitlines() if "127.0.0.1:700" in line]
     assert len(rows) == 3 and "joined" in rows[2] and not any("joined" in r for r in rows[:2])
+
+
+def test_status_shows_each_copys_role_from_the_replica_table():
+    def info(shard):
+        return pb.ShardInfo(spec=pb.ShardSpec(variable="w", shard_index=shard, num_shards=2, shape=[1]), version=1)
+
+    status = ClusterStatus(ps=[("127.0.0.1:7000", pb.PsStatus(), [info(0), info(1)]),
+                               ("127.0.0.1:7001", pb.PsStatus(), [info(0), info(1)])], ps_problems=["", ""],
+                           roles={("w", 0): (0, 1), ("w", 1): (0, 0)})  # shard 1's copy on ps 1: deposed
+    out = io.StringIO()
+    render(status, Console(file=out, width=160))
+    table = out.getvalue().split("variables")[1]
+    assert "role" in table
+    rows = [line.split("│")[1:5] for line in table.splitlines() if " w " in line]
+    assert [[c.strip() for c in r] for r in rows] == [["w", "1/2", "0", "P"], ["w", "2/2", "0", "P"],
+                                                      ["w", "1/2", "1", "B"], ["w", "2/2", "1", "-"]]
+    status.roles = None  # replicas: 1 without the table: every copy is the only one
+    out = io.StringIO()
+    render(status, Console(file=out, width=160))
+    assert [line.split("│")[4].strip() for line in out.getvalue().split("variables")[1].splitlines()
+            if " w " in line] == ["P"] * 4
