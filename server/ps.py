@@ -98,9 +98,10 @@ class ParameterServerCore:
         with self._ps_list_lock:
             if version >= self._drained[0]:
                 self._drained = (version, sorted(drained))
+        _, table = replication.roles()
+        self._drop_deposed(table)
         if not self._unclaimed:
             return
-        _, table = replication.roles()
         named = {r.key: self.ps_index in (r.primary, r.backup) for r in table if r.key in self._unclaimed}
         for key, mine in named.items():
             restored = self._unclaimed.pop(key, None)  # one SetRoles of two racing ones decides each copy
@@ -108,6 +109,20 @@ class ParameterServerCore:
             if restored is not None and not mine and self.store.remove(key, only=restored):
                 log.info("ps %d: dropped the restored copy of %s[%d]: the replica table has it on other PS tasks",
                          self.ps_index, key[0], key[1])
+
+    def _drop_deposed(self, table: Sequence[Role]) -> None:
+        """Drop the copies the replica table gives other PS tasks now (a PS stopped while its shards failed
+        over, then resumed: nothing routes to them any more, and they would hold memory forever). A restored
+        copy not yet claimed is left to take_roles' own rule; a shard the table does not list yet (just created)
+        is kept."""
+        for role in table:
+            if self.ps_index in (role.primary, role.backup) or role.key in self._unclaimed:
+                continue
+            shard = self.store.find(role.key)
+            if shard is not None and self.store.remove(role.key, only=shard):
+                log.warning("ps %d: deposed: dropped its copy of %s[%d] (version %d): the replica table (epoch %d) "
+                            "has it on ps %d (backup %s)", self.ps_index, role.key[0], role.key[1], shard.version,
+                            role.epoch, role.primary, role.backup if role.backup >= 0 else "none")
 
     def replicas(self) -> SyncHook:
         """The sync-replica state, for the servicers."""

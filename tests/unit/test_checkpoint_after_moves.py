@@ -247,8 +247,11 @@ def test_dropping_an_unclaimed_restored_copy_spares_a_copy_installed_since(tmp_p
     core.take_roles(7, [Role(key, 5, 0, 1)], [], 0)
     assert core.store.get(key) is live.get(key) is not restored  # the live copy stays
     core.replication.roles = table_of
-    core.take_roles(8, [Role(key, 6, 0, 1)], [], 0)  # the copy was decided once: a later table drops nothing
+    assert key not in core._unclaimed  # the restored copy was decided once
+    core.take_roles(8, [Role(key, 6, 0, 2)], [], 0)  # the table that installed it names ps 2: kept
     assert core.store.find(key) is live.get(key)
+    core.take_roles(9, [Role(key, 7, 0, 1)], [], 0)  # one that names others deposes it: dropped (memory)
+    assert core.store.find(key) is None
 
 
 def test_a_table_increment_builds_on_its_own_processs_file_not_an_earlier_clusters_of_the_same_task_index(tmp_path):
