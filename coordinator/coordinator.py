@@ -289,7 +289,7 @@ class ClusterCoordinator(CoordinatorAPI):
         except PsclusterError:
             step = -1
         return to_status(self._snapshot, self._clock(), lost_updates=self.lost_updates, global_step=step,
-                         sync_mode=self.sync_mode)
+                         sync_mode=self.sync_mode, lost_by_variable=self.lost_updates_by_variable())
 
     def worker_rates(self) -> dict[str, float]:
         """Closures completed per second by each registered worker over the last 10 s (as of the last tick)."""

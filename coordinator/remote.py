@@ -201,6 +201,11 @@ class RemoteCoordinator(CoordinatorAPI):
         """Updates applied on a PS after its last checkpoint and lost when it restarted."""
         return int(self.status().lost_updates)
 
+    def lost_updates_by_variable(self) -> dict[str, int]:
+        """Lost shard updates per variable (see ClusterCoordinator.lost_updates_by_variable); a variable that lost
+        none is left out."""
+        return dict(self.status().lost_updates_by_variable)
+
     @property
     def global_step(self) -> int:
         """The daemon's global step (see ClusterCoordinator.global_step)."""

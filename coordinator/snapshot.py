@@ -77,7 +77,7 @@ def take(state: SchedulerState, meter: RateMeter) -> Snapshot:
 
 
 def to_status(snap: Snapshot, now: float, *, lost_updates: int, global_step: int,
-              sync_mode: str) -> pb.CoordinatorStatus:
+              sync_mode: str, lost_by_variable: dict[str, int] | None = None) -> pb.CoordinatorStatus:
     """A snapshot as the Status reply (`pscluster status`); a job's idle time is counted to now."""
     workers = [pb.WorkerState(worker_id=w.wid, address=w.address, state=w.state, closures_done=w.done,
                               steps_per_s=w.steps_per_s) for w in snap.workers]
@@ -86,7 +86,8 @@ def to_status(snap: Snapshot, now: float, *, lost_updates: int, global_step: int
     jobs += [pb.JobState(job=e.job, done=e.completed, failed=e.failed, ended=e.reason) for e in snap.ended_jobs]
     return pb.CoordinatorStatus(queued=snap.queued, running=snap.running, done=snap.completed,
                                 retried=snap.retried, failed=snap.failed, workers=workers, lost_updates=lost_updates,
-                                global_step=global_step, sync_mode=sync_mode, jobs=jobs)
+                                global_step=global_step, sync_mode=sync_mode, jobs=jobs,
+                                lost_updates_by_variable={k: v for k, v in (lost_by_variable or {}).items() if v})
 
 
 class RateMeter:

@@ -2614,6 +2614,26 @@ Global___WorkerState: _TypeAlias = WorkerState  # noqa: Y015
 class CoordinatorStatus(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class LostUpdatesByVariableEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     QUEUED_FIELD_NUMBER: _builtins.int
     RUNNING_FIELD_NUMBER: _builtins.int
     DONE_FIELD_NUMBER: _builtins.int
@@ -2624,6 +2644,7 @@ class CoordinatorStatus(_message.Message):
     GLOBAL_STEP_FIELD_NUMBER: _builtins.int
     SYNC_MODE_FIELD_NUMBER: _builtins.int
     JOBS_FIELD_NUMBER: _builtins.int
+    LOST_UPDATES_BY_VARIABLE_FIELD_NUMBER: _builtins.int
     queued: _builtins.int
     running: _builtins.int
     done: _builtins.int
@@ -2636,6 +2657,10 @@ class CoordinatorStatus(_message.Message):
     def workers(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkerState]: ...
     @_builtins.property
     def jobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___JobState]: ...
+    @_builtins.property
+    def lost_updates_by_variable(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """lost_updates per variable (those that lost any)"""
+
     def __init__(
         self,
         *,
@@ -2649,10 +2674,11 @@ class CoordinatorStatus(_message.Message):
         global_step: _builtins.int = ...,
         sync_mode: _builtins.str = ...,
         jobs: _abc.Iterable[Global___JobState] | None = ...,
+        lost_updates_by_variable: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "failed", b"failed", "global_step", b"global_step", "jobs", b"jobs", "lost_updates", b"lost_updates", "queued", b"queued", "retried", b"retried", "running", b"running", "sync_mode", b"sync_mode", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "failed", b"failed", "global_step", b"global_step", "jobs", b"jobs", "lost_updates", b"lost_updates", "lost_updates_by_variable", b"lost_updates_by_variable", "queued", b"queued", "retried", b"retried", "running", b"running", "sync_mode", b"sync_mode", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

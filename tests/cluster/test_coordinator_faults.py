@@ -142,6 +142,7 @@ def test_ps_killed_mid_run_restarts_from_checkpoint_and_run_completes(fresh_clus
         assert coord.lost_updates > 0
         # exactly what was applied after the checkpoint (and acknowledged) is lost, and reported as lost
         assert total == 250 - coord.lost_updates
+        assert coord.lost_updates_by_variable() == {"counter": coord.lost_updates}  # a RemoteCoordinator too
     finally:
         coord.shutdown()
 
