@@ -2,8 +2,8 @@
 
 Both classes offer the same public methods (tests/unit/test_remote_clients.py compares them);
 DAEMON_SIDE names ClusterCoordinator's entry points for the servicer, which a client has no use for,
-and CLIENT_SIDE what only a remote client needs. `lost_updates_by_variable` is also embedded-only: the
-Status RPC carries the total (`lost_updates`), not the per-variable breakdown; so is `replica_table`.
+and CLIENT_SIDE what only a remote client needs. `replica_table` is embedded-only (a driver reads the
+table's roles in `pscluster status`); `lost_updates_by_variable` is not: the Status RPC carries it.
 `join_ps` is a PS daemon's (`pscluster ps --join`, the JoinPs RPC), not a driver's.
 """
 
@@ -19,8 +19,8 @@ from pscluster.client.datasets import PerWorkerDataset
 from pscluster.client.variables import Variable
 from pscluster.schedules import Schedule
 
-DAEMON_SIDE = frozenset({"schedule_payload", "register", "heartbeat", "release", "snapshot", "lost_updates_by_variable",
-                         "replica_table", "join_ps"})
+DAEMON_SIDE = frozenset({"schedule_payload", "register", "heartbeat", "release", "snapshot", "replica_table",
+                         "join_ps"})
 CLIENT_SIDE = frozenset({"close"})  # detach without ending the job (RemoteCoordinator(settings, job=...) re-attaches)
 
 
