@@ -188,9 +188,13 @@ def prune(root: pathlib.Path, keep: int, ps_index: int, num_ps: int) -> None:
     kept = steps[-keep:] if steps else []
     oldest_kept = kept[0][0] if len(steps) > keep else -1
     complete = {step for step, _ in steps}
-    needed = {step for _, files in kept for path in files for step in _needs(path)}  # increments' bases
     dirs = {int(m.group(1)): d for d in root.iterdir() if (m := _STEP.match(d.name)) and d.is_dir()}
     newest = max(dirs, default=-1)
+    kept_files = [path for _, files in kept for path in files]
+    if newest >= 0 and newest not in complete:  # the save in progress: its increments' bases stay too
+        with contextlib.suppress(FileNotFoundError):  # another task's prune removed it meanwhile
+            kept_files += [f for f in dirs[newest].iterdir() if TASK_FILE.match(f.name)]
+    needed = {step for path in kept_files for step in _needs(path)}  # increments' bases
     for step, step_dir in dirs.items():
         if step in needed or step == newest and step not in complete:
             continue
