@@ -2,8 +2,10 @@
 
     <checkpoint_dir>/step-<N>/ps-<i>-of-<P>.safetensors     one file per PS task, written atomically
 
-A step is complete when all P files of one task count P are there (a save taken while the PS list
-changed may mix counts: then it is not complete, and `missing` says which files it lacks). Each file holds its task's shards as
+A step is complete when all P files of one task count P are there; with replicas: 2 a down task's file may
+be an empty one (header `absent`) that a live task wrote once every shard had a live copy saved. A save
+taken while the PS list changed may mix counts: then it is not complete, and `missing` says which files it
+lacks. Each file holds its task's shards as
 `<variable>/<shard>/value` (and `/slot/<name>`) tensors, and a `shards` JSON header with every shard's
 spec (full shape, row offset) and version. `read_variables` assembles whole variables from a step's
 files, which is what an evaluator needs (the safetensors files hold no pickles).

@@ -5,9 +5,12 @@ its presence means it is complete; a step is complete when all P files are prese
 newest complete step and takes the shards whose ordinal maps to this task under the *current* P, so
 a checkpoint restores into a different number of PS tasks (re-sharding by placement).
 
-Disk stays bounded by `keep` x model size (plus one in-flight temporary per PS task): pruning works
-on whole steps across tasks (any task removes every step directory older than the newest `keep`
-complete steps, since a step is useless once newer complete ones exist), and a temporary
+With replicas: 2 a task that is down while each of its shards has a live copy saved by another task
+gets an empty file (header `absent`, written by a live task: save_absent), which completes the step.
+
+Disk stays bounded by `keep` x model size (plus one save in progress): pruning works on whole steps
+across tasks (any task removes every step directory older than the newest `keep` complete steps, since a
+step is useless once newer complete ones exist, and every incomplete one but the newest), and a temporary
 `.ps-i-of-P.safetensors.tmp-PID` left by a save killed mid-write is removed by task i itself, at
 start and after each of its saves, when none of its own saves is in flight. Its PID is not asked:
 an earlier version kept the temporaries whose PID was a live pscluster process, and on a PID reuse,
