@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.server import catch_up, table_ops, table_state
+from pscluster.server.forward_buffers import ForwardBuffers
 from pscluster.server.push_record import PushKey, push_key
 from pscluster.server.replica_links import tensors_of
 from pscluster.server.replica_notes import ReplicaNotes, SyncStateHolder, note_skipped
@@ -76,6 +77,7 @@ class Replication(ReplicaNotes):
         self.timeout = timeout
         self.step_timeout = step_timeout  # a sync push waits for its step (the other replicas' gradients) too
         self._max_queued = max_queued_bytes
+        self.buffers = ForwardBuffers()  # the forwards' gradient copies, reused (cache-warm) push after push
         self._lock = threading.Lock()  # roles, epochs and replicators (never held across I/O or a shard lock)
         self._roles: dict[Key, Role] = {}  # the whole table (clients read it through GetRoles)
         self.version = 0  # of that table
@@ -242,7 +244,7 @@ class Replication(ReplicaNotes):
         if role is None or rep is None:
             return
         # copies: the gradient is a view of the connection's buffer, which the next push reuses
-        arrays = [np.array(grad, copy=True)]
+        arrays = [self.buffers.copy(grad)]
         msg = pb.ReplicaForward(ref=pb.ShardRef(variable=shard.spec.variable, shard_index=shard.spec.shard_index),
                                 epoch=role.epoch, version=version, push_id=key[0] if key is not None else "",
                                 final_below=final_below, grad=codec.header(grad.dtype, grad.shape))

@@ -1,0 +1,52 @@
+"""The forwards' reused gradient copies (server/forward_buffers.py): a buffer is handed out again only once nothing
+holds it, and the pool stays bounded."""
+
+from __future__ import annotations
+
+import numpy as np
+from pscluster.server.forward_buffers import MIN_BYTES, ForwardBuffers
+
+
+def _grad(value: float) -> np.ndarray:
+    return np.full((256, 128), value, np.float32)  # 128 KiB: above MIN_BYTES
+
+
+def test_a_dropped_copy_is_reused_and_a_held_one_never() -> None:
+    pool = ForwardBuffers()
+    first = pool.copy(_grad(1.0))
+    kept = id(first)
+    del first
+    again = pool.copy(_grad(2.0))
+    assert id(again) == kept and np.all(again == 2.0)
+    other = pool.copy(_grad(3.0))  # `again` is still held: a buffer of its own
+    assert other is not again and np.all(again == 2.0) and np.all(other == 3.0)
+
+
+def test_a_view_of_a_copy_keeps_it_in_use() -> None:
+    pool = ForwardBuffers()
+    copy = pool.copy(_grad(1.0))
+    view = copy.reshape(-1).view(np.uint8)  # as a send's byte views of the batch
+    kept = id(copy)
+    del copy
+    fresh = pool.copy(_grad(5.0))
+    assert id(fresh) != kept
+    assert np.all(view.view(np.float32) == 1.0)  # the held bytes were not overwritten
+
+
+def test_the_pool_is_bounded_per_shape_and_in_bytes() -> None:
+    pool = ForwardBuffers(per_shape=2, max_bytes=1 << 30)
+    held = [pool.copy(_grad(float(i))) for i in range(5)]  # all held: 2 kept, 3 plain copies
+    assert pool.kept_bytes == 2 * held[0].nbytes
+    assert [float(h[0, 0]) for h in held] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    small = ForwardBuffers(max_bytes=_grad(0).nbytes)
+    a, b = small.copy(_grad(1.0)), small.copy(_grad(2.0))
+    assert small.kept_bytes == a.nbytes and np.all(b == 2.0)
+
+
+def test_small_and_strided_arrays_are_copied_exactly() -> None:
+    pool = ForwardBuffers()
+    tiny = np.arange(10, dtype=np.float32)
+    assert tiny.nbytes < MIN_BYTES and np.array_equal(pool.copy(tiny), tiny)
+    strided = np.arange(512 * 256, dtype=np.float32).reshape(512, 256)[:, ::2]
+    out = pool.copy(strided)
+    assert out.flags.c_contiguous and np.array_equal(out, strided)
