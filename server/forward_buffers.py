@@ -1,4 +1,4 @@
-"""Reused buffers for the copies a primary forwards to its backup (replicas: 2).
+"""Reused parts of what a primary forwards to its backup (replicas: 2): gradient copies and message templates.
 
 A forward owns a copy of its gradient (the push's array is a view of a connection's buffer, which the next push
 reuses). A fresh 400 KB allocation per push lands on memory that is cold in the cache: B15FLOOR measured
@@ -20,6 +20,9 @@ import sys
 import threading
 
 import numpy as np
+from pscluster.proto import pscluster_pb2 as pb
+
+from pscluster import codec
 
 MIN_BYTES = 64 << 10  # smaller copies: a plain np.array (a fresh small allocation costs little)
 PER_SHAPE = 4  # buffers kept per size: a push in flight, one queued behind it, and room for others
@@ -69,3 +72,31 @@ class ForwardBuffers:
         with self._lock:
             self._kept.clear()
             self.kept_bytes = 0
+
+
+MAX_TEMPLATES = 4096  # dense (shard, dtype, shape) forward templates kept; past it the set starts over
+
+
+class ForwardTemplates:
+    """A dense forward's constant part (its shard's ref and the gradient's header), built once per shard.
+
+    Built per push, pb.ReplicaForward with a ShardRef and a Tensor header cost ~10 us (4 per W2 push); a copy of
+    a kept template with the per-push fields set costs ~2 us. Thread-safe: a race builds a template twice.
+    """
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple[str, int, np.dtype, tuple[int, ...]], pb.ReplicaForward] = {}
+
+    def forward(self, variable: str, shard_index: int, grad: np.ndarray) -> pb.ReplicaForward:
+        """A new forward of a dense gradient of grad's dtype and shape: ref and grad set, the rest unset."""
+        key = (variable, shard_index, grad.dtype, grad.shape)
+        template = self._kept.get(key)
+        if template is None:
+            if len(self._kept) >= MAX_TEMPLATES:
+                self._kept = {}
+            template = pb.ReplicaForward(ref=pb.ShardRef(variable=variable, shard_index=shard_index),
+                                         grad=codec.header(grad.dtype, grad.shape))
+            self._kept[key] = template
+        msg = pb.ReplicaForward()
+        msg.CopyFrom(template)
+        return msg

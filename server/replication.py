@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.server import catch_up, table_ops, table_state
-from pscluster.server.forward_buffers import ForwardBuffers
+from pscluster.server.forward_buffers import ForwardBuffers, ForwardTemplates
 from pscluster.server.push_record import PushKey, push_key
 from pscluster.server.replica_links import tensors_of
 from pscluster.server.replica_notes import ReplicaNotes, SyncStateHolder, note_skipped
@@ -78,6 +78,7 @@ class Replication(ReplicaNotes):
         self.step_timeout = step_timeout  # a sync push waits for its step (the other replicas' gradients) too
         self._max_queued = max_queued_bytes
         self.buffers = ForwardBuffers()  # the forwards' gradient copies, reused (cache-warm) push after push
+        self._templates = ForwardTemplates()  # a dense forward's ref and header, built once per shard
         self._lock = threading.Lock()  # roles, epochs and replicators (never held across I/O or a shard lock)
         self._roles: dict[Key, Role] = {}  # the whole table (clients read it through GetRoles)
         self.version = 0  # of that table
@@ -243,11 +244,17 @@ class Replication(ReplicaNotes):
         role, rep = self._replicator_of(shard.spec.key)
         if role is None or rep is None:
             return
-        # copies: the gradient is a view of the connection's buffer, which the next push reuses
-        arrays = [self.buffers.copy(grad)]
-        msg = pb.ReplicaForward(ref=pb.ShardRef(variable=shard.spec.variable, shard_index=shard.spec.shard_index),
-                                epoch=role.epoch, version=version, push_id=key[0] if key is not None else "",
-                                final_below=final_below, grad=codec.header(grad.dtype, grad.shape))
+        # copies: the gradient is a view of the connection's buffer, which the next push reuses; a dense one's
+        # shape is the same push after push (a kept buffer fits it), rows' are not
+        arrays = [self.buffers.copy(grad) if local is None else np.array(grad, copy=True)]
+        spec = shard.spec
+        msg = self._templates.forward(spec.variable, spec.shard_index, grad) if local is None else \
+            pb.ReplicaForward(ref=pb.ShardRef(variable=spec.variable, shard_index=spec.shard_index),
+                              grad=codec.header(grad.dtype, grad.shape))  # rows: a shape per push, no template
+        msg.epoch = role.epoch
+        msg.version = version
+        msg.push_id = key[0] if key is not None else ""
+        msg.final_below = final_below
         if local is not None:
             rows = np.array(local, np.int64, copy=True)
             msg.rows.CopyFrom(codec.header(rows.dtype, rows.shape))

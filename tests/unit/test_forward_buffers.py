@@ -4,7 +4,10 @@ holds it, and the pool stays bounded."""
 from __future__ import annotations
 
 import numpy as np
-from pscluster.server.forward_buffers import MIN_BYTES, PAGE, ForwardBuffers
+from pscluster.proto import pscluster_pb2 as pb
+from pscluster.server.forward_buffers import MIN_BYTES, PAGE, ForwardBuffers, ForwardTemplates
+
+from pscluster import codec
 
 
 def _grad(value: float) -> np.ndarray:
@@ -62,3 +65,17 @@ def test_a_copy_lands_at_its_sources_offset_in_the_page() -> None:
         assert out.ctypes.data % PAGE == src.ctypes.data % PAGE
         assert out.shape == src.shape and out.dtype == src.dtype and np.all(out == shift)
         del out
+
+
+def test_a_template_forward_is_a_fresh_message_each_time() -> None:
+    templates = ForwardTemplates()
+    grad = _grad(0.0)
+    first = templates.forward("w", 1, grad)
+    first.version = 7
+    first.push_id = "p"
+    second = templates.forward("w", 1, grad)
+    assert second.version == 0 and not second.push_id  # the first one's fields did not leak into the template
+    expected = pb.ReplicaForward(ref=pb.ShardRef(variable="w", shard_index=1), grad=codec.header(grad.dtype, grad.shape))
+    assert second == expected
+    other = templates.forward("w", 1, grad[:10])
+    assert list(other.grad.shape) == [10, 128]
