@@ -197,7 +197,8 @@ def bench_b15floor(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]
                 f"`python bench/run.py --only B15FLOOR --runs {args.runs}`",
                 f"one copy {f['one']:.2f} ms; backup acks without applying {f['ack']:.2f} ms (transport "
                 f"{f['transport_ms']:.2f}); backup applies {f['apply']:.2f} ms (apply {f['apply_ms']:.2f}); the copy "
-                f"{f['copy_ms']:.2f} ms per push ({load})", "measure (issue 24: what 2 cores allow)")]
+                f"{f['copy_ms']:.2f} ms per push; the copy as 2 PS make it (W2's shards in two halves, a batch each) "
+                f"{f['split_ms']:.2f} ms per step ({load})", "measure (issue 24: what 2 cores allow)")]
 
 
 BENCHES = {"B15": bench_b15, "B15COST": bench_b15cost, "B15TABLE1": bench_b15table1, "B15SCALE": bench_b15scale,
