@@ -1,11 +1,12 @@
 """Train a JAX MLP on real MNIST digits with a local pscluster: 2 PS, 2 workers.
 
-    python examples/jax_mnist.py --steps 1500            # asynchronous Adam on the PS
+    python examples/jax_mnist.py --steps 1500            # asynchronous Adam on the PS, cosine-decayed rate
     python examples/jax_mnist.py --mode sync              # sync replicas; or --mode bounded
 
 The parameters are a plain pytree (a dict of jnp arrays); `pscluster.jax.PSParams` puts each leaf on
 the PS tasks. Each closure pulls them (one request per PS task), takes `jax.value_and_grad` of the
-loss on the worker's batch, and pushes the gradient pytree; the PS applies the optimizer. Data: the
+loss on the worker's batch, and pushes the gradient pytree; the PS applies the optimizer (Adam, its rate
+decayed along a cosine over the run's pushes: optax's `cosine_decay_schedule`, run on the PS). Data: the
 MNIST digits of examples/mnist.py (4,000 train, 1,000 held out).
 """
 
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ps", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=0.001)
+    parser.add_argument("--lr", type=float, default=0.002, help="peak rate, decayed to 1/20 of it")
     parser.add_argument("--mode", choices=["async", "sync", "bounded"], default="async")
     parser.add_argument("--staleness", type=int, default=2)
     parser.add_argument("--min-accuracy", type=float, default=0.93, help="exit non-zero below this")
@@ -103,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
                 coord.wait_for_workers(args.workers)
                 if args.mode != "async":
                     coord.configure_sync(args.mode, replicas_to_aggregate=args.workers, staleness=args.staleness)
-                model = ps_jax.PSParams(coord, init_params(), ps_jax.Adam(args.lr))
+                # a constant rate let an async run's last steps jump back up now and then; the decay settles them
+                rate = ps_jax.cosine_decay_schedule(args.lr, decay_steps=args.steps, alpha=0.05)
+                model = ps_jax.PSParams(coord, init_params(), ps_jax.adam(rate))
                 dataset = coord.create_per_worker_dataset(
                     lambda info: batches(train_path, args.batch, seed=info.worker_index))
                 iterator = iter(dataset)
