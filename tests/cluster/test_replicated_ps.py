@@ -14,14 +14,9 @@ import pytest
 
 import pscluster as ps
 from pscluster.placement import SYNC_STATE_KEY
-from tests.cluster.replicas import CallLoop, poll, primary_of, sigstopped, wait_rejoined_as_backup
+from tests.cluster.replicas import CallLoop, increment, poll, primary_of, sigstopped, wait_rejoined_as_backup
 
 pytestmark = pytest.mark.cluster
-
-
-def increment(counter):
-    counter.push(np.array(-1, np.int64))
-    return 1
 
 
 def test_killing_the_primary_twice_mid_push_loses_no_acknowledged_increment(fresh_cluster):
