@@ -58,6 +58,8 @@ def _cost_rows(rid: str, c: dict[str, Any]) -> list[Row]:
                      f"{m['cores_busy_2']:.2f}; PS wake-ups "
                      f"{statistics.mean(v for k, v in m['wakeups_1'].items() if k.startswith('ps')):.1f} -> "
                      f"{statistics.mean(v for k, v in m['wakeups_2'].items() if k.startswith('ps')):.1f}; " +
+                     (f"sync-state forwards {m['sync_changes_2']:.2f} per step; " if mode == "sync" and
+                      "sync_changes_2" in m else "") +
                      ", ".join(f"{k} {m['cpu_ms_1'][k]:.2f} -> {m['cpu_ms_2'][k]:.2f}" for k in sorted(m["cpu_ms_1"]))
                      + f" ({load})", "measure (issue 24)"))
     return rows

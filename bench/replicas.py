@@ -30,6 +30,7 @@ import numpy as np
 
 import pscluster as ps
 from bench import training
+from pscluster.ops import status
 from pscluster.ops.launcher import LocalCluster
 
 STOP_SETTLE_S = 0.02  # a SIGSTOPped primary's last replies, written before the stop, arrive within this
@@ -128,6 +129,12 @@ class ProcessCpu:
         self.cpu_s: dict[str, float] = {}
         self.switches: dict[str, int] = {}
         self.threads: dict[str, dict[str, tuple[int, int, float]]] = {}
+        self.sync_changes = 0  # sync-state changes (each one forward to its backup) made during the steps
+
+    @staticmethod
+    def _sync_versions(cluster: LocalCluster) -> list[int]:
+        """Each PS's PsStatus.sync_version (read outside the CPU window: the asking costs the PS CPU)."""
+        return [st.sync_version if st is not None else 0 for _, st, _ in status.gather(cluster.settings()).ps]
 
     @staticmethod
     def _tasks(pid: int) -> dict[int, tuple[int, float]]:
@@ -165,9 +172,12 @@ class ProcessCpu:
         procs = {"driver": os.getpid()}
         procs.update({f"ps{d.index}": d.pid for d in cluster.ps})
         procs.update({f"worker{d.index}": d.pid for d in cluster.workers})
+        versions = self._sync_versions(cluster)
         before = {name: self._read(pid) for name, pid in procs.items()}
         yield
         after = {name: self._read(pid) for name, pid in procs.items()}
+        # the queue's primary made them, its backup took the newest (the primary is PS 0 unless a PS failed)
+        self.sync_changes = max(b - a for a, b in zip(versions, self._sync_versions(cluster)))
         self.cpu_s = {name: after[name][0] - before[name][0] for name in procs}
         self.switches = {name: after[name][1] - before[name][1] for name in procs}
         for name, pid in procs.items():
@@ -188,6 +198,7 @@ def _trial(replicas: int, steps: int, **kw: Any) -> dict[str, Any]:
     cpu = {name: 1000.0 * s / steps for name, s in probe.cpu_s.items()}
     return {"steps_per_s": r["steps_per_s"], "accuracy": r["accuracy"], "cpu_ms": cpu,
             "wakeups": {name: n / steps for name, n in probe.switches.items()},
+            "sync_changes": probe.sync_changes / steps,
             "threads": {ps: {kind: {"threads": n, "wakeups": s / steps, "cpu_ms": 1000.0 * c / steps}
                              for kind, (n, s, c) in kinds.items()} for ps, kinds in probe.threads.items()}}
 
@@ -218,6 +229,7 @@ def cost(runs: int = 3, steps: int = 2000, modes: Sequence[str] | None = None) -
                      "accuracy_2": statistics.median(b["accuracy"] for b in twos),
                      "cpu_ms_1": cpu1, "cpu_ms_2": cpu2,
                      "wakeups_1": _median_of(ones, "wakeups"), "wakeups_2": _median_of(twos, "wakeups"),
+                     "sync_changes_2": statistics.median(b["sync_changes"] for b in twos),
                      # per PS thread kind (bulk-conn: a worker's connection or the replica link's), one trial's
                      "threads_1": ones[len(ones) // 2]["threads"], "threads_2": twos[len(twos) // 2]["threads"],
                      "ps_cpu_ms_1": statistics.mean(ps1), "ps_cpu_ms_2": statistics.mean(ps2),

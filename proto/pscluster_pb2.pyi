@@ -708,6 +708,7 @@ class PsStatus(_message.Message):
     BULK_PORT_FIELD_NUMBER: _builtins.int
     ROLES_VERSION_FIELD_NUMBER: _builtins.int
     CATCHING_UP_FIELD_NUMBER: _builtins.int
+    SYNC_VERSION_FIELD_NUMBER: _builtins.int
     ps_index: _builtins.int
     num_ps: _builtins.int
     global_step: _builtins.int
@@ -722,6 +723,11 @@ class PsStatus(_message.Message):
     """TCP port of the bulk tensor path on the same host; 0 when disabled"""
     roles_version: _builtins.int
     """replicas: 2: the version of the replica table this PS holds"""
+    sync_version: _builtins.int
+    """changes of the sync state (token grants, reports, ConfigureSync) made on this PS as the row's primary, or
+    with replicas: 2 the newest taken as its backup: each change is one forward to the backup (B15COST counts
+    them per step). 0 with one copy and no sync training.
+    """
     @_builtins.property
     def catching_up(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardRef]:
         """shards it is primary of whose new backup has not confirmed their state"""
@@ -740,10 +746,11 @@ class PsStatus(_message.Message):
         bulk_port: _builtins.int = ...,
         roles_version: _builtins.int = ...,
         catching_up: _abc.Iterable[Global___ShardRef] | None = ...,
+        sync_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bulk_port", b"bulk_port", "catching_up", b"catching_up", "dropped_stale", b"dropped_stale", "global_step", b"global_step", "incarnation", b"incarnation", "num_ps", b"num_ps", "num_shards", b"num_shards", "ps_index", b"ps_index", "restored_step", b"restored_step", "roles_version", b"roles_version", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bulk_port", b"bulk_port", "catching_up", b"catching_up", "dropped_stale", b"dropped_stale", "global_step", b"global_step", "incarnation", b"incarnation", "num_ps", b"num_ps", "num_shards", b"num_shards", "ps_index", b"ps_index", "restored_step", b"restored_step", "roles_version", b"roles_version", "sync_version", b"sync_version", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -169,6 +169,7 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                            total_bytes=core.total_bytes(),
                            dropped_stale=core.replicas().dropped,
                            incarnation=core.incarnation, bulk_port=core.bulk_port,
+                           sync_version=core.replicas().current_version(),
                            **_replica_status(core.replication))
 
 

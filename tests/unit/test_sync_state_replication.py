@@ -239,3 +239,18 @@ def test_a_queued_sync_state_is_superseded_by_a_newer_one(pair):
     links[1].cut.clear()
     a.replication.wait([(SYNC_STATE_KEY, version - 1)], 2.0)  # the newer version answers the older one's waiter
     assert b.sync.version == version
+
+
+def test_status_counts_the_sync_state_changes_each_one_forward(pair):
+    from pscluster.server.servicer import ParameterServerServicer
+
+    a, b, _, _ = pair
+    assign((b, a), 1, 1, 0, 1)
+    configure((a, b), "sync", 2, 2)
+    status = [ParameterServerServicer(core, 1 << 20).Status(pb.PsStatusRequest(), None) for core in (a, b)]
+    start = status[0].sync_version
+    assert a.sync.take_token(1, "w1", 1.0) == (0, 0)
+    assert a.sync.take_token(1, "w1", 1.0) == (0, 0)  # a retried take changes nothing: nothing forwarded
+    a.sync.step_done(1, 0, "w1")
+    status = [ParameterServerServicer(core, 1 << 20).Status(pb.PsStatusRequest(), None) for core in (a, b)]
+    assert status[0].sync_version == status[1].sync_version == start + 2  # a grant and a report, both held by b
