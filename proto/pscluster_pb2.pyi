@@ -978,21 +978,29 @@ class TokenRequest(_message.Message):
     CLOSURE_ID_FIELD_NUMBER: _builtins.int
     WORKER_FIELD_NUMBER: _builtins.int
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    REPORTS_FIELD_NUMBER: _builtins.int
     closure_id: _builtins.int
     """a rescheduled closure gets its token back while its step is current"""
     worker: _builtins.str
     """bounded mode: whose clock"""
     timeout_s: _builtins.float
+    @_builtins.property
+    def reports(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepDoneRequest]:
+        """earlier closures' StepDones, counted before this take in the same change of the sync state (one forward to
+        its backup with replicas: 2, not one per call); a retry with the same ids counts each once
+        """
+
     def __init__(
         self,
         *,
         closure_id: _builtins.int = ...,
         worker: _builtins.str = ...,
         timeout_s: _builtins.float = ...,
+        reports: _abc.Iterable[Global___StepDoneRequest] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["closure_id", b"closure_id", "timeout_s", b"timeout_s", "worker", b"worker"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["closure_id", b"closure_id", "reports", b"reports", "timeout_s", b"timeout_s", "worker", b"worker"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

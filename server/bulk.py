@@ -124,7 +124,8 @@ class BulkHandlers:
         # a connection that takes sync tokens keeps a thread of its own (see `inline`)
         state["takes_tokens"] = True
         req = request.take_token
-        step, replica = self.core.replicas().take_token(req.closure_id, req.worker, req.timeout_s or 30.0)
+        step, replica = self.core.replicas().take_token(req.closure_id, req.worker, req.timeout_s or 30.0,
+                                                        [(r.closure_id, r.step, r.worker) for r in req.reports])
         send_frame(conn, pb.BulkReply(token=pb.TokenReply(step=step, replica=replica)).SerializeToString())
 
     def step_done(self, conn: socket.socket, request: pb.BulkRequest, payload_len: int,

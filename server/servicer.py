@@ -100,7 +100,8 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return pb.SyncConfigReply(global_step=step)
 
     def TakeToken(self, request: pb.TokenRequest, context: grpc.ServicerContext) -> pb.TokenReply:
-        step, replica = self.core.replicas().take_token(request.closure_id, request.worker, request.timeout_s or 30.0)
+        step, replica = self.core.replicas().take_token(request.closure_id, request.worker, request.timeout_s or 30.0,
+                                                        [(r.closure_id, r.step, r.worker) for r in request.reports])
         return pb.TokenReply(step=step, replica=replica)
 
     def StepDone(self, request: pb.StepDoneRequest, context: grpc.ServicerContext) -> pb.StepReply:

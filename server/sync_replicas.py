@@ -334,9 +334,11 @@ class SyncReplicas(SyncStateCopies):
         return version
 
     # -- token queue and clocks (PS 0) -----------------------------------------------------------
-    def take_token(self, closure_id: int, worker: str, timeout: float) -> tuple[int, int]:
+    def take_token(self, closure_id: int, worker: str, timeout: float,
+                   reports: Sequence[tuple[int, int, str]] = ()) -> tuple[int, int]:
         """(step, replica) for a closure; blocks while the step's tokens are out (sync) or the worker
-        is too far ahead (bounded).
+        is too far ahead (bounded). `reports`, (closure id, step, worker) of earlier closures' StepDones, count
+        first, in the same change as the take (one forward to the backup; a retry counts each once).
 
         Raises:
             DeadlineExceededError: no token within timeout (the closure is handed back and rescheduled).
@@ -344,10 +346,13 @@ class SyncReplicas(SyncStateCopies):
         replication = self._replication()
         self._check_holder(replication)
         with self._admitted(replication):
-            return self._take_token(replication, closure_id, worker, timeout)
+            return self._take_token(replication, closure_id, worker, timeout, reports)
 
-    def _take_token(self, replication: Replication | None, closure_id: int, worker: str, timeout: float) -> tuple[int, int]:
+    def _take_token(self, replication: Replication | None, closure_id: int, worker: str, timeout: float,
+                    reports: Sequence[tuple[int, int, str]] = ()) -> tuple[int, int]:
         with self._cond:
+            for report in reports:
+                self._report(replication, *report)
             mode = self._state.mode  # a wait keeps the rules it began with
             event: tok.TakeToken | tok.RetryToken = tok.TakeToken(closure_id, worker, self.core.global_step)
             deadline = time.monotonic() + timeout
@@ -389,11 +394,15 @@ class SyncReplicas(SyncStateCopies):
         self._check_holder(replication)
         with self._admitted(replication):
             with self._cond:
-                self._perform(tok.decide(self._state, tok.StepDone(closure_id, step, worker, self.core.global_step),
-                                         self._clock()))
-                self._grant_waiting(replication)
+                self._report(replication, closure_id, step, worker)
                 version = self._changed(replication)
             self._replicated(replication, version)
+
+    def _report(self, replication: Replication | None, closure_id: int, step: int, worker: str) -> None:
+        """Under self._cond: count a StepDone (its forward is the caller's `_changed`)."""
+        self._perform(tok.decide(self._state, tok.StepDone(closure_id, step, worker, self.core.global_step),
+                                 self._clock()))
+        self._grant_waiting(replication)
 
     # -- checkpoints -----------------------------------------------------------------------------
     def snapshot(self) -> SyncSnapshot:

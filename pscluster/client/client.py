@@ -479,10 +479,14 @@ class PSClient(ClusterOperations):
                 scope.versions[key] = version
 
     # -- sync replicas ---------------------------------------------------------------------------
-    def take_token(self, closure_id: int, worker: str, timeout: float = 30.0) -> tuple[int, int]:
+    def take_token(self, closure_id: int, worker: str, timeout: float = 30.0,
+                   reports: Sequence[tuple[int, int, str]] = ()) -> tuple[int, int]:
         """A sync token from the token queue (PS 0's; with replicas: 2 its primary's; blocks while none is free).
-        A retry carries the same closure id, so a token granted before a failover is handed back."""
-        request = pb.TokenRequest(closure_id=closure_id, worker=worker, timeout_s=timeout)
+        A retry carries the same closure id, so a token granted before a failover is handed back. `reports`:
+        (closure id, step, worker) of earlier closures' step_done, counted first in the same change (one forward
+        to the queue's backup instead of one each; a retry counts each once)."""
+        request = pb.TokenRequest(closure_id=closure_id, worker=worker, timeout_s=timeout,
+                                  reports=[pb.StepDoneRequest(closure_id=c, step=s, worker=w) for c, s, w in reports])
         token = self._retrying(lambda: self._tensors.take_token(request, self.sync_ps()))
         return int(token.step), int(token.replica)
 

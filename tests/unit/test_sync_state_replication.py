@@ -254,3 +254,47 @@ def test_status_counts_the_sync_state_changes_each_one_forward(pair):
     a.sync.step_done(1, 0, "w1")
     status = [ParameterServerServicer(core, 1 << 20).Status(pb.PsStatusRequest(), None) for core in (a, b)]
     assert status[0].sync_version == status[1].sync_version == start + 2  # a grant and a report, both held by b
+
+
+def test_a_take_that_carries_reports_is_one_forward_and_its_retry_on_the_promoted_backup_counts_them_once(pair):
+    a, b, _, _ = pair
+    assign((b, a), 1, 1, 0, 1)
+    configure((a, b), "sync", 2, 2)
+    assert a.sync.take_token(1, "w1", 1.0) == (0, 0)
+    assert a.sync.take_token(2, "w2", 1.0) == (0, 1)
+    before = a.sync.version
+    # closure 3 on w1 carries the reports of 1 and 2: step 0 is made and 3 gets step 1's first token
+    assert a.sync.take_token(3, "w1", 1.0, [(1, 0, "w1"), (2, 0, "w2")]) == (1, 0)
+    assert a.sync.version == before + 1 == b.sync.version and b.global_step == 1  # one change, held by b
+    assign((b,), 2, 2, 1)  # PS 0 died before the reply reached the worker: it retries on b, same ids
+    assert b.sync.take_token(3, "w1", 1.0, [(1, 0, "w1"), (2, 0, "w2")]) == (1, 0)
+    assert b.global_step == 1
+    assert b.sync.take_token(4, "w2", 1.0, [(3, 1, "w1")]) == (1, 1)  # 3's report alone leaves step 1 open
+    assert b.global_step == 1
+    b.sync.step_done(4, 1, "w2")  # the old call still works beside the new one
+    assert b.global_step == 2
+
+
+def test_a_waiting_take_that_carried_a_report_is_granted_by_the_report_that_completes_the_step(pair):
+    a, b, _, _ = pair
+    assign((b, a), 1, 1, 0, 1)
+    configure((a, b), "sync", 2, 2)
+    assert a.sync.take_token(1, "w1", 1.0) == (0, 0)
+    assert a.sync.take_token(2, "w2", 1.0) == (0, 1)
+    got: list[tuple[int, int]] = []
+    waiter = threading.Thread(target=lambda: got.append(a.sync.take_token(3, "w1", 5.0, [(1, 0, "w1")])))
+    waiter.start()
+    try:
+        seen = threading.Event()
+        for _ in range(500):  # its report is counted (and held by b) while its take waits for step 1
+            with a.sync._cond:
+                if 3 in a.sync._waiting and b.sync._state.done.get(0) == {1}:
+                    seen.set()
+                    break
+            threading.Event().wait(0.01)
+        assert seen.is_set() and not got
+        # 2's report, carried by 4's take, makes step 0: the waiting 3 is granted first, in the same change
+        assert a.sync.take_token(4, "w2", 1.0, [(2, 0, "w2")]) == (1, 1)
+    finally:
+        waiter.join(5.0)
+    assert got == [(1, 0)] and a.global_step == b.global_step == 1 and b.sync.version == a.sync.version

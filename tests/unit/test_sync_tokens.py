@@ -243,3 +243,18 @@ def test_a_backups_own_configure_takes_the_settings_and_keeps_the_forwarded_toke
     take(state, 1)
     tok.reconfigure(state, tok.Configure("sync", 2, 3, 0))
     assert state.tokens == {1: (0, 0)} and state.issued == {0: 1} and state.total_num_replicas == 3
+
+
+def test_reports_fed_before_a_take_let_it_through_in_the_same_change():
+    # the executor's take that carries earlier closures' reports (TokenRequest.reports): StepDone events,
+    # then the take, under one lock: the report that completes the step releases the next step's token
+    state = configured("sync", 2, 2)
+    assert take(state, 1) == tok.Grant(1, 0, 0) and take(state, 2) == tok.Grant(2, 0, 1)
+    assert done(state, 1, 0, g=0) == []
+    assert isinstance(take(state, 3), tok.AwaitTokens)  # without the second report: all tokens out
+    assert done(state, 2, 0, g=0) == [tok.Advance(1)]
+    assert take(state, 3, g=1) == tok.Grant(3, 1, 0)
+    # a retry of the combined call after a failover: the reports count once, the take gets its token back
+    assert done(state, 1, 0, g=1) == [] and done(state, 2, 0, g=1) == []
+    assert take(state, 3, g=1) == tok.Grant(3, 1, 0)
+    assert state.issued[1] == 1
