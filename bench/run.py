@@ -25,7 +25,7 @@ sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != ROOT /
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # the benchmark process shares 2 cores with daemons
 
-from bench import chaos, closures, floor, profile, replica_rows, training, transfer  # noqa: E402
+from bench import chaos, closures, copies, floor, profile, replica_rows, training, transfer  # noqa: E402
 
 Row = tuple[str, str, str, str]  # id, what, measured, target and verdict
 
@@ -381,10 +381,25 @@ def bench_profile(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
                 + "; ".join(cells), "measure first (issue 9)")]
 
 
+def bench_copies(args: argparse.Namespace) -> tuple[dict[str, Any], list[Row]]:
+    r = copies.copies(runs=args.runs)
+
+    def cells(arm: str) -> str:
+        return "; ".join(f"{int(n) >> 10} KiB {m['at_16_us']:.1f} vs {m['median_us']:.1f} us "
+                         f"({m['slow_within_1_31']:.0f}/31 slow)" for n, m in r[arm].items())
+
+    return r, [("COPIES", "one memmove (np.copyto) whose destination sits 16 bytes past its source modulo 4 KiB, vs "
+                          "the median over all distances; how many of the distances 1-31 cost > 2.5 x the median "
+                          "(bench/copies.py)",
+                f"glibc default: {cells('default')}. With rep movsb off ({copies.NO_REP_MOVSB}): "
+                f"{cells('no_rep_movsb')}", "table (docs/architecture.md: not set by default)")]
+
+
 BENCHES = {"B1": bench_b1, "B1TLS": bench_b1tls, "B9": bench_b9, "B2": bench_b2, "FLOOR": bench_floor, "B3": bench_b3, "B4": bench_b4, "B5": bench_b5,
            "B6": bench_b6, "B7": bench_b7, "B8": bench_b8,
            "B10": bench_b10, "B11": bench_b11, "B12": bench_b12, "B13": bench_b13, "B14": bench_b14, "B16": bench_b16,
-           "B14MP": bench_b14_precision, "B14CNN": bench_b14_cnn, "FIT": bench_fit, "PROFILE": bench_profile}
+           "B14MP": bench_b14_precision, "B14CNN": bench_b14_cnn, "FIT": bench_fit, "PROFILE": bench_profile,
+           "COPIES": bench_copies}
 BENCHES.update(replica_rows.BENCHES)  # the B15 family (bench/replica_rows.py)
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
