@@ -50,6 +50,11 @@ def _acks_only(request: pb.ReplicateRequest, arrays: Any = None, owned: bool = F
                              versions=[f.version for f in request.forwards])
 
 
+def _dense_acks_only(forwards: Any, grads: Any) -> tuple[list[int], list[int]]:
+    """As `_acks_only`, for a batch in the compact form (server/replica_wire.py)."""
+    return [pb.REPLICA_APPLIED] * len(forwards), [f.version for f in forwards]
+
+
 def _variant(kind: str, pushes: int, shapes: dict[str, tuple[int, ...]] | None = None) -> float:
     """CPU ms per push of one variant, on fresh cores (W2's variables, or `shapes`)."""
     shapes = SHAPES if shapes is None else shapes
@@ -58,6 +63,7 @@ def _variant(kind: str, pushes: int, shapes: dict[str, tuple[int, ...]] | None =
     backup.replication = Replication(backup.store, 1, lambda ps: FrameLink("127.0.0.1:1", Settings()))
     if kind == "ack":
         backup.replication.receive = _acks_only  # type: ignore[method-assign]
+        backup.replication.receive_dense = _dense_acks_only  # type: ignore[method-assign]
     frames = BulkHandlers(backup).server("127.0.0.1", None, 1 << 20).start()
     settings = Settings(cluster=ClusterSpec(ps=["127.0.0.1:1", "127.0.0.1:2"]))
     primary = ParameterServerCore(0, 2)

@@ -777,10 +777,15 @@ class BulkRequest(_message.Message):
     STEP_DONE_FIELD_NUMBER: _builtins.int
     SHM_ATTACH_FIELD_NUMBER: _builtins.int
     REPLICATE_FIELD_NUMBER: _builtins.int
+    REPLICATE_DENSE_FIELD_NUMBER: _builtins.int
     SHM_BYTES_FIELD_NUMBER: _builtins.int
     SHM_REPLY_FIELD_NUMBER: _builtins.int
     token: _builtins.str
     """the first frame's only"""
+    replicate_dense: _builtins.bytes
+    """the same for a batch of dense updates only, in server/replica_wire.py's compact form (no message per
+    forward); the gradients' bytes are the payload, forward by forward
+    """
     shm_bytes: _builtins.int
     """Same-host payloads: this request's payload is the first `shm_bytes` of the connection's segment
     (its frame carries no payload bytes), and the reply's tensors may come back the same way.
@@ -820,14 +825,15 @@ class BulkRequest(_message.Message):
         step_done: Global___StepDoneRequest | None = ...,
         shm_attach: Global___ShmAttach | None = ...,
         replicate: Global___ReplicateRequest | None = ...,
+        replicate_dense: _builtins.bytes = ...,
         shm_bytes: _builtins.int = ...,
         shm_reply: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["closure", b"closure", "op", b"op", "pull", b"pull", "push", b"push", "replicate", b"replicate", "shm_attach", b"shm_attach", "step_done", b"step_done", "take_token", b"take_token"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["closure", b"closure", "op", b"op", "pull", b"pull", "push", b"push", "replicate", b"replicate", "replicate_dense", b"replicate_dense", "shm_attach", b"shm_attach", "step_done", b"step_done", "take_token", b"take_token"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["closure", b"closure", "op", b"op", "pull", b"pull", "push", b"push", "replicate", b"replicate", "shm_attach", b"shm_attach", "shm_bytes", b"shm_bytes", "shm_reply", b"shm_reply", "step_done", b"step_done", "take_token", b"take_token", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["closure", b"closure", "op", b"op", "pull", b"pull", "push", b"push", "replicate", b"replicate", "replicate_dense", b"replicate_dense", "shm_attach", b"shm_attach", "shm_bytes", b"shm_bytes", "shm_reply", b"shm_reply", "step_done", b"step_done", "take_token", b"take_token", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["pull", "push", "closure", "take_token", "step_done", "shm_attach", "replicate"]  # noqa: Y015
+    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["pull", "push", "closure", "take_token", "step_done", "shm_attach", "replicate", "replicate_dense"]  # noqa: Y015
     _WhichOneofArgType_op: _TypeAlias = _typing.Literal["op", b"op"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_op) -> _WhichOneofReturnType_op | None: ...
 
@@ -876,11 +882,14 @@ class BulkReply(_message.Message):
     STEP_FIELD_NUMBER: _builtins.int
     SHM_BYTES_FIELD_NUMBER: _builtins.int
     REPLICATE_FIELD_NUMBER: _builtins.int
+    REPLICATE_DENSE_FIELD_NUMBER: _builtins.int
     code: _builtins.int
     """a grpc.StatusCode value; 0 is OK"""
     message: _builtins.str
     shm_bytes: _builtins.int
     """the reply's payload is in the connection's segment, not on the socket"""
+    replicate_dense: _builtins.bytes
+    """the reply to a replicate_dense (server/replica_wire.py)"""
     @_builtins.property
     def pull(self) -> Global___PullReply:
         """tensors carry dtype and shape only; their bytes are the payload"""
@@ -907,10 +916,11 @@ class BulkReply(_message.Message):
         step: Global___StepReply | None = ...,
         shm_bytes: _builtins.int = ...,
         replicate: Global___ReplicateReply | None = ...,
+        replicate_dense: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["closure", b"closure", "pull", b"pull", "push", b"push", "replicate", b"replicate", "step", b"step", "token", b"token"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["closure", b"closure", "code", b"code", "message", b"message", "pull", b"pull", "push", b"push", "replicate", b"replicate", "shm_bytes", b"shm_bytes", "step", b"step", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["closure", b"closure", "code", b"code", "message", b"message", "pull", b"pull", "push", b"push", "replicate", b"replicate", "replicate_dense", b"replicate_dense", "shm_bytes", b"shm_bytes", "step", b"step", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 from pscluster.proto import pscluster_pb2 as pb
-from pscluster.server import replica_links
+from pscluster.server import replica_links, replica_wire
 from pscluster.server.ps import ParameterServerCore
 from pscluster.server.store import PushItem, Shard
 
@@ -49,6 +49,9 @@ class BulkHandlers:
         # pull; one entry per shard key (a restored or recreated shard replaces its entry)
         self._headers: dict[tuple[str, int], tuple[Shard, pb.Tensor]] = {}
         self._max_shared = shm.MAX_BYTES  # the largest segment region a client may offer (server() narrows it)
+        # what the compact form's constant parts decode to (server/replica_wire.py), shared by the connections
+        # (a dict's reads and writes are atomic; a race decodes a part twice)
+        self._dense_kept: dict[bytes, tuple[tuple[str, int], np.dtype, tuple[int, ...], int]] = {}
 
     def _header_of(self, shard: Shard) -> pb.Tensor:
         entry = self._headers.get(shard.spec.key)
@@ -62,7 +65,7 @@ class BulkHandlers:
         self._max_shared = min(self._max_shared, int(limits.get("max_payload_bytes", shm.MAX_BYTES)))
         return FrameServer(host, token, {"pull": self.pull, "push": self.push, "take_token": self.take_token,
                                          "step_done": self.step_done, "shm_attach": self.shm_attach,
-                                         "replicate": self.replicate},
+                                         "replicate": self.replicate, "replicate_dense": self.replicate},
                            max_header_bytes, name="bulk", port=port, inline=self.inline, **limits)
 
     def inline(self, request: pb.BulkRequest, state: dict[str, Any]) -> bool:
@@ -147,6 +150,11 @@ class BulkHandlers:
         if self.core.replication is None:
             raise FailedPreconditionError(f"replicate: ps {self.core.ps_index} runs with replicas: 1; "
                                           "start the cluster with replicas: 2")
+        if request.HasField("replicate_dense"):  # dense updates only: the compact form (server/replica_wire.py)
+            forwards = replica_wire.decode_request(request.replicate_dense, payload_len, self._dense_kept)
+            outcomes, versions = self.core.replication.receive_dense(forwards, replica_wire.views(forwards, buf))
+            send_frame(conn, pb.BulkReply(replicate_dense=replica_wire.reply(outcomes, versions)).SerializeToString())
+            return
         arrays = replica_links.payload_views(request.replicate, buf)
         # a payload above REUSE_BYTES has a buffer of its own: an install may keep it as the shard's memory
         reply = self.core.replication.receive(request.replicate, arrays, owned=payload_len > REUSE_BYTES)

@@ -21,6 +21,7 @@ import threading
 
 import numpy as np
 from pscluster.proto import pscluster_pb2 as pb
+from pscluster.server import replica_wire
 
 from pscluster import codec
 
@@ -81,22 +82,25 @@ class ForwardTemplates:
     """A dense forward's constant part (its shard's ref and the gradient's header), built once per shard.
 
     Built per push, pb.ReplicaForward with a ShardRef and a Tensor header cost ~10 us (4 per W2 push); a copy of
-    a kept template with the per-push fields set costs ~2 us. Thread-safe: a race builds a template twice.
+    a kept template with the per-push fields set costs ~2 us. Each template comes with the same constant part
+    in server/replica_wire.py's compact form. Thread-safe: a race builds a template twice.
     """
 
     def __init__(self) -> None:
-        self._kept: dict[tuple[str, int, np.dtype, tuple[int, ...]], pb.ReplicaForward] = {}
+        self._kept: dict[tuple[str, int, np.dtype, tuple[int, ...]], tuple[pb.ReplicaForward, bytes]] = {}
 
-    def forward(self, variable: str, shard_index: int, grad: np.ndarray) -> pb.ReplicaForward:
-        """A new forward of a dense gradient of grad's dtype and shape: ref and grad set, the rest unset."""
+    def forward(self, variable: str, shard_index: int, grad: np.ndarray) -> tuple[pb.ReplicaForward, bytes]:
+        """A new forward of a dense gradient of grad's dtype and shape (ref and grad set, the rest unset), and
+        its constant part in the compact form."""
         key = (variable, shard_index, grad.dtype, grad.shape)
-        template = self._kept.get(key)
-        if template is None:
+        kept = self._kept.get(key)
+        if kept is None:
             if len(self._kept) >= MAX_TEMPLATES:
                 self._kept = {}
-            template = pb.ReplicaForward(ref=pb.ShardRef(variable=variable, shard_index=shard_index),
-                                         grad=codec.header(grad.dtype, grad.shape))
-            self._kept[key] = template
+            kept = (pb.ReplicaForward(ref=pb.ShardRef(variable=variable, shard_index=shard_index),
+                                      grad=codec.header(grad.dtype, grad.shape)),
+                    replica_wire.const_part(variable, shard_index, grad.dtype, grad.shape))
+            self._kept[key] = kept
         msg = pb.ReplicaForward()
-        msg.CopyFrom(template)
-        return msg
+        msg.CopyFrom(kept[0])
+        return msg, kept[1]

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
+from pscluster.server import replica_wire
 
 from pscluster import codec
 from pscluster.config import Settings
@@ -185,8 +186,23 @@ class FrameLink:
         A kept connection that fails is replaced and the batch sent once more at once (the backup closed an
         idle connection, or restarted); the backup ignores versions it holds already.
         """
+        return self._exchange(pb.BulkRequest(replicate=request).SerializeToString(), arrays, timeout).replicate
+
+    def replicate_dense(self, forwards: Sequence[bytes], arrays: Sequence[np.ndarray],
+                        timeout: float) -> tuple[list[int], list[int]]:
+        """As `replicate`, for a batch of dense updates in the compact form (server/replica_wire.py):
+        (outcomes, versions)."""
+        header = pb.BulkRequest(replicate_dense=replica_wire.request(forwards)).SerializeToString()
+        reply = self._exchange(header, arrays, timeout)
+        try:
+            return replica_wire.decode_reply(reply.replicate_dense, len(forwards))
+        except InvalidArgumentError as exc:  # the stream is in step, but its peer is not: never reused
+            self._drop(self._sock)
+            raise UnavailableError(f"replicate to {self.address} (bulk port): {exc}") from exc
+
+    def _exchange(self, header: bytes, arrays: Sequence[np.ndarray], timeout: float) -> pb.BulkReply:
+        """Send a batch's frame (header, then the arrays' bytes) and read its reply (see `replicate`)."""
         views = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays]
-        header = pb.BulkRequest(replicate=request).SerializeToString()
         for attempt in (0, 1):
             sock = self._sock
             kept = sock is not None
@@ -209,7 +225,7 @@ class FrameLink:
             raise from_status(framing.STATUS_BY_VALUE.get(reply.code, framing.STATUS_BY_VALUE[13]),
                               f"backup {self.address}: {reply.message}") if reply.code else \
                 UnavailableError(f"backup {self.address} answered a replicate with a payload")
-        return reply.replicate
+        return reply
 
     def _drop(self, sock: socket.socket | None) -> None:
         with self._lock:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 from pscluster.proto import pscluster_pb2 as pb
-from pscluster.server import catch_up, table_ops, table_state
+from pscluster.server import catch_up, replica_wire, table_ops, table_state
 from pscluster.server.forward_buffers import ForwardBuffers, ForwardTemplates
 from pscluster.server.push_record import PushKey, push_key
 from pscluster.server.replica_links import tensors_of
@@ -248,12 +248,18 @@ class Replication(ReplicaNotes):
         # shape is the same push after push (a kept buffer fits it), rows' are not
         arrays = [self.buffers.copy(grad) if local is None else np.array(grad, copy=True)]
         spec = shard.spec
-        msg = self._templates.forward(spec.variable, spec.shard_index, grad) if local is None else \
-            pb.ReplicaForward(ref=pb.ShardRef(variable=spec.variable, shard_index=spec.shard_index),
-                              grad=codec.header(grad.dtype, grad.shape))  # rows: a shape per push, no template
+        push_id = key[0] if key is not None else ""
+        wire: bytes | None = None
+        if local is None:
+            msg, const = self._templates.forward(spec.variable, spec.shard_index, grad)
+            if shard.table is None:  # a plain dense update: the compact form can carry it (server/replica_wire.py)
+                wire = replica_wire.forward(const, role.epoch, version, final_below, push_id)
+        else:
+            msg = pb.ReplicaForward(ref=pb.ShardRef(variable=spec.variable, shard_index=spec.shard_index),
+                                    grad=codec.header(grad.dtype, grad.shape))  # rows: a shape per push, no template
         msg.epoch = role.epoch
         msg.version = version
-        msg.push_id = key[0] if key is not None else ""
+        msg.push_id = push_id
         msg.final_below = final_below
         if local is not None:
             rows = np.array(local, np.int64, copy=True)
@@ -262,7 +268,7 @@ class Replication(ReplicaNotes):
             arrays.append(rows)
         if shard.table is not None:
             msg.clock_s = shard.table.now_s  # the backup repeats it at the primary's seconds
-        rep.put(shard.spec.key, version, msg, arrays)
+        rep.put(shard.spec.key, version, msg, arrays, wire)
 
     def on_pulled(self, shard: Shard, keys: np.ndarray) -> None:
         """The store's hook for a table pull that created rows (under the shard's lock): queue it, so the
@@ -450,6 +456,48 @@ class Replication(ReplicaNotes):
             reply.versions.append(shard.version if shard is not None else -1)
         return reply
 
+    def receive_dense(self, forwards: Sequence[replica_wire.Dense],
+                      grads: Sequence[np.ndarray]) -> tuple[list[int], list[int]]:
+        """Apply a batch of dense updates in the compact form (server/replica_wire.py), decoded and checked:
+        (outcomes, versions), exactly as `receive` answers the same forwards as messages."""
+        outcomes: list[int] = []
+        versions: list[int] = []
+        for f, grad in zip(forwards, grads):
+            with self._key_lock(f.key):
+                outcome, shard = self._receive_update(f.key, f.epoch, f.version, grad, None, f.push_id,
+                                                      f.final_below, None)
+            outcomes.append(outcome)
+            versions.append(shard.version if shard is not None else -1)
+        return outcomes, versions
+
+    def _fenced(self, key: Key, epoch: int) -> bool:
+        """Note a forward's epoch for key; True when a newer one is known (its sender is no longer primary)."""
+        with self._lock:
+            known = self._epochs.get(key, 0)
+            if epoch >= known:
+                self._epochs[key] = epoch
+        return epoch < known
+
+    def _receive_update(self, key: Key, epoch: int, version: int, grad: np.ndarray, rows: np.ndarray | None,
+                        push_id: str, final_below: int,
+                        clock_s: int | None) -> tuple[pb.ReplicaOutcome.ValueType, Shard | None]:
+        """An update forward (no install, config change, sync state, pull or sweep), under key's lock."""
+        stale = self._fenced(key, epoch)
+        shard = self.store.find(key)
+        if stale:
+            return pb.REPLICA_STALE, shard
+        staged = self._staged.get(key)
+        if staged is not None and staged.shard.table is not None:
+            return pb.REPLICA_GAP, shard  # a table is built by its last chunk, which what follows comes after
+        shard = staged.shard if staged is not None else shard  # a catch-up in chunks: the rows staged so far
+        if shard is None:
+            return pb.REPLICA_GAP, shard
+        local = _ids(rows, key) if rows is not None else None
+        pid = push_key(push_id) if push_id else None
+        done = self.store.apply_at(shard, version, grad, local, pid, final_below, clock_s) if staged is None else \
+            catch_up.apply_at(staged, shard, version, grad, local, pid, final_below)
+        return (pb.REPLICA_GAP if done == "gap" else pb.REPLICA_APPLIED), shard
+
     def _key_lock(self, key: Key) -> threading.Lock:
         lock = self._key_locks.get(key)  # a plain read on the common path: locks are only ever added
         if lock is None:
@@ -460,12 +508,13 @@ class Replication(ReplicaNotes):
     def _receive_one(self, f: pb.ReplicaForward, key: Key, tensors: list[np.ndarray],
                      owned: bool) -> tuple[pb.ReplicaOutcome.ValueType, Shard | None]:
         """One forward, under its shard's key lock: (its outcome, the shard after it)."""
-        with self._lock:
-            known = self._epochs.get(key, 0)
-            if f.epoch >= known:
-                self._epochs[key] = f.epoch
+        if not (f.HasField("sync_state") or f.skipped or f.HasField("spec") or f.pulled or f.swept or
+                f.HasField("optimizer")):
+            return self._receive_update(key, f.epoch, f.version, tensors[0], tensors[1] if f.has_rows else None,
+                                        f.push_id, f.final_below, f.clock_s if f.HasField("clock_s") else None)
+        stale = self._fenced(key, f.epoch)
         shard = self.store.find(key)
-        if f.epoch < known:
+        if stale:
             return pb.REPLICA_STALE, shard
         if f.HasField("sync_state"):
             if self.sync_state is None:
@@ -515,15 +564,8 @@ class Replication(ReplicaNotes):
             if done == "applied":
                 self._took_pull(key, f.version)
             return (pb.REPLICA_GAP if done == "gap" else pb.REPLICA_APPLIED), shard
-        if f.HasField("optimizer"):
-            configured = _configure_at(shard, f.version, optimizer_from_pb(f.optimizer))
-            return (pb.REPLICA_APPLIED if configured else pb.REPLICA_GAP), shard
-        local = _ids(tensors[1], key) if f.has_rows else None
-        pid = push_key(f.push_id) if f.push_id else None
-        done = self.store.apply_at(shard, f.version, tensors[0], local, pid, f.final_below,
-                                   f.clock_s if f.HasField("clock_s") else None) if staged is None else \
-            catch_up.apply_at(staged, shard, f.version, tensors[0], local, pid, f.final_below)
-        return (pb.REPLICA_GAP if done == "gap" else pb.REPLICA_APPLIED), shard
+        configured = _configure_at(shard, f.version, optimizer_from_pb(f.optimizer))  # what is left: a config change
+        return (pb.REPLICA_APPLIED if configured else pb.REPLICA_GAP), shard
 
     def _installed(self, f: pb.ReplicaForward, shard: Shard) -> Shard:
         """Note an install (its epoch and pulls) of shard key; returns shard."""

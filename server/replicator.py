@@ -38,8 +38,9 @@ LINGER_S = 0.02  # forwards that no waiting push sent (it gave up) go after this
 IDLE_S = 0.5
 LOG_EVERY_S = 30.0  # a backup that keeps failing is logged at its first failure, then at most this often
 # a queued forward: shard, the version it made, its message (tensors: dtype and shape), bytes, its arrays,
-# its place in the queue (1, 2, ...: `queued` when it was put)
-Item = tuple[Key, int, pb.ReplicaForward, int, list[np.ndarray], int]
+# its place in the queue (1, 2, ...: `queued` when it was put), and a plain dense update's compact form
+# (server/replica_wire.py; None for any other forward)
+Item = tuple[Key, int, pb.ReplicaForward, int, list[np.ndarray], int, bytes | None]
 
 
 class ReplicaLink(Protocol):
@@ -66,6 +67,9 @@ class Replicator:
                  resync: Callable[[Key, int], None], max_queued_bytes: int = MAX_QUEUED_BYTES) -> None:
         self.backup = backup
         self._link = link
+        # a link that carries dense batches in the compact form (FrameLink; not gRPC's, nor a test's receive)
+        self._dense: Callable[[Sequence[bytes], Sequence[np.ndarray], float], tuple[list[int], list[int]]] | None = \
+            getattr(link, "replicate_dense", None)
         self._from_ps = from_ps
         self._timeout = timeout
         # resync(key, start): queue a shard's whole state, or its chunk from row start (server/catch_up.py);
@@ -101,8 +105,10 @@ class Replicator:
         self._thread = threading.Thread(target=self._loop, name=f"replicate-{from_ps}-to-{backup}", daemon=True)
         self._thread.start()
 
-    def put(self, key: Key, version: int, msg: pb.ReplicaForward, arrays: list[np.ndarray]) -> int:
-        """Queue a forward and its arrays, owned from now on (called under the shard's lock: never waits).
+    def put(self, key: Key, version: int, msg: pb.ReplicaForward, arrays: list[np.ndarray],
+            wire: bytes | None = None) -> int:
+        """Queue a forward and its arrays, owned from now on (called under the shard's lock: never waits);
+        wire: a plain dense update's compact form (msg's fields, server/replica_wire.py).
 
         Returns its place in the queue, or for a skipped one the place of the whole state sent instead (no
         earlier): a confirmation of key at that place or later holds it (`wait_config`)."""
@@ -137,7 +143,7 @@ class Replicator:
                     self._cursor.pop(key, None)
                 self._wake_sender()  # a catch-up has no push waiting for it: the thread sends it
             self.queued += 1
-            self._queue.append((key, version, msg, nbytes, arrays, self.queued))
+            self._queue.append((key, version, msg, nbytes, arrays, self.queued, wire))
             self._queued_bytes += nbytes
             if msg.pulled:  # a table pull's reply does not wait for its forward
                 self._orphaned()
@@ -162,7 +168,7 @@ class Replicator:
             self._cursor.pop(key, None)  # no chunk waits for a confirmation to be copied: all are queued
             for (msg, arrays), nbytes in zip(chunks, sizes):
                 self.queued += 1
-                self._queue.append((key, version, msg, nbytes, arrays, self.queued))
+                self._queue.append((key, version, msg, nbytes, arrays, self.queued, None))
                 self._queued_bytes += nbytes
             self._wake_sender()  # a catch-up has no push waiting for it: the thread sends it
 
@@ -350,11 +356,19 @@ class Replicator:
     def _send(self, batch: list[Item], timeout: float) -> None:
         """Send a popped batch (not under the lock) and record its outcomes; a failure puts it back first in
         the queue for the thread to resend after a back-off, a refusal for good drops it (`_refused`)."""
-        request = pb.ReplicateRequest(forwards=[item[2] for item in batch], from_ps=self._from_ps)
+        dense = self._dense
+        arrays = [a for item in batch for a in item[4]]
         try:
-            reply = self._link.replicate(request, [a for item in batch for a in item[4]], timeout)
-            if len(reply.outcomes) != len(batch) or len(reply.versions) != len(batch):
-                raise UnavailableError(f"backup ps {self.backup} answered {len(reply.outcomes)} outcomes for "
+            wires = [wire for item in batch if (wire := item[6]) is not None]
+            if dense is not None and len(wires) == len(batch):
+                # dense updates only (an async push's): the compact form, no message per forward
+                outcomes, versions = dense(wires, arrays, timeout)
+            else:
+                reply = self._link.replicate(pb.ReplicateRequest(forwards=[item[2] for item in batch],
+                                                                 from_ps=self._from_ps), arrays, timeout)
+                outcomes, versions = list(reply.outcomes), list(reply.versions)
+            if len(outcomes) != len(batch) or len(versions) != len(batch):
+                raise UnavailableError(f"backup ps {self.backup} answered {len(outcomes)} outcomes for "
                                        f"{len(batch)} forwards")
         except Exception as exc:  # noqa: BLE001 - the sender must outlive any failure: resend, log, back off
             if isinstance(exc, PsclusterError) and not exc.retryable:
@@ -380,7 +394,7 @@ class Replicator:
                 self._dirty |= self._waiting
                 self._waiting.clear()
                 self._wake_sender()
-            for (key, version, msg, nbytes, _, seq), outcome in zip(batch, reply.outcomes):
+            for (key, version, msg, nbytes, _, seq, _), outcome in zip(batch, outcomes):
                 self._queued_bytes -= nbytes
                 if outcome == pb.REPLICA_APPLIED:
                     if msg.HasField("spec") and msg.chunk_more:  # staged: the backup holds nothing of it yet
@@ -413,7 +427,7 @@ class Replicator:
                   len(batch), exc)
         with self._cond:
             self._sending = False
-            for key, _, msg, nbytes, _, _ in batch:
+            for key, _, msg, nbytes, _, _, _ in batch:
                 self._queued_bytes -= nbytes
                 if msg.HasField("spec"):
                     self.refused[key] = str(exc)

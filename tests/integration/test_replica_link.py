@@ -14,7 +14,7 @@ import threading
 import numpy as np
 import pytest
 from pscluster.proto import pscluster_pb2 as pb
-from pscluster.server import replica_links, sync_replicas
+from pscluster.server import replica_links, replica_wire, sync_replicas
 from pscluster.server.bulk import BulkHandlers
 from pscluster.server.optimizers import OptimizerConfig
 from pscluster.server.ps import ParameterServerCore
@@ -111,6 +111,31 @@ def test_a_malformed_batch_is_refused_and_changes_nothing(pair):
         sock.close()
     assert reply.code == InvalidArgumentError("").code.value[0]
     assert "fewer bytes than the shapes announce" in reply.message
+    np.testing.assert_array_equal(backup.store.get(KEY).value, before)
+
+
+def test_pushes_travel_in_the_compact_form_and_a_malformed_one_changes_nothing(pair, monkeypatch):
+    primary, backup, frames, _ = pair
+    create_and_replicate(primary, backup)
+    dense = []
+    receive_dense = backup.replication.receive_dense
+    monkeypatch.setattr(backup.replication, "receive_dense", lambda *a: dense.append(1) or receive_dense(*a))
+    primary.push("d0", 0, [PushItem(KEY, np.ones(SHAPE, np.float32))])
+    same(primary, backup)
+    assert dense == [1]  # the dense update went as replica_wire bytes, not a ReplicateRequest
+    before = backup.store.get(KEY).value.copy()
+    const = replica_wire.const_part("w", 0, np.dtype(np.float32), SHAPE)
+    body = replica_wire.request([replica_wire.forward(const, 1, backup.store.get(KEY).version + 1, 0, "x")])
+    sock = framing.connect("127.0.0.1", frames.port, 5.0, None)
+    try:
+        framing.send_hello(sock, "secret")
+        framing.send_frame(sock, pb.BulkRequest(replicate_dense=body).SerializeToString(), 8)
+        framing.send_buffer(sock, b"\0" * 8)  # 8 bytes for a 2 MiB gradient
+        reply, _ = framing.read_reply(sock)
+    finally:
+        sock.close()
+    assert reply.code == InvalidArgumentError("").code.value[0]
+    assert "payload of 8 bytes, shapes announce 2097152" in reply.message
     np.testing.assert_array_equal(backup.store.get(KEY).value, before)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 from pscluster.proto import pscluster_pb2 as pb
+from pscluster.server import replica_wire
 from pscluster.server.forward_buffers import MIN_BYTES, PAGE, ForwardBuffers, ForwardTemplates
 
 from pscluster import codec
@@ -70,12 +71,13 @@ def test_a_copy_lands_at_its_sources_offset_in_the_page() -> None:
 def test_a_template_forward_is_a_fresh_message_each_time() -> None:
     templates = ForwardTemplates()
     grad = _grad(0.0)
-    first = templates.forward("w", 1, grad)
+    first, _ = templates.forward("w", 1, grad)
     first.version = 7
     first.push_id = "p"
-    second = templates.forward("w", 1, grad)
+    second, const = templates.forward("w", 1, grad)
     assert second.version == 0 and not second.push_id  # the first one's fields did not leak into the template
     expected = pb.ReplicaForward(ref=pb.ShardRef(variable="w", shard_index=1), grad=codec.header(grad.dtype, grad.shape))
     assert second == expected
-    other = templates.forward("w", 1, grad[:10])
+    assert const == replica_wire.const_part("w", 1, grad.dtype, grad.shape)  # the compact form's, kept with it
+    other, _ = templates.forward("w", 1, grad[:10])
     assert list(other.grad.shape) == [10, 128]
