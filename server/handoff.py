@@ -38,7 +38,7 @@ class ShardGate:
         self._clock = clock
         self._cond = threading.Condition()
         self._frozen: dict[Key, float] = {}  # shard -> when its freeze lease ends
-        self._inflight: Counter[tuple[Key, int]] = Counter()  # (shard, step) -> pushes in flight
+        self._inflight: dict[tuple[Key, int], int] = {}  # (shard, step) -> pushes in flight
         self._open: dict[Key, frozenset[int]] = {}  # a sync job's frozen shard -> the steps it still admits
         self._progress: Counter[Key] = Counter()  # pushes admitted into or finished on a frozen shard
 
@@ -50,25 +50,32 @@ class ShardGate:
             UnavailableError: one of the shards is frozen for a move (retryable: re-read placement).
         """
         wanted = [(key, step) for key in keys]
+        inflight = self._inflight
+        # plain dict operations, not Counter's update/subtract (~25 us per replicated push in B15FLOOR)
         with self._cond:
-            now = self._clock()
-            for key, _ in wanted:
-                until = self._frozen.get(key)
-                if until is not None and now < until and step not in self._open.get(key, ()):
-                    raise UnavailableError(f"{name_of(key)} is moving off ps {self.ps_index}; retry (placement "
-                                           "changes within milliseconds)")
-            self._inflight.update(wanted)
-            self._progress.update(key for key, _ in wanted if key in self._frozen)
+            if self._frozen:
+                now = self._clock()
+                for key, _ in wanted:
+                    until = self._frozen.get(key)
+                    if until is not None and now < until and step not in self._open.get(key, ()):
+                        raise UnavailableError(f"{name_of(key)} is moving off ps {self.ps_index}; retry (placement "
+                                               "changes within milliseconds)")
+                self._progress.update(key for key, _ in wanted if key in self._frozen)
+            for held in wanted:
+                inflight[held] = inflight.get(held, 0) + 1
         try:
             yield
         finally:
             with self._cond:
-                self._inflight.subtract(wanted)
-                for key, step_ in wanted:
-                    if self._inflight[(key, step_)] <= 0:
-                        del self._inflight[(key, step_)]
-                self._progress.update(key for key, _ in wanted if key in self._frozen)
-                self._cond.notify_all()
+                for held in wanted:
+                    left = inflight[held] - 1
+                    if left > 0:
+                        inflight[held] = left
+                    else:
+                        del inflight[held]
+                if self._frozen:  # only a freeze waits here (it set its shard in _frozen first, under the lock)
+                    self._progress.update(key for key, _ in wanted if key in self._frozen)
+                    self._cond.notify_all()
 
     def _waiting(self, key: Key) -> int:
         return sum(n for (k, _), n in self._inflight.items() if k == key)
