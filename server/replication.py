@@ -15,7 +15,8 @@ The coordinator tells each PS its roles (`set_roles`): for every shard, the epoc
   follows it applies on top.
 - `wait` holds a push's reply until the backup confirmed the versions it made (or, for a retried
   push the primary held already, the version it was applied at): an acknowledgement means two copies.
-- The backup (`receive`) applies forwards in version order with the same optimizer code at the same
+- The backup (`receive`; `receive_dense` for a batch of plain dense updates in server/replica_wire.py's compact
+  form, through the same update path) applies forwards in version order with the same optimizer code at the same
   version number, adds each push id to its push record (exactly-once survives a promotion), and refuses
   a forward of an older epoch than it knows: a deposed primary gets STALE and its pushes' waiters get a
   retryable UnavailableError, so its workers go to the new primary.
