@@ -28,6 +28,7 @@ COUNT = struct.Struct("<I")
 HEAD = struct.Struct("<qqqHH")  # epoch, version, final_below, len(const), len(push_id)
 CONST = struct.Struct("<iB")  # shard index, ndim; then ndim <q dims, <B len(dtype name), dtype name, variable
 DIM = struct.Struct("<q")
+MAX_PART = 0xFFFF  # a constant part or push id longer than a u16 length: the forward goes as a message
 MAX_KEPT = 4096  # decoded constant parts a backup keeps; past it the cache starts over
 OUTCOMES = (0, 1, 2)  # pb.ReplicaOutcome's values: APPLIED, GAP, STALE
 
@@ -52,9 +53,12 @@ def const_part(variable: str, shard_index: int, dtype: np.dtype, shape: Sequence
         bytes([len(name)]) + name + variable.encode()
 
 
-def forward(const: bytes, epoch: int, version: int, final_below: int, push_id: str) -> bytes:
-    """One dense forward's bytes (its gradient's bytes go in the payload)."""
+def forward(const: bytes, epoch: int, version: int, final_below: int, push_id: str) -> bytes | None:
+    """One dense forward's bytes (its gradient's bytes go in the payload); None where a part is too long for
+    the head's lengths (that forward goes as a message)."""
     pid = push_id.encode()
+    if len(const) > MAX_PART or len(pid) > MAX_PART:
+        return None
     return HEAD.pack(epoch, version, final_below, len(const), len(pid)) + const + pid
 
 

@@ -125,7 +125,7 @@ def test_pushes_travel_in_the_compact_form_and_a_malformed_one_changes_nothing(p
     assert dense == [1]  # the dense update went as replica_wire bytes, not a ReplicateRequest
     before = backup.store.get(KEY).value.copy()
     const = replica_wire.const_part("w", 0, np.dtype(np.float32), SHAPE)
-    body = replica_wire.request([replica_wire.forward(const, 1, backup.store.get(KEY).version + 1, 0, "x")])
+    body = replica_wire.request([replica_wire.forward(const, 1, backup.store.get(KEY).version + 1, 0, "x") or b""])
     sock = framing.connect("127.0.0.1", frames.port, 5.0, None)
     try:
         framing.send_hello(sock, "secret")

@@ -17,7 +17,7 @@ def _batch() -> tuple[bytes, int]:
     b = wire.const_part("bias", 0, np.dtype("<f8"), (5,))
     forwards = [wire.forward(w, 7, 11, 2, "closure-1:3"), wire.forward(b, 1, 4, 0, ""),
                 wire.forward(w, 7, 12, 2, "é")]
-    return wire.request(forwards), 32 + 40 + 32
+    return wire.request([f for f in forwards if f is not None]), 32 + 40 + 32
 
 
 def test_a_batch_decodes_to_what_was_encoded_and_its_gradients_view_the_payload() -> None:
@@ -64,4 +64,11 @@ def test_sizes_that_do_not_add_up_and_bad_constant_parts_are_refused() -> None:
                            (struct.pack("<iB", 0, 3), "malformed dense forward"),
                            (struct.pack("<iB", 0, 0) + bytes([3]) + b"<f4", "without its dtype or variable")]:
         with pytest.raises(InvalidArgumentError, match=message):
-            wire.decode_request(wire.request([wire.forward(const, 1, 1, 0, "")]), 0, {})
+            wire.decode_request(wire.request([wire.forward(const, 1, 1, 0, "") or b""]), 0, {})
+
+
+def test_a_part_too_long_for_the_head_leaves_the_forward_to_the_message_form() -> None:
+    const = wire.const_part("w", 0, np.dtype(np.float32), (2,))
+    assert wire.forward(const, 1, 1, 0, "p" * wire.MAX_PART) is not None
+    assert wire.forward(const, 1, 1, 0, "p" * (wire.MAX_PART + 1)) is None
+    assert wire.forward(wire.const_part("v" * wire.MAX_PART, 0, np.dtype(np.float32), (2,)), 1, 1, 0, "") is None
