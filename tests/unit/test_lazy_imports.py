@@ -29,9 +29,11 @@ def test_a_ps_store_loads_only_the_api_codec_and_the_server_core():
     assert len(ours) <= 24, sorted(ours)
 
 
+# the bounds catch a stray import of a whole room, not one new module of the daemon's own job (the PS's
+# bound grew by one for server/replica_wire.py, the compact replication batch every replicated push uses)
 @pytest.mark.parametrize("daemon, never, bound", [
     ("pscluster.server.main", ("pscluster.client", "pscluster.coordinator", "pscluster.worker",
-                               "pscluster.ops.launcher", "pscluster.ops.cli"), 55),
+                               "pscluster.ops.launcher", "pscluster.ops.cli"), 56),
     ("pscluster.worker.main", ("pscluster.server", "pscluster.coordinator", "pscluster.ops.launcher"), 55),
     ("pscluster.coordinator.main", ("pscluster.server", "pscluster.worker", "pscluster.ops.launcher"), 65),
 ])
