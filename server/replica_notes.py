@@ -1,24 +1,34 @@
-"""What replication (server/replication.py) forwards besides a shard's updates and catch-ups: the sync state
-and the note of a sync step skipped on a shard. A mixin of Replication, which owns the attributes below.
+"""What replication (server/replication.py) forwards besides a shard's updates and catch-ups: the sync state,
+the note of a sync step skipped on a shard, config changes, and a table's row-creating pulls and sweeps. A mixin
+of Replication, which owns the attributes below; the backup applies them in server/replica_backup.py.
 
 - `forward_sync`: the sync token queue, clocks and G (server/sync_state.py), whole, after change `version`;
   the backup takes the newest (`SyncStateHolder.install`).
 - `skipped`: a sync step skipped on a shard changes no version, so no update is forwarded; the note
   (`sync:<step>` for the backup's push record) is, and the step's replies wait for it (`wait_skipped`).
+- `configured` (set_hyperparameters' hook) and `swept` (an on-demand sweep's): queued after the updates made so
+  far; `wait_configured` waits for the backup to hold them.
+- `on_pulled`: a table pull that created rows changes no version either; it is forwarded, numbered among that
+  version's pulls, so the backup creates (and evicts) the same rows between the same updates.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import weakref
+from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
+import numpy as np
 from pscluster.proto import pscluster_pb2 as pb
 from pscluster.server.push_record import PushKey, push_key
 from pscluster.server.replicator import Replicator, name_of
-from pscluster.server.store import Key, Shard
+from pscluster.server.store import Key, Shard, VariableStore
 
+from pscluster import codec
 from pscluster.errors import UnavailableError
+from pscluster.optimizer_config import optimizer_to_pb
 from pscluster.placement import SYNC_STATE_KEY
 
 
@@ -44,16 +54,23 @@ class SkipNote(NamedTuple):
 
 
 class ReplicaNotes:
-    """Forwards of the sync state and of skipped steps (mixed into Replication, which sets these)."""
+    """Forwards of the sync state, skipped steps, config changes, pulls and sweeps (mixed into Replication,
+    which sets these)."""
 
+    store: VariableStore
     ps_index: int
+    timeout: float
     _lock: threading.Lock
     _install_at: dict[Key, int]
+    _configs: dict[Key, tuple[weakref.ref[Replicator], int]]
 
     def _replicator_of(self, key: Key) -> tuple[Any, Replicator | None]:
         raise NotImplementedError  # Replication's
 
     def wait(self, versions: list[tuple[Key, int]], timeout: float | None = None) -> None:
+        raise NotImplementedError  # Replication's
+
+    def _took_pull(self, key: Key, version: int) -> int:
         raise NotImplementedError  # Replication's
 
     def skipped(self, shard: Shard, key: PushKey) -> SkipNote | None:
@@ -98,6 +115,70 @@ class ReplicaNotes:
                 self._install_at[SYNC_STATE_KEY] = version
         rep.put(SYNC_STATE_KEY, version, msg, [])
 
+    def on_pulled(self, shard: Shard, keys: np.ndarray) -> None:
+        """The store's hook for a table pull that created rows (under the shard's lock): queue it, so the
+        backup creates (and evicts) the same rows, with the same metadata, between the same updates."""
+        # what the pull's decisions depend on: its distinct keys
+        self._forward_keys(shard, np.unique(np.asarray(keys, np.int64)), swept=False)
+
+    def swept(self, shard: Shard, keys: np.ndarray) -> None:
+        """An on-demand sweep's hook (under the shard's lock): queue the evicted keys, so the backup evicts the
+        same ones between the same updates; `wait_configured` then waits for it as for a config change."""
+        queued = self._forward_keys(shard, np.array(keys, np.int64, copy=True), swept=True)
+        if queued is not None:
+            self._queued_config(shard.spec.key, *queued)
+
+    def _forward_keys(self, shard: Shard, keys: np.ndarray, swept: bool) -> tuple[Replicator, int] | None:
+        """Queue a table operation that changes rows but not the version (a row-creating pull, or a sweep),
+        ordered among that version's pulls; returns its replicator and place in its queue, None with no backup."""
+        role, rep = self._replicator_of(shard.spec.key)
+        if role is None or rep is None:
+            return None
+        msg = pb.ReplicaForward(ref=pb.ShardRef(variable=shard.spec.variable, shard_index=shard.spec.shard_index),
+                                epoch=role.epoch, version=shard.version, rows=codec.header(keys.dtype, keys.shape),
+                                has_rows=True, pulled=not swept, swept=swept,
+                                pull_index=self._took_pull(shard.spec.key, shard.version))
+        if shard.table is not None and not swept:
+            msg.clock_s = shard.table.now_s
+        return rep, rep.put(shard.spec.key, shard.version, msg, [keys])
+
+    def configured(self, shard: Shard) -> None:
+        """set_hyperparameters' hook (under the shard's lock): queue the new optimizer config for the backup,
+        placed after the updates made so far."""
+        role, rep = self._replicator_of(shard.spec.key)
+        if role is None or rep is None:
+            return
+        msg = pb.ReplicaForward(ref=pb.ShardRef(variable=shard.spec.variable, shard_index=shard.spec.shard_index),
+                                epoch=role.epoch, version=shard.version,
+                                optimizer=optimizer_to_pb(shard.spec.optimizer))
+        self._queued_config(shard.spec.key, rep, rep.put(shard.spec.key, shard.version, msg, []))
+
+    def _queued_config(self, key: Key, rep: Replicator, seq: int) -> None:
+        with self._lock:
+            old = self._configs.get(key)
+            if old is None or old[0]() is not rep or old[1] < seq:
+                self._configs[key] = (weakref.ref(rep), seq)
+
+    def wait_configured(self, keys: Sequence[Key], timeout: float | None = None) -> None:
+        """Return once the backups of keys hold the config changes and sweeps queued for them (`configured`, `swept`).
+
+        Raises:
+            UnavailableError: not confirmed within timeout (the call may be retried: it is idempotent).
+        """
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        for key in keys:
+            with self._lock:
+                entry = self._configs.get(key)
+            _, rep = self._replicator_of(key)
+            if entry is None or rep is None:
+                continue  # none queued, or no backup now
+            if entry[0]() is rep:
+                rep.wait_config(key, entry[1], deadline)  # the change applied, or a whole state after it
+                continue
+            # queued for another backup (the roles changed since): the whole state the new one gets carries it
+            shard = self.store.find(key)
+            if shard is not None:
+                self.wait([(key, shard.version)], max(0.0, deadline - time.monotonic()))
 
 
 def note_skipped(shard: Shard, version: int, push_id: str) -> bool:
@@ -107,5 +188,3 @@ def note_skipped(shard: Shard, version: int, push_id: str) -> bool:
             return False
         shard.record.add_key(push_key(push_id), version)
         return True
-
-

@@ -9,7 +9,7 @@ variable) and the push id; the gradients' bytes follow as the frame's payload, i
 keeps what a constant part decodes to (bounded), so a forward costs it one struct unpack and a dict read. The
 reply is `<u32 count>`, one outcome byte per forward, then an `<i64` version each. Every other forward (an
 install, a config change, the sync state, a table's pull or sweep, sparse rows, a table's clock) travels as a
-ReplicateRequest (server/replica_links.py); both forms mean the same to the backup (server/replication.py).
+ReplicateRequest (server/replica_links.py); both forms mean the same to the backup (server/replica_backup.py).
 """
 
 from __future__ import annotations

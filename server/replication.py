@@ -15,14 +15,18 @@ The coordinator tells each PS its roles (`set_roles`): for every shard, the epoc
   follows it applies on top.
 - `wait` holds a push's reply until the backup confirmed the versions it made (or, for a retried
   push the primary held already, the version it was applied at): an acknowledgement means two copies.
-- The backup (`receive`; `receive_dense` for a batch of plain dense updates in server/replica_wire.py's compact
-  form, through the same update path) applies forwards in version order with the same optimizer code at the same
-  version number, adds each push id to its push record (exactly-once survives a promotion), and refuses
-  a forward of an older epoch than it knows: a deposed primary gets STALE and its pushes' waiters get a
-  retryable UnavailableError, so its workers go to the new primary.
+- The backup (server/replica_backup.py: `receive`; `receive_dense` for a batch of plain dense updates in
+  server/replica_wire.py's compact form, through the same update path) applies forwards in version order with
+  the same optimizer code at the same version number, adds each push id to its push record (exactly-once
+  survives a promotion), and refuses a forward of an older epoch than it knows: a deposed primary gets STALE
+  and its pushes' waiters get a retryable UnavailableError, so its workers go to the new primary.
 - The sync state (PS 0's token queue, bounded clocks and G; key SYNC_STATE_KEY) has a row of the table
   too: its primary forwards the whole state after each change (`forward_sync`, on the same stream), a
   token call's reply waits for the backup as a push's does, and a catch-up is one more such forward.
+
+This module holds the roles and the primary's side (updates, catch-ups, waits); the other forwards (the sync
+state, skipped steps, config changes, pulls and sweeps) are server/replica_notes.py's, and the backup's side
+is server/replica_backup.py's: both are mixins of `Replication`.
 """
 
 from __future__ import annotations
@@ -33,21 +37,20 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 from pscluster.proto import pscluster_pb2 as pb
-from pscluster.server import catch_up, replica_wire, table_ops, table_state
+from pscluster.server import catch_up, replica_wire, table_state
 from pscluster.server.forward_buffers import ForwardBuffers, ForwardTemplates
-from pscluster.server.push_record import PushKey, push_key
-from pscluster.server.replica_links import tensors_of
-from pscluster.server.replica_notes import ReplicaNotes, SyncStateHolder, note_skipped
+from pscluster.server.push_record import PushKey
+from pscluster.server.replica_backup import ReplicaBackup
+from pscluster.server.replica_notes import ReplicaNotes, SyncStateHolder
 from pscluster.server.replicator import MAX_QUEUED_BYTES, ReplicaLink, Replicator, name_of
 from pscluster.server.store import Key, Shard, VariableStore
 
 from pscluster import codec
-from pscluster.errors import InvalidArgumentError, UnavailableError
-from pscluster.optimizer_config import OptimizerConfig, optimizer_from_pb, optimizer_to_pb
+from pscluster.errors import UnavailableError
 from pscluster.placement import SYNC_STATE_KEY
 from pscluster.specs import spec_to_pb
 
@@ -66,7 +69,7 @@ class Role:
     backup: int = -1
 
 
-class Replication(ReplicaNotes):
+class Replication(ReplicaNotes, ReplicaBackup):
     """A PS's replication roles, forwarders and backup side; owned by its ParameterServerCore."""
 
     def __init__(self, store: VariableStore, ps_index: int, connect: Callable[[int], ReplicaLink],
@@ -165,10 +168,6 @@ class Replication(ReplicaNotes):
             epoch = role.epoch if role is not None and role.backup == self.ps_index else None
             with self._key_lock(key):
                 self._staged.drop_before(key, epoch)
-
-    def staging(self) -> list[Key]:
-        """Backup side: the shards whose catch-up in chunks is under way here (staged, not installed yet)."""
-        return sorted(self._staged.keys())
 
     def roles(self) -> tuple[int, list[Role]]:
         """The table this PS holds, and its version."""
@@ -271,33 +270,6 @@ class Replication(ReplicaNotes):
             msg.clock_s = shard.table.now_s  # the backup repeats it at the primary's seconds
         rep.put(shard.spec.key, version, msg, arrays, wire)
 
-    def on_pulled(self, shard: Shard, keys: np.ndarray) -> None:
-        """The store's hook for a table pull that created rows (under the shard's lock): queue it, so the
-        backup creates (and evicts) the same rows, with the same metadata, between the same updates."""
-        # what the pull's decisions depend on: its distinct keys
-        self._forward_keys(shard, np.unique(np.asarray(keys, np.int64)), swept=False)
-
-    def swept(self, shard: Shard, keys: np.ndarray) -> None:
-        """An on-demand sweep's hook (under the shard's lock): queue the evicted keys, so the backup evicts the
-        same ones between the same updates; `wait_configured` then waits for it as for a config change."""
-        queued = self._forward_keys(shard, np.array(keys, np.int64, copy=True), swept=True)
-        if queued is not None:
-            self._queued_config(shard.spec.key, *queued)
-
-    def _forward_keys(self, shard: Shard, keys: np.ndarray, swept: bool) -> tuple[Replicator, int] | None:
-        """Queue a table operation that changes rows but not the version (a row-creating pull, or a sweep),
-        ordered among that version's pulls; returns its replicator and place in its queue, None with no backup."""
-        role, rep = self._replicator_of(shard.spec.key)
-        if role is None or rep is None:
-            return None
-        msg = pb.ReplicaForward(ref=pb.ShardRef(variable=shard.spec.variable, shard_index=shard.spec.shard_index),
-                                epoch=role.epoch, version=shard.version, rows=codec.header(keys.dtype, keys.shape),
-                                has_rows=True, pulled=not swept, swept=swept,
-                                pull_index=self._took_pull(shard.spec.key, shard.version))
-        if shard.table is not None and not swept:
-            msg.clock_s = shard.table.now_s
-        return rep, rep.put(shard.spec.key, shard.version, msg, [keys])
-
     def _pulls_at(self, key: Key, version: int) -> int:
         """How many table pulls this copy of key took at `version`."""
         with self._lock:
@@ -317,44 +289,6 @@ class Replication(ReplicaNotes):
         the change from its primary's stream, in order with the updates."""
         role = self._roles.get(shard.spec.key)
         return role is None or role.backup != self.ps_index
-
-    def configured(self, shard: Shard) -> None:
-        """set_hyperparameters' hook (under the shard's lock): queue the new optimizer config for the backup,
-        placed after the updates made so far."""
-        role, rep = self._replicator_of(shard.spec.key)
-        if role is None or rep is None:
-            return
-        msg = pb.ReplicaForward(ref=pb.ShardRef(variable=shard.spec.variable, shard_index=shard.spec.shard_index),
-                                epoch=role.epoch, version=shard.version,
-                                optimizer=optimizer_to_pb(shard.spec.optimizer))
-        self._queued_config(shard.spec.key, rep, rep.put(shard.spec.key, shard.version, msg, []))
-
-    def _queued_config(self, key: Key, rep: Replicator, seq: int) -> None:
-        with self._lock:
-            old = self._configs.get(key)
-            if old is None or old[0]() is not rep or old[1] < seq:
-                self._configs[key] = (weakref.ref(rep), seq)
-
-    def wait_configured(self, keys: Sequence[Key], timeout: float | None = None) -> None:
-        """Return once the backups of keys hold the config changes and sweeps queued for them (`configured`, `swept`).
-
-        Raises:
-            UnavailableError: not confirmed within timeout (the call may be retried: it is idempotent).
-        """
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        for key in keys:
-            with self._lock:
-                entry = self._configs.get(key)
-            _, rep = self._replicator_of(key)
-            if entry is None or rep is None:
-                continue  # none queued, or no backup now
-            if entry[0]() is rep:
-                rep.wait_config(key, entry[1], deadline)  # the change applied, or a whole state after it
-                continue
-            # queued for another backup (the roles changed since): the whole state the new one gets carries it
-            shard = self.store.find(key)
-            if shard is not None:
-                self.wait([(key, shard.version)], max(0.0, deadline - time.monotonic()))
 
     def resync(self, key: Key, start: int = 0) -> None:
         """Queue shard key's whole state for its backup (catch-up), in order with its updates; a state larger
@@ -438,169 +372,3 @@ class Replication(ReplicaNotes):
             self._retired = []
         for rep in reps:
             rep.stop()
-
-    # -- backup side --------------------------------------------------------------------------------
-    def receive(self, request: pb.ReplicateRequest, arrays: Sequence[np.ndarray] | None = None,
-                owned: bool = False) -> pb.ReplicateReply:
-        """Apply a primary's forwards in order (see the module docstring); arrays: the tensors' contents in
-        `tensors_of` order (a framed batch), else they are decoded from the tensors' data; owned: the arrays
-        are writable and nothing else uses their memory, so an install keeps them instead of a copy."""
-        reply = pb.ReplicateReply()
-        given = iter(arrays) if arrays is not None else None
-        for f in request.forwards:
-            tensors = [next(given) for _ in tensors_of(f)] if given is not None else \
-                [codec.decode(t, name_of((f.ref.variable, f.ref.shard_index))) for t in tensors_of(f)]
-            key = (f.ref.variable, f.ref.shard_index)
-            with self._key_lock(key):  # a resend on a new connection may overlap the batch it repeats
-                outcome, shard = self._receive_one(f, key, tensors, owned)
-            reply.outcomes.append(outcome)
-            reply.versions.append(shard.version if shard is not None else -1)
-        return reply
-
-    def receive_dense(self, forwards: Sequence[replica_wire.Dense],
-                      grads: Sequence[np.ndarray]) -> tuple[list[int], list[int]]:
-        """Apply a batch of dense updates in the compact form (server/replica_wire.py), decoded and checked:
-        (outcomes, versions), exactly as `receive` answers the same forwards as messages."""
-        outcomes: list[int] = []
-        versions: list[int] = []
-        for f, grad in zip(forwards, grads):
-            with self._key_lock(f.key):
-                outcome, shard = self._receive_update(f.key, f.epoch, f.version, grad, None, f.push_id,
-                                                      f.final_below, None)
-            outcomes.append(outcome)
-            versions.append(shard.version if shard is not None else -1)
-        return outcomes, versions
-
-    def _fenced(self, key: Key, epoch: int) -> bool:
-        """Note a forward's epoch for key; True when a newer one is known (its sender is no longer primary)."""
-        with self._lock:
-            known = self._epochs.get(key, 0)
-            if epoch >= known:
-                self._epochs[key] = epoch
-        return epoch < known
-
-    def _receive_update(self, key: Key, epoch: int, version: int, grad: np.ndarray, rows: np.ndarray | None,
-                        push_id: str, final_below: int,
-                        clock_s: int | None) -> tuple[pb.ReplicaOutcome.ValueType, Shard | None]:
-        """An update forward (no install, config change, sync state, pull or sweep), under key's lock."""
-        stale = self._fenced(key, epoch)
-        shard = self.store.find(key)
-        if stale:
-            return pb.REPLICA_STALE, shard
-        staged = self._staged.get(key)
-        if staged is not None and staged.shard.table is not None:
-            return pb.REPLICA_GAP, shard  # a table is built by its last chunk, which what follows comes after
-        shard = staged.shard if staged is not None else shard  # a catch-up in chunks: the rows staged so far
-        if shard is None:
-            return pb.REPLICA_GAP, shard
-        local = _ids(rows, key) if rows is not None else None
-        pid = push_key(push_id) if push_id else None
-        done = self.store.apply_at(shard, version, grad, local, pid, final_below, clock_s) if staged is None else \
-            catch_up.apply_at(staged, shard, version, grad, local, pid, final_below)
-        return (pb.REPLICA_GAP if done == "gap" else pb.REPLICA_APPLIED), shard
-
-    def _key_lock(self, key: Key) -> threading.Lock:
-        lock = self._key_locks.get(key)  # a plain read on the common path: locks are only ever added
-        if lock is None:
-            with self._lock:
-                lock = self._key_locks.setdefault(key, threading.Lock())
-        return lock
-
-    def _receive_one(self, f: pb.ReplicaForward, key: Key, tensors: list[np.ndarray],
-                     owned: bool) -> tuple[pb.ReplicaOutcome.ValueType, Shard | None]:
-        """One forward, under its shard's key lock: (its outcome, the shard after it)."""
-        if not (f.HasField("sync_state") or f.skipped or f.HasField("spec") or f.pulled or f.swept or
-                f.HasField("optimizer")):
-            return self._receive_update(key, f.epoch, f.version, tensors[0], tensors[1] if f.has_rows else None,
-                                        f.push_id, f.final_below, f.clock_s if f.HasField("clock_s") else None)
-        stale = self._fenced(key, f.epoch)
-        shard = self.store.find(key)
-        if stale:
-            return pb.REPLICA_STALE, shard
-        if f.HasField("sync_state"):
-            if self.sync_state is None:
-                raise InvalidArgumentError(f"ps {self.ps_index} keeps no sync state; a forward of it is refused")
-            self.sync_state.install(f.epoch, f.version, f.sync_state)
-            return pb.REPLICA_APPLIED, shard
-        staged = self._staged.get(key)
-        if staged is not None and staged.shard.table is not None and not f.HasField("spec"):
-            return pb.REPLICA_GAP, shard  # a table is built by its last chunk, which what follows comes after
-        if f.skipped:  # a skipped sync step's note: into the copy, or the one staged by a catch-up in chunks
-            target = staged.shard if staged is not None else shard
-            noted = target is not None and note_skipped(target, f.version, f.push_id)
-            return (pb.REPLICA_APPLIED if noted else pb.REPLICA_GAP), shard
-        if f.HasField("spec"):
-            with self._lock:
-                same_stream = self._copy_epoch.get(key) == f.epoch
-            # a resent install: this copy holds it and the updates after it. At the same version it must also
-            # hold the pulls and sweeps the state holds (they change a table, not its version)
-            held = shard is not None and (shard.version > f.version or (
-                shard.version == f.version and self._pulls_at(key, f.version) >= f.pull_index))
-            if held and same_stream and not self._staged.get(key):
-                return pb.REPLICA_APPLIED, shard
-            if f.chunk_start or f.chunk_more:  # staged; the last chunk installs the staged copy
-                done, shard, complete = self._staged.take(f, key, tensors)
-                if complete and shard is not None:
-                    self._place(shard)
-                    self._installed(f, shard)
-                return (pb.REPLICA_GAP if done == "gap" else pb.REPLICA_APPLIED), shard or self.store.find(key)
-            self._staged.drop(key)
-            shard = catch_up.whole(f, tensors, owned, self.store.dedup_window)
-            self._place(shard)
-            return pb.REPLICA_APPLIED, self._installed(f, shard)
-        staged = self._staged.get(key)  # a catch-up in chunks under way: updates go to the rows staged so far
-        shard = staged.shard if staged is not None else shard
-        if shard is None or ((f.pulled or f.swept) and staged is not None):  # a table's state is never staged
-            return pb.REPLICA_GAP, shard
-        if f.pulled or f.swept:  # a pull that made rows, or an on-demand sweep: ordered among the version's pulls
-            if shard.version == f.version:
-                taken = self._pulls_at(key, f.version)
-                if f.pull_index < taken:
-                    return pb.REPLICA_APPLIED, shard  # a resent pull: repeating it could re-create evicted rows
-                if f.pull_index > taken:
-                    return pb.REPLICA_GAP, shard  # an earlier pull at this version is missing
-            keys = _ids(tensors[0], key)
-            done = table_ops.evict_at(shard, f.version, keys) if f.swept else \
-                table_ops.pull_at(shard, f.version, keys, f.clock_s if f.HasField("clock_s") else None)
-            if done == "applied":
-                self._took_pull(key, f.version)
-            return (pb.REPLICA_GAP if done == "gap" else pb.REPLICA_APPLIED), shard
-        configured = _configure_at(shard, f.version, optimizer_from_pb(f.optimizer))  # what is left: a config change
-        return (pb.REPLICA_APPLIED if configured else pb.REPLICA_GAP), shard
-
-    def _installed(self, f: pb.ReplicaForward, shard: Shard) -> Shard:
-        """Note an install (its epoch and pulls) of shard key; returns shard."""
-        with self._lock:
-            self._copy_epoch[shard.spec.key] = f.epoch
-            self._pulls[shard.spec.key] = (f.version, f.pull_index)
-        return shard
-
-    def _place(self, shard: Shard) -> None:
-        """Put an installed copy in the store, after a pull or a checkpoint of the old object."""
-        existing = self.store.find(shard.spec.key)
-        if existing is not None:
-            with existing.lock:
-                self.store.install(shard)
-        else:
-            self.store.install(shard)
-
-
-def _configure_at(shard: Shard, version: int, cfg: OptimizerConfig) -> bool:
-    """A backup's take of a config change made after update `version`; False: that update is missing (gap).
-
-    Past `version` the change is held already: a resend, or a catch-up that carried it in its spec.
-    """
-    with shard.lock:
-        if shard.version < version:
-            return False
-        if shard.version == version:
-            shard.spec = replace(shard.spec, optimizer=cfg)
-        return True
-
-
-def _ids(rows: np.ndarray, key: Key) -> np.ndarray:
-    """A forward's row numbers or keys, checked: a 1-D int64 array."""
-    if rows.dtype != np.dtype("<i8") or rows.ndim != 1:
-        raise InvalidArgumentError(f"replicate {name_of(key)}: rows must be a 1-D int64 tensor, got {rows.dtype} "
-                                   f"{rows.shape}")
-    return rows

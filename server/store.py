@@ -407,7 +407,7 @@ class VariableStore:
     @staticmethod
     def apply_at(shard: Shard, version: int, grad: np.ndarray, local: np.ndarray | None, key: PushKey | None,
                  final_below: int, clock_s: int | None = None) -> Literal["applied", "held", "gap"]:
-        """A backup's apply of its primary's update number `version` (server/replication.py), only if it is
+        """A backup's apply of its primary's update number `version` (server/replica_backup.py), only if it is
         the next one: "held" for one applied already (a resend), "gap" for one beyond the next (the backup
         needs the shard's whole state first). clock_s: a dynamic table's update decides by the primary's
         seconds (DynamicTable.pinned_s)."""

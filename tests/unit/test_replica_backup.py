@@ -1,4 +1,4 @@
-"""The backup's side of replication (server/replication.py `receive`) when a batch arrives twice.
+"""The backup's side of replication (server/replica_backup.py `receive`) when a batch arrives twice.
 
 A batch whose reply was lost is resent (on a new connection it may even overlap the first copy): the
 backup must hold what it applied already, whatever the batch carries. Each test replays batches the
