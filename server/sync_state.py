@@ -2,7 +2,7 @@
 
 A mixin of sync_replicas.SyncReplicas (which owns the lock, the state and the core; see its docstring):
 the primary's side (`_changed` under the lock, `_replicated` after it, `send_state` for a new backup's
-catch-up) and the backup's (`install`), plus `roles_changed` for server/replication.py's SyncStateHolder.
+catch-up) and the backup's (`install`), plus `roles_changed` for server/replica_notes.py's SyncStateHolder.
 
 Each forward costs the primary a round trip to the backup before its reply, so it forwards only what changed:
 a call that changed nothing (a take that waits, a repeated report, a retried take of a held token) forwards
