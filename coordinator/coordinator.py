@@ -60,7 +60,6 @@ from pscluster.errors import (
     UnavailableError,
 )
 from pscluster.net import rpc
-from pscluster.ops import metrics
 
 log = logging.getLogger(__name__)
 _BATCH = 256  # events applied between two snapshots
@@ -126,6 +125,8 @@ class ClusterCoordinator(CoordinatorAPI):
         self._ticker = self._thread(self._tick, "coordinator-tick")
         self.metrics_port = 0
         if self.settings.metrics_port is not None:
+            from pscluster.ops import metrics  # prometheus_client only where metrics are served
+
             self.metrics_port = metrics.serve(metrics.coordinator_registry(self._metrics_snapshot),
                                               self.settings.metrics_host, self.settings.metrics_port)
         self._server: grpc.Server | None = None

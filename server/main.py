@@ -18,8 +18,6 @@ from pscluster.errors import ConfigError
 from pscluster.net import frame_server, rpc, tls
 from pscluster.net.frame_server import Listeners
 from pscluster.ops import daemon
-from pscluster.ops.metrics import PsMetrics
-from pscluster.ops.metrics import serve as metrics_serve
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +31,14 @@ def start(settings: Settings) -> tuple[Listeners, int, ParameterServerCore]:
         checkpoint_dir=settings.checkpoint_dir, keep_checkpoints=settings.keep_checkpoints,
         dedup_window=settings.dedup_window, max_tensor_bytes=settings.max_tensor_bytes)
     sync = sync_replicas.attach(core)
-    core.metrics = PsMetrics(lambda: len(core.store.shards()), core.total_bytes, lambda: core.global_step,
-                             lambda: sync.dropped, core.learning_rates, lambda: sync.skipped,
-                             lambda: core.store.rejected_nonfinite)
+    if settings.metrics_port is not None:
+        # imported only here: prometheus_client (with urllib, http.server) is ~0.1 s of every daemon's
+        # start-up, and counters nobody can scrape are not kept (servicer and bulk skip a None)
+        from pscluster.ops.metrics import PsMetrics
+
+        core.metrics = PsMetrics(lambda: len(core.store.shards()), core.total_bytes, lambda: core.global_step,
+                                 lambda: sync.dropped, core.learning_rates, lambda: sync.skipped,
+                                 lambda: core.store.rejected_nonfinite)
     if settings.replica_table:  # replicas: 2, or one copy that can move (elastic)
         from pscluster.server.catch_up import CHUNK_BYTES
         from pscluster.server.link_pool import LinkPool
@@ -114,8 +117,11 @@ def serve(settings: Settings) -> None:
     stop = daemon.stop_on_signals(settings.parent_pid)
     server, port, core = start(settings)
     try:
-        metrics = "" if settings.metrics_port is None else \
-            f" metrics={metrics_serve(core.metrics.registry, settings.metrics_host, settings.metrics_port)}"
+        metrics = ""
+        if settings.metrics_port is not None:
+            from pscluster.ops.metrics import serve as metrics_serve
+
+            metrics = f" metrics={metrics_serve(core.metrics.registry, settings.metrics_host, settings.metrics_port)}"
         print(f"READY ps {settings.task_index} {settings.bind_host}:{port} restored_step={core.restored_step}"
               f"{metrics}", flush=True)
         stop.wait()

@@ -23,7 +23,6 @@ from pscluster.net import frame_server, rpc, tls
 from pscluster.net.frame_server import Listeners
 from pscluster.ops import daemon
 from pscluster.ops.daemon import Waiter
-from pscluster.ops.metrics import serve as metrics_serve
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +129,8 @@ def start(settings: Settings, ps_resolver: Callable[[int], str] | None = None
     client = PSClient(settings, retry_for=1.0, resolver=ps_resolver)
     context.set_default_client(client)
     datasets = WorkerDatasets(WorkerInfo(worker_id, settings.task_index))
-    servicer = WorkerServicer(ClosureRunner(client, datasets), worker_id, InflightGate())
+    runner = ClosureRunner(client, datasets, metrics=settings.metrics_port is not None)
+    servicer = WorkerServicer(runner, worker_id, InflightGate())
     address = settings.listen_address() if settings.task_index < len(settings.cluster.worker) \
         else f"{settings.bind_host}:{settings.port or 0}"
     server, port = rpc.create_server(settings, lambda s: pb_grpc.add_WorkerServicer_to_server(servicer, s),
@@ -159,8 +159,12 @@ def serve(settings: Settings) -> None:
             heart = Heartbeater(settings, servicer.worker_id, advertised, servicer.runner.datasets,
                                 servicer.closure_port, on_give_up=stop.set)
             heart.start()
-        metrics = "" if settings.metrics_port is None else \
-            f" metrics={metrics_serve(servicer.runner.metrics.registry, settings.metrics_host, settings.metrics_port)}"
+        metrics = ""
+        if settings.metrics_port is not None and servicer.runner.metrics is not None:
+            from pscluster.ops.metrics import serve as metrics_serve
+
+            bound = metrics_serve(servicer.runner.metrics.registry, settings.metrics_host, settings.metrics_port)
+            metrics = f" metrics={bound}"
         # SERVING: its ports are open (a launcher that starts the coordinator afterwards waits for this);
         # READY: it has also registered with the coordinator, so closures can reach it
         print(f"SERVING worker {servicer.worker_id} {advertised}{metrics}", flush=True)

@@ -6,6 +6,7 @@ import logging
 import time
 import traceback
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import cloudpickle
 
@@ -15,7 +16,9 @@ from pscluster.client.context import ClosureScope
 from pscluster.client.datasets import WorkerDatasets, WorkerInfo
 from pscluster.closures import FunctionCache
 from pscluster.errors import PsclusterError
-from pscluster.ops.metrics import WorkerMetrics
+
+if TYPE_CHECKING:
+    from pscluster.ops.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +41,16 @@ class Outcome:
 class ClosureRunner:
     """Executes closures for one worker process."""
 
-    def __init__(self, client: PSClient, datasets: WorkerDatasets) -> None:
+    def __init__(self, client: PSClient, datasets: WorkerDatasets, metrics: bool = True) -> None:
         self.client = client
         self.datasets = datasets
         self.functions = FunctionCache()
         self.closures_run = 0
-        self.metrics = WorkerMetrics(client.nonfinite_counts)
+        self.metrics: WorkerMetrics | None = None
+        if metrics:  # the worker daemon asks for them only with a metrics port: prometheus_client is ~0.1 s to import
+            from pscluster.ops.metrics import WorkerMetrics
+
+            self.metrics = WorkerMetrics(client.nonfinite_counts)
 
     def run(self, closure_id: int, payload: bytes, sync_mode: str = "async", worker_index: int | None = None,
             final_below: int = 0, push_pull: bool = False) -> Outcome:
@@ -53,8 +60,9 @@ class ClosureRunner:
             self.datasets.info = WorkerInfo(self.datasets.info.worker_id, worker_index)
         outcome = self._run(closure_id, payload, sync_mode, final_below, push_pull)
         kind = "retryable" if outcome.retryable else "error" if outcome.error_type else "ok"
-        self.metrics.closures.labels(kind).inc()
-        self.metrics.latency.observe(outcome.seconds)
+        if self.metrics is not None:
+            self.metrics.closures.labels(kind).inc()
+            self.metrics.latency.observe(outcome.seconds)
         return outcome
 
     def _run(self, closure_id: int, payload: bytes, sync_mode: str, final_below: int = 0,
