@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(PY) examples/mnist.py --steps 3000
 
 test: lint
-	$(PY) -m pytest -q --durations=20
+	$(PY) -m pytest -q --durations=20 -n 2 --dist loadgroup
 
 bench: $(STAMP)
 	$(PY) bench/run.py --write BENCHMARKS.md

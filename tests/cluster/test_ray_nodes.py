@@ -16,7 +16,9 @@ import pscluster as ps
 from tests.cluster.ray_helpers import wait_for_new_address
 from tests.cluster.sockets import is_loopback, listening
 
-pytestmark = pytest.mark.cluster
+# xdist_group: under `make test` (pytest -n 2 --dist loadgroup) the Ray tests of both files run on one
+# worker, one after another: never two Ray clusters at once, each with its own raylets and dashboard.
+pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("ray")]
 
 # A lost node is declared dead after about 5 s instead of Ray's default 15-30 s. Not faster: on a busy
 # 2-core machine a raylet that just started misses 3 checks 500 ms apart and is declared dead itself.
