@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) examples/mnist.py --steps 3000
 
+# -n 2: two pytest-xdist workers. The cluster tests (84 % of a serial run's time) mostly wait on their daemons,
+# so two of them run side by side on 2 cores; tests of one xdist_group (Ray) run on one worker, one after another.
 test: lint
 	$(PY) -m pytest -q --durations=20 -n 2 --dist loadgroup
 
