@@ -15,7 +15,7 @@ def pytest_sessionstart(session):
     """Compile the dynamic tables' kernels into their disk cache once, before any test: in a fresh
     checkout the first PS daemon to create a table would otherwise compile them (seconds, more on 2
     busy cores) while its client waits on a deadline; with the cache every process loads them.
-    tryfirst: under `-n 2` (make test) this runs in the controller before pytest-xdist's own
+    tryfirst: under `-n 2` (pytest-xdist) this runs in the controller before pytest-xdist's own
     sessionstart starts the workers, so the two workers load the cache instead of both compiling."""
     from pscluster.server import table_kernels
 

@@ -16,7 +16,7 @@ import pscluster as ps
 from tests.cluster.ray_helpers import wait_for_new_address
 from tests.cluster.sockets import is_loopback, listening
 
-# xdist_group: under `make test` (pytest -n 2 --dist loadgroup) the Ray tests of both files run on one
+# xdist_group: under `pytest -n 2 --dist loadgroup` the Ray tests of both files run on one
 # worker, one after another: never two Ray clusters at once, each with its own raylets and dashboard.
 pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("ray")]
 
