@@ -266,7 +266,7 @@ class ReplicaKeeper:
                         self._sent.pop(ps, None)
                         # marked down without a restart (missed heartbeats under load): its copies are whole
                         rejoined[ps] = None if before == answer.incarnation else answer.incarnation
-                        actions += rp.decide(state, rp.Rejoined(ps, now))
+                        actions += rp.decide(state, rp.Rejoined(ps, now, restarted=rejoined[ps] is not None))
                     else:
                         rp.decide(state, rp.Heartbeat(ps, now))
                 elif rec is not None and isinstance(answer, UnavailableError):

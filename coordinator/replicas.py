@@ -135,10 +135,12 @@ def own_delay(late: float, asked: float, now: float, timeout: float) -> float:
 
 
 class Rejoined(NamedTuple):
-    """PS `ps` answers again after it was down (a restart: it loaded the newest checkpoint)."""
+    """PS `ps` answers again after it was down: `restarted` (it loaded the newest checkpoint), or not (it was
+    marked down for missed heartbeats: it holds what it held)."""
 
     ps: int
     now: float
+    restarted: bool = True
 
 
 class CaughtUp(NamedTuple):
@@ -239,7 +241,11 @@ def decide(state: ReplicaState, event: ReplicaEvent) -> list[ReplicaAction]:
             return []
         rec.up, rec.last_seen = True, event.now
         for ordinal, c in sorted(state.shards.items()):
-            if c.lost and event.ps in (c.primary, c.backup):
+            # a lost shard comes back on its last primary (a whole copy, or the checkpoint after a restart), or on
+            # its backup if that one restarted (the checkpoint) or was in sync; a backup that never finished
+            # catching up and did not restart holds a part of the shard, or none of it
+            if c.lost and (event.ps == c.primary or
+                           (event.ps == c.backup and (event.restarted or c.in_sync))):
                 copies = state.shards[ordinal] = Copies(event.ps, None, c.epoch + 1)
                 actions.append(Restored(ordinal, event.ps, copies.epoch))
     elif isinstance(event, Reassign):
@@ -282,7 +288,7 @@ def _mark_down(state: ReplicaState, ps: int, actions: list[ReplicaAction]) -> No
             else:
                 # no backup, or one that never finished catching up: the primary's copy was the only one;
                 # the shard comes back from the checkpoint when one of its holders restarts
-                state.shards[ordinal] = Copies(ps, c.backup, c.epoch + 1, lost=True)
+                state.shards[ordinal] = Copies(ps, c.backup, c.epoch + 1, in_sync=c.in_sync, lost=True)
                 actions.append(Lost(ordinal, c.epoch + 1))
         elif c.backup == ps:
             copies = state.shards[ordinal] = Copies(c.primary, None, c.epoch + 1)

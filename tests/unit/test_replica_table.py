@@ -81,6 +81,35 @@ def test_backup_not_caught_up_is_not_promoted_and_the_shard_is_lost() -> None:
     assert rp.Lost(0, state.shards[0].epoch) in actions
 
 
+def test_a_lost_shard_comes_back_on_its_catching_up_backup_only_after_a_restart() -> None:
+    """Its primary died while its backup was catching up: the backup holds part of the shard or none. Marked
+    down for missed heartbeats and back without a restart, it must not be made the primary of what it holds
+    (a partial copy, silently); restarted, it loads the checkpoint; the primary back without a restart holds it
+    whole."""
+    state = table(3, 3)
+    rp.decide(state, rp.ConnectionLost(1))
+    backup = state.shards[0].backup
+    assert backup == 2 and not state.shards[0].in_sync
+    rp.decide(state, rp.ConnectionLost(0))
+    assert state.shards[0].lost and state.shards[0].backup == 2
+    rp.decide(state, rp.ConnectionLost(2))  # the backup too (missed heartbeats), then it answers again
+    actions = rp.decide(state, rp.Rejoined(2, 5.0, restarted=False))
+    assert not any(isinstance(a, rp.Restored) and a.ordinal == 0 for a in actions) and state.shards[0].lost
+    actions = rp.decide(state, rp.Rejoined(0, 6.0, restarted=False))  # its primary, whole
+    assert [a.ps for a in actions if isinstance(a, rp.Restored) and a.ordinal == 0] == [0]
+    assert state.shards[0].primary == 0 and not state.shards[0].lost
+
+
+def test_a_lost_shard_comes_back_on_its_restarted_catching_up_backup_from_the_checkpoint() -> None:
+    state = table(3, 3)
+    rp.decide(state, rp.ConnectionLost(1))
+    rp.decide(state, rp.ConnectionLost(0))
+    rp.decide(state, rp.ConnectionLost(2))
+    actions = rp.decide(state, rp.Rejoined(2, 5.0, restarted=True))
+    assert [a.ps for a in actions if isinstance(a, rp.Restored) and a.ordinal == 0] == [2]
+    assert state.shards[0].primary == 2 and not state.shards[0].lost
+
+
 def test_caught_up_backup_is_promoted() -> None:
     state = table(3, 3)
     rp.decide(state, rp.ConnectionLost(1))
