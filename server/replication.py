@@ -252,7 +252,7 @@ class Replication(ReplicaNotes, ReplicaBackup):
         wire: bytes | None = None
         if local is None:
             msg, const = self._templates.forward(spec.variable, spec.shard_index, grad)
-            if shard.table is None:  # a plain dense update: the compact form can carry it (server/replica_wire.py)
+            if shard.table is None and rep.compact:  # a plain dense update, to a link that takes the compact form
                 wire = replica_wire.forward(const, role.epoch, version, final_below, push_id)
         else:
             msg = pb.ReplicaForward(ref=pb.ShardRef(variable=spec.variable, shard_index=spec.shard_index),

@@ -108,6 +108,12 @@ class Replicator:
         self._thread = threading.Thread(target=self._loop, name=f"replicate-{from_ps}-to-{backup}", daemon=True)
         self._thread.start()
 
+    @property
+    def compact(self) -> bool:
+        """Whether the link carries dense batches in the compact form (server/replica_wire.py): else a forward's
+        compact bytes would never be sent, and are not built."""
+        return self._dense is not None
+
     def put(self, key: Key, version: int, msg: pb.ReplicaForward, arrays: list[np.ndarray],
             wire: bytes | None = None) -> int:
         """Queue a forward and its arrays, owned from now on (called under the shard's lock: never waits);
