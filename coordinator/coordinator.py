@@ -114,6 +114,7 @@ class ClusterCoordinator(CoordinatorAPI):
         watch = start_ps_watch(self.settings, self.client, on_down=lambda: self._inbox.post(sch.PsDown()),
                                on_up=lambda: self._inbox.post(sch.PsUp()),
                                on_fatal=lambda exc: self._fail("ps-monitor", exc))
+        self._watch = watch
         self._keeper, self._elastic, self._monitor = watch.keeper, watch.elastic, watch.monitor
         self._checkpointer = AutoCheckpointer.from_settings(
             self.settings, self.initial_step, step=lambda: self.global_step, save=self.client.checkpoint,
@@ -328,9 +329,7 @@ class ClusterCoordinator(CoordinatorAPI):
             self._checkpointer.stop()
         if self._curves is not None:
             self._curves.stop()
-        self._monitor.stop()
-        if self._keeper is not None:
-            self._keeper.stop()
+        self._watch.stop()
         self._inbox.close()
         self._loop.join(timeout=5)
         self._ticker.join(timeout=5)
@@ -433,6 +432,8 @@ class ClusterCoordinator(CoordinatorAPI):
 
     def _resolved(self, action: sch.Resolve, reply: pb.RunClosureReply | None) -> None:
         assert reply is not None, f"closure {action.cid} resolved without a reply"
+        if reply.HasField("report") and self._watch.reports is not None:
+            self._watch.reports.reported(action.cid, reply.report)
         value = self._values.get(action.cid)
         if value is not None:
             value._set_reply(reply)

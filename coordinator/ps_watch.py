@@ -12,6 +12,7 @@ from pscluster.coordinator.elastic import Elastic
 from pscluster.coordinator.ps_book import PsBook
 from pscluster.coordinator.ps_monitor import PsMonitor
 from pscluster.coordinator.replica_keeper import ReplicaKeeper
+from pscluster.coordinator.sync_reports import ReportResender
 from pscluster.proto import pscluster_pb2_grpc as pb_grpc
 
 from pscluster.client.client import PSClient
@@ -21,11 +22,20 @@ from pscluster.net import rpc
 
 @dataclass(frozen=True)
 class PsWatch:
-    """The started parts; keeper and elastic are None with replicas: 1 and no elastic."""
+    """The started parts; keeper, elastic and reports are None with replicas: 1 and no elastic."""
 
     keeper: ReplicaKeeper | None
     elastic: Elastic | None
     monitor: PsMonitor
+    reports: ReportResender | None = None  # sync reports a new primary of the sync state may lack
+
+    def stop(self) -> None:
+        """Stop and join every started part."""
+        self.monitor.stop()
+        if self.keeper is not None:
+            self.keeper.stop()
+        if self.reports is not None:
+            self.reports.stop()
 
 
 def start_ps_watch(settings: Settings, client: PSClient, on_down: Callable[[], None], on_up: Callable[[], None],
@@ -34,10 +44,12 @@ def start_ps_watch(settings: Settings, client: PSClient, on_down: Callable[[], N
     keeper: ReplicaKeeper | None = None
     monitor = PsMonitor(client, on_down=on_down, on_up=on_up, on_fatal=on_fatal, replicated=settings.replica_table,
                         table=(lambda: keeper.table() if keeper is not None else {}) if settings.replica_table else None)
+    reports = ReportResender(client.step_done) if settings.replica_table else None
     keeper = ReplicaKeeper(
         list(client.stubs), book=PsBook.from_file(settings.cluster.ps), on_book=client.set_ps_addresses,
         connect=lambda address: pb_grpc.ParameterServerStub(rpc.open_channel(address, settings)),
         copies=settings.replicas, on_restored=monitor.shard_restored,
+        on_sync_row=reports.observe if reports is not None else None,
     ).start() if settings.replica_table else None
     monitor.start()
-    return PsWatch(keeper, Elastic(keeper, keeper.stubs) if keeper is not None else None, monitor)
+    return PsWatch(keeper, Elastic(keeper, keeper.stubs) if keeper is not None else None, monitor, reports)

@@ -40,17 +40,20 @@ class ReplicaKeeper:
                  clock: Callable[[], float] = time.monotonic, book: PsBook | None = None,
                  connect: Callable[[str], object] | None = None,
                  on_book: Callable[[list[str]], None] | None = None, copies: int = 2,
-                 on_restored: Callable[[int, int, Key], None] | None = None) -> None:
+                 on_restored: Callable[[int, int, Key], None] | None = None,
+                 on_sync_row: Callable[[int, tuple[int, int]], None] | None = None) -> None:
         """book: the PS list (ps_book.py; None: unnamed PS tasks, no joins); connect: a stub for a joining PS's
         address; on_book: told the new list after a PS joined or left (outside the lock); copies: 1 gives no
         shard a backup but for a move (replicas: 1, elastic); on_restored(ps, incarnation, shard): a shard whose copies
         both died came back from a checkpoint on that restart of ps (called outside the lock, before the table that
-        lets ps take the shard's pushes is sent)."""
+        lets ps take the shard's pushes is sent); on_sync_row(epoch, confirmed): after each round, the sync state's row
+        epoch and the (epoch, version) of the state its primary's backup confirmed (coordinator/sync_reports.py)."""
         self._stubs = stubs  # grows and shrinks with the book: elastic.py holds the same list
         self.book = book or PsBook.from_file([""] * len(stubs))
         self._connect = connect
         self._on_book = on_book
         self._on_restored = on_restored
+        self._on_sync_row = on_sync_row
         self._clock = clock
         self._interval = interval
         missed = rp.MISSED_HEARTBEATS if copies > 1 else rp.ONE_COPY_MISSED_HEARTBEATS  # see replicas.py
@@ -299,6 +302,18 @@ class ReplicaKeeper:
             for ps, incarnation, key in restored:
                 self._on_restored(ps, incarnation, key)
         self._send_table(answers)
+        if self._on_sync_row is not None:
+            self._tell_sync_row(answers)
+
+    def _tell_sync_row(self, answers: list[pb.PsStatus | PsclusterError]) -> None:
+        with self._lock:
+            row = self.state.shards.get(rp.SYNC_ORDINAL)
+        if row is None or self._on_sync_row is None:
+            return
+        answer = answers[row.primary] if row.primary < len(answers) else None
+        confirmed = (answer.sync_confirmed_epoch, answer.sync_confirmed_version) \
+            if isinstance(answer, pb.PsStatus) else (0, 0)
+        self._on_sync_row(row.epoch, confirmed)
 
     def _note(self, action: rp.ReplicaAction,
               rejoined: dict[int, int | None] | None = None) -> tuple[int, int, Key] | None:

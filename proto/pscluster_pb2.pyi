@@ -709,6 +709,8 @@ class PsStatus(_message.Message):
     ROLES_VERSION_FIELD_NUMBER: _builtins.int
     CATCHING_UP_FIELD_NUMBER: _builtins.int
     SYNC_VERSION_FIELD_NUMBER: _builtins.int
+    SYNC_CONFIRMED_EPOCH_FIELD_NUMBER: _builtins.int
+    SYNC_CONFIRMED_VERSION_FIELD_NUMBER: _builtins.int
     ps_index: _builtins.int
     num_ps: _builtins.int
     global_step: _builtins.int
@@ -728,6 +730,11 @@ class PsStatus(_message.Message):
     with replicas: 2 the newest taken as its backup: each change is one forward to the backup (B15COST counts
     them per step). 0 with one copy and no sync training.
     """
+    sync_confirmed_epoch: _builtins.int
+    """on the sync state's primary with replicas: 2: the (epoch, version) of the state its backup confirmed last; a report
+    counted at that epoch at or below that version is held by two copies (coordinator/sync_reports.py forgets it)
+    """
+    sync_confirmed_version: _builtins.int
     @_builtins.property
     def catching_up(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardRef]:
         """shards it is primary of whose new backup has not confirmed their state"""
@@ -747,10 +754,12 @@ class PsStatus(_message.Message):
         roles_version: _builtins.int = ...,
         catching_up: _abc.Iterable[Global___ShardRef] | None = ...,
         sync_version: _builtins.int = ...,
+        sync_confirmed_epoch: _builtins.int = ...,
+        sync_confirmed_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bulk_port", b"bulk_port", "catching_up", b"catching_up", "dropped_stale", b"dropped_stale", "global_step", b"global_step", "incarnation", b"incarnation", "num_ps", b"num_ps", "num_shards", b"num_shards", "ps_index", b"ps_index", "restored_step", b"restored_step", "roles_version", b"roles_version", "sync_version", b"sync_version", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bulk_port", b"bulk_port", "catching_up", b"catching_up", "dropped_stale", b"dropped_stale", "global_step", b"global_step", "incarnation", b"incarnation", "num_ps", b"num_ps", "num_shards", b"num_shards", "ps_index", b"ps_index", "restored_step", b"restored_step", "roles_version", b"roles_version", "sync_confirmed_epoch", b"sync_confirmed_epoch", "sync_confirmed_version", b"sync_confirmed_version", "sync_version", b"sync_version", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1109,6 +1118,8 @@ class StepReply(_message.Message):
     MAX_SPREAD_FIELD_NUMBER: _builtins.int
     CLOCKS_FIELD_NUMBER: _builtins.int
     REPLICAS_TO_AGGREGATE_FIELD_NUMBER: _builtins.int
+    SYNC_EPOCH_FIELD_NUMBER: _builtins.int
+    SYNC_VERSION_FIELD_NUMBER: _builtins.int
     global_step: _builtins.int
     dropped_stale: _builtins.int
     mode: _builtins.str
@@ -1116,6 +1127,12 @@ class StepReply(_message.Message):
     """bounded: the largest clock difference ever admitted"""
     replicas_to_aggregate: _builtins.int
     """sync: closures per step (R), restored with a checkpoint's sync state"""
+    sync_epoch: _builtins.int
+    """StepDone with replicas: 2: the sync state's epoch and the change that counted the report. The reply does not wait
+    for the state's backup to hold it; the closure's reply carries both (SyncReport) and the coordinator sends the
+    report again to a new primary (coordinator/sync_reports.py). 0, 0 with one copy.
+    """
+    sync_version: _builtins.int
     @_builtins.property
     def clocks(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
     def __init__(
@@ -1127,10 +1144,12 @@ class StepReply(_message.Message):
         max_spread: _builtins.int = ...,
         clocks: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         replicas_to_aggregate: _builtins.int = ...,
+        sync_epoch: _builtins.int = ...,
+        sync_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["clocks", b"clocks", "dropped_stale", b"dropped_stale", "global_step", b"global_step", "max_spread", b"max_spread", "mode", b"mode", "replicas_to_aggregate", b"replicas_to_aggregate"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["clocks", b"clocks", "dropped_stale", b"dropped_stale", "global_step", b"global_step", "max_spread", b"max_spread", "mode", b"mode", "replicas_to_aggregate", b"replicas_to_aggregate", "sync_epoch", b"sync_epoch", "sync_version", b"sync_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1941,6 +1960,7 @@ class RunClosureReply(_message.Message):
     SECONDS_FIELD_NUMBER: _builtins.int
     VERSIONS_FIELD_NUMBER: _builtins.int
     SCALARS_FIELD_NUMBER: _builtins.int
+    REPORT_FIELD_NUMBER: _builtins.int
     result: _builtins.bytes
     """cloudpickle of the return value"""
     retryable: _builtins.bool
@@ -1958,6 +1978,10 @@ class RunClosureReply(_message.Message):
     def scalars(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
         """pscluster.report(...) inside the closure: the mean of each name"""
 
+    @_builtins.property
+    def report(self) -> Global___SyncReport:
+        """sync/bounded: the closure's StepDone, counted by the sync state's primary"""
+
     def __init__(
         self,
         *,
@@ -1967,14 +1991,47 @@ class RunClosureReply(_message.Message):
         seconds: _builtins.float = ...,
         versions: _abc.Iterable[Global___ShardVersion] | None = ...,
         scalars: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        report: Global___SyncReport | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "report", b"report"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "result", b"result", "retryable", b"retryable", "scalars", b"scalars", "seconds", b"seconds", "versions", b"versions"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "report", b"report", "result", b"result", "retryable", b"retryable", "scalars", b"scalars", "seconds", b"seconds", "versions", b"versions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RunClosureReply: _TypeAlias = RunClosureReply  # noqa: Y015
+
+@_typing.final
+class SyncReport(_message.Message):
+    """A closure's StepDone as its reply carries it (replicas: 2): counted at (epoch, version) of the sync state, which the
+    StepDone's reply did not wait for the state's backup to hold; the coordinator sends it again to a new primary.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    WORKER_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    step: _builtins.int
+    worker: _builtins.str
+    epoch: _builtins.int
+    version: _builtins.int
+    def __init__(
+        self,
+        *,
+        step: _builtins.int = ...,
+        worker: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "step", b"step", "version", b"version", "worker", b"worker"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SyncReport: _TypeAlias = SyncReport  # noqa: Y015
 
 @_typing.final
 class PingRequest(_message.Message):

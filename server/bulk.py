@@ -136,8 +136,9 @@ class BulkHandlers:
         """A closure's step report, as the StepDone RPC."""
         refuse_payload(conn, payload_len, "step_done")
         req = request.step_done
-        self.core.replicas().step_done(req.closure_id, req.step, req.worker)
-        send_frame(conn, pb.BulkReply(step=pb.StepReply(global_step=self.core.global_step)).SerializeToString())
+        epoch, version = self.core.replicas().step_done(req.closure_id, req.step, req.worker)
+        reply = pb.StepReply(global_step=self.core.global_step, sync_epoch=epoch, sync_version=version)
+        send_frame(conn, pb.BulkReply(step=reply).SerializeToString())
 
     def replicate(self, conn: socket.socket, request: pb.BulkRequest, payload_len: int,
                   state: dict[str, Any]) -> None:

@@ -101,10 +101,11 @@ class ReplicaNotes:
             raise UnavailableError(f"{name_of(key)}: backup ps {rep.backup} did not confirm the note of a skipped sync "
                                    "step in time; the push was not acknowledged (retry it with the same id)") from exc
 
-    def forward_sync(self, version: int, state: str, catch_up: bool = False) -> None:
+    def forward_sync(self, version: int, state: str, catch_up: bool = False, waited: bool = True) -> None:
         """Queue the sync state (whole, JSON) after its change `version` for its backup; called under the
         state's lock, so forwards queue in change order. catch_up: a new backup's first, reported by
-        `catching_up` until confirmed."""
+        `catching_up` until confirmed; waited=False: no reply waits for it (a report's), so the replication thread
+        sends it after LINGER_S unless a newer state (the next take's) supersedes it first."""
         role, rep = self._replicator_of(SYNC_STATE_KEY)
         if role is None or rep is None:
             return
@@ -113,7 +114,15 @@ class ReplicaNotes:
         if catch_up:
             with self._lock:
                 self._install_at[SYNC_STATE_KEY] = version
-        rep.put(SYNC_STATE_KEY, version, msg, [])
+        rep.put(SYNC_STATE_KEY, version, msg, [], orphan=not waited)
+
+    def sync_confirmed(self, current: int) -> tuple[int, int]:
+        """On the sync state's primary: (epoch, the newest version of the state its backup confirmed), or
+        `current` with no backup (one copy: nothing to confirm); (0, 0) elsewhere."""
+        role, rep = self._replicator_of(SYNC_STATE_KEY)
+        if role is None or role.primary != self.ps_index:
+            return 0, 0
+        return role.epoch, current if rep is None else rep.confirmed(SYNC_STATE_KEY)
 
     def on_pulled(self, shard: Shard, keys: np.ndarray) -> None:
         """The store's hook for a table pull that created rows (under the shard's lock): queue it, so the

@@ -115,9 +115,10 @@ class Replicator:
         return self._dense is not None
 
     def put(self, key: Key, version: int, msg: pb.ReplicaForward, arrays: list[np.ndarray],
-            wire: bytes | None = None) -> int:
+            wire: bytes | None = None, orphan: bool = False) -> int:
         """Queue a forward and its arrays, owned from now on (called under the shard's lock: never waits);
-        wire: a plain dense update's compact form (msg's fields, server/replica_wire.py).
+        wire: a plain dense update's compact form (msg's fields, server/replica_wire.py); orphan: no caller waits
+        for it (the thread sends it, as a table pull's).
 
         Returns its place in the queue, or for a skipped one the place of the whole state sent instead (no
         earlier): a confirmation of key at that place or later holds it (`wait_config`)."""
@@ -154,7 +155,7 @@ class Replicator:
             self.queued += 1
             self._queue.append((key, version, msg, nbytes, arrays, self.queued, wire))
             self._queued_bytes += nbytes
-            if msg.pulled:  # a table pull's reply does not wait for its forward
+            if msg.pulled or orphan:  # a table pull's or a sync report's reply does not wait for its forward
                 self._orphaned()
             return self.queued
 
@@ -233,6 +234,11 @@ class Replicator:
             except BaseException:
                 self._orphaned()  # what it queued may still be queued: the thread sends it
                 raise
+
+    def confirmed(self, key: Key) -> int:
+        """The newest version of key the backup confirmed (0: none yet)."""
+        with self._mutex:
+            return self.acked.get(key, 0)
 
     def held(self, key: Key, version: int) -> bool:
         """Whether the backup confirmed `version` of key already; if not, what is queued goes by the thread (the

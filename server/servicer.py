@@ -105,8 +105,10 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
         return pb.TokenReply(step=step, replica=replica)
 
     def StepDone(self, request: pb.StepDoneRequest, context: grpc.ServicerContext) -> pb.StepReply:
-        self.core.replicas().step_done(request.closure_id, request.step, request.worker)
-        return self.GetStep(pb.StepRequest(), context)
+        epoch, version = self.core.replicas().step_done(request.closure_id, request.step, request.worker)
+        reply = self.GetStep(pb.StepRequest(), context)
+        reply.sync_epoch, reply.sync_version = epoch, version
+        return reply
 
     def GetStep(self, request: pb.StepRequest, context: grpc.ServicerContext) -> pb.StepReply:
         sync = self.core.replicas()
@@ -171,14 +173,16 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
                            dropped_stale=core.replicas().dropped,
                            incarnation=core.incarnation, bulk_port=core.bulk_port,
                            sync_version=core.replicas().current_version(),
-                           **_replica_status(core.replication))
+                           **_replica_status(core.replication, core.replicas().current_version()))
 
 
-def _replica_status(replication: Replication | None) -> dict[str, Any]:
+def _replica_status(replication: Replication | None, sync_version: int) -> dict[str, Any]:
     if replication is None:
         return {}
+    epoch, confirmed = replication.sync_confirmed(sync_version)
     return {"roles_version": replication.version,
-            "catching_up": [pb.ShardRef(variable=v, shard_index=i) for v, i in replication.catching_up()]}
+            "catching_up": [pb.ShardRef(variable=v, shard_index=i) for v, i in replication.catching_up()],
+            "sync_confirmed_epoch": epoch, "sync_confirmed_version": confirmed}
 
 
 def _prepend(first: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:

@@ -21,7 +21,8 @@ executor (the condition variable, the waiting, G on the core) and keeps the shar
 replicas: 2: the token queue, the clocks and G have a primary (PS 0 at first) and a backup in the replica
 table, under SYNC_STATE_KEY. Only the primary answers TakeToken and StepDone (others: UNAVAILABLE, the
 client re-reads the table); after each change it forwards the whole state (sync_tokens.to_wire) on the
-replication stream and the reply waits until the backup holds it, as a push's reply does. A promoted backup
+replication stream and a take's reply waits until the backup holds it, as a push's reply does (a report's does
+not: sync_state.py). A promoted backup
 goes on from the newest state it holds: a closure's retried take gets its token back (`tokens`), a retried
 report counts once.
 """
@@ -388,15 +389,20 @@ class SyncReplicas(SyncStateCopies):
         self._replicated(replication, version)
         return granted.step, granted.replica
 
-    def step_done(self, closure_id: int, step: int, worker: str) -> None:
-        """A closure finished the pushes of its step; maybe advance G and release tokens."""
+    def step_done(self, closure_id: int, step: int, worker: str) -> tuple[int, int]:
+        """A closure finished the pushes of its step; maybe advance G and release tokens.
+
+        Returns (epoch, version) of the sync state that counted the report, (0, 0) with one copy. With replicas: 2
+        the reply does not wait for the backup to hold it (sync_state.py): the caller keeps the pair, and the
+        coordinator sends the report again if the state moves to a new primary before the backup confirmed it."""
         replication = self._replication()
         self._check_holder(replication)
         with self._admitted(replication):
             with self._cond:
                 self._report(replication, closure_id, step, worker)
-                version = self._changed(replication)
-            self._replicated(replication, version)
+                version = self._changed(replication, waited=False)
+                epoch = replication.epoch_of(SYNC_STATE_KEY) if replication is not None and version else 0
+        return (epoch, version) if epoch else (0, 0)
 
     def _report(self, replication: Replication | None, closure_id: int, step: int, worker: str) -> None:
         """Under self._cond: count a StepDone (its forward is the caller's `_changed`)."""

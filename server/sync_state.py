@@ -9,6 +9,12 @@ a call that changed nothing (a take that waits, a repeated report, a retried tak
 nothing and its reply waits only for the last forward; and a report that lets waiting takes through decides
 those takes itself (`_grant_waiting`), so one forward carries the report and the grants, and every reply
 waits for that one confirmation (before, each woken take forwarded and waited on its own, one after another).
+
+A report's reply does not wait for its forward: nothing a reply tells depends on the report alone (a take it lets
+through waits for a state that holds it), so its forward goes with the next take's (superseded in the queue) or
+after LINGER_S. If the primary dies first, the new primary lacks the report; the StepDone reply says at which
+(epoch, version) it was counted, the closure's reply carries that to the coordinator, and coordinator/sync_reports.py
+sends it again to the new primary (a retried report counts once) unless the backup had confirmed that version.
 """
 
 from __future__ import annotations
@@ -45,9 +51,9 @@ class SyncStateCopies:
         """The core's Replication (a SyncStateHolder's peer), or None with one copy."""
         return self.core.replication
 
-    def _changed(self, replication: Any) -> int:
+    def _changed(self, replication: Any, waited: bool = True) -> int:
         """Under self._cond, after a change: forward the whole state if this PS is its primary; returns the
-        version the reply must see confirmed (0: nothing to wait for)."""
+        version the reply must see confirmed (0: nothing to wait for). waited=False: no reply waits for it."""
         if replication is None or not replication.is_primary(SYNC_STATE_KEY):
             return 0
         mark = (self.core.global_step, repr(self._state))
@@ -55,7 +61,7 @@ class SyncStateCopies:
             return self.version  # nothing changed: the reply waits for the forward of what it saw
         self._sent = mark
         self.version += 1
-        replication.forward_sync(self.version, self._wire())
+        replication.forward_sync(self.version, self._wire(), waited=waited)
         return self.version
 
     def _grant_waiting(self, replication: Any) -> None:

@@ -36,6 +36,9 @@ class Outcome:
     seconds: float = 0.0
     versions: tuple[tuple[str, int, int, int], ...] = ()  # (variable, shard, version, PS incarnation)
     scalars: tuple[tuple[str, float], ...] = ()  # report(): (name, mean over the closure)
+    # sync/bounded: its StepDone (step, worker, and the sync state's epoch and version that counted it: with
+    # replicas: 2 the coordinator sends it again to a new primary unless the backup confirmed it)
+    report: tuple[int, str, int, int] | None = None
 
 
 class ClosureRunner:
@@ -68,12 +71,15 @@ class ClosureRunner:
     def _run(self, closure_id: int, payload: bytes, sync_mode: str, final_below: int = 0,
              push_pull: bool = False) -> Outcome:
         start = time.perf_counter()
+        report: tuple[int, str, int, int] | None = None
         try:
             fn, args, kwargs = self.functions.decode(payload)
             with ClosureScope(closure_id, self.client, self.datasets, sync_mode, final_below, push_pull) as scope:
                 value = fn(*args, **kwargs)
                 if scope.token is not None:  # its pushes are in: count it towards the step
-                    self.client.step_done(closure_id, scope.token.step, self.datasets.info.worker_id)
+                    worker = self.datasets.info.worker_id
+                    epoch, version = self.client.step_done(closure_id, scope.token.step, worker)
+                    report = (scope.token.step, worker, epoch, version)
             result = closures.dumps(value)
             versions = tuple((k[0], k[1], v, k[2]) for k, v in scope.versions.items())
             scalars = tuple((name, total / count) for name, (total, count) in scope.scalars.items())
@@ -82,14 +88,15 @@ class ClosureRunner:
                 log.warning("closure %d: %s; handing it back", closure_id, exc)
                 return Outcome(retryable=True, error_type=type(exc).__name__, error_message=str(exc),
                                seconds=time.perf_counter() - start)
-            return self._user_error(exc, start)
+            return self._user_error(exc, start, report)
         except Exception as exc:  # noqa: BLE001 - the user's error, reported not retried
-            return self._user_error(exc, start)
+            return self._user_error(exc, start, report)
         self.closures_run += 1
-        return Outcome(result=result, seconds=time.perf_counter() - start, versions=versions, scalars=scalars)
+        return Outcome(result=result, seconds=time.perf_counter() - start, versions=versions, scalars=scalars,
+                       report=report)
 
     @staticmethod
-    def _user_error(exc: Exception, start: float) -> Outcome:
+    def _user_error(exc: Exception, start: float, report: tuple[int, str, int, int] | None = None) -> Outcome:
         try:
             pickled = cloudpickle.dumps(exc)
             cloudpickle.loads(pickled)
@@ -97,6 +104,6 @@ class ClosureRunner:
             pickled = b""
         return Outcome(error_type=type(exc).__name__, error_message=str(exc),
                        error_traceback="".join(traceback.format_exception(exc)), error_pickled=pickled,
-                       seconds=time.perf_counter() - start)
+                       seconds=time.perf_counter() - start, report=report)
 
 

@@ -20,6 +20,9 @@ def outcome_to_pb(out: Outcome) -> pb.RunClosureReply:
         add(variable=v, shard_index=i, version=n, incarnation=inc)
     for name, value in out.scalars:
         reply.scalars[name] = value
+    if out.report is not None:
+        step, worker, epoch, version = out.report
+        reply.report.CopyFrom(pb.SyncReport(step=step, worker=worker, epoch=epoch, version=version))
     if out.error_type:
         reply.error.CopyFrom(pb.UserError(type_name=out.error_type, message=out.error_message,
                                           traceback=out.error_traceback, pickled=out.error_pickled))

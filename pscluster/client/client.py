@@ -490,10 +490,13 @@ class PSClient(ClusterOperations):
         token = self._retrying(lambda: self._tensors.take_token(request, self.sync_ps()))
         return int(token.step), int(token.replica)
 
-    def step_done(self, closure_id: int, step: int, worker: str) -> None:
-        """Report that a closure finished its pushes for `step` (a retry counts once)."""
+    def step_done(self, closure_id: int, step: int, worker: str) -> tuple[int, int]:
+        """Report that a closure finished its pushes for `step` (a retry counts once). Returns the sync state's
+        (epoch, version) that counted it: with replicas: 2 the reply does not wait for the state's backup, and the
+        closure's reply carries the pair to the coordinator (coordinator/sync_reports.py); (0, 0) with one copy."""
         request = pb.StepDoneRequest(closure_id=closure_id, step=step, worker=worker)
-        self._retrying(lambda: self._tensors.step_done(request, self.sync_ps()))
+        reply = self._retrying(lambda: self._tensors.step_done(request, self.sync_ps()))
+        return int(reply.sync_epoch), int(reply.sync_version)
 
     def sync_ps(self) -> int:
         """The PS holding the sync token queue and global step now: 0, or with replicas: 2 the primary of its row

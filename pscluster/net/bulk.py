@@ -377,9 +377,12 @@ class BulkTensors:
         assert call.reply is not None
         return call.reply.token
 
-    def step_done(self, request: pb.StepDoneRequest, ps: int = 0) -> None:
+    def step_done(self, request: pb.StepDoneRequest, ps: int = 0) -> pb.StepReply:
         """Report a closure's finished step to PS ps's queue."""
-        self._client.run([BulkCall(ps, pb.BulkRequest(step_done=request))])
+        call = BulkCall(ps, pb.BulkRequest(step_done=request))
+        self._client.run([call])
+        assert call.reply is not None
+        return call.reply.step
 
     def moved(self, ps: int, address: str) -> None:
         """PS ps moved: its bulk port is asked again, at its new host."""

@@ -142,9 +142,10 @@ class GrpcTensors:
                                               timeout=request.timeout_s + self._net.settings.rpc_timeout_s)
         return reply
 
-    def step_done(self, request: pb.StepDoneRequest, ps: int = 0) -> None:
+    def step_done(self, request: pb.StepDoneRequest, ps: int = 0) -> pb.StepReply:
         """Report a closure's finished step to PS ps's queue."""
-        self._net.call(ps, "StepDone", request)
+        reply: pb.StepReply = self._net.call(ps, "StepDone", request)
+        return reply
 
     def moved(self, ps: int, address: str) -> None:
         """Nothing of its own: the channels already hold the new stub."""

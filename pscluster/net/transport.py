@@ -36,8 +36,8 @@ class TensorTransport(Protocol):
     def take_token(self, request: pb.TokenRequest, ps: int = 0) -> pb.TokenReply:
         """A sync token from the token queue on PS ps (blocks up to request.timeout_s while none is free)."""
 
-    def step_done(self, request: pb.StepDoneRequest, ps: int = 0) -> None:
-        """Report a closure's finished step to the token queue on PS ps."""
+    def step_done(self, request: pb.StepDoneRequest, ps: int = 0) -> pb.StepReply:
+        """Report a closure's finished step to the token queue on PS ps (the reply: where it was counted)."""
 
     def moved(self, ps: int, address: str) -> None:
         """PS ps now listens at address (host:port of its gRPC server): drop connections to the old one."""

@@ -307,3 +307,31 @@ def test_a_heartbeat_counts_as_missed_only_past_the_coordinators_own_scheduling_
             assert not keeper.state.ps[1].up and keeper.marked_down == 1
     finally:
         keeper.stop()
+
+
+def test_each_round_tells_the_sync_rows_epoch_and_what_its_primarys_backup_confirmed() -> None:
+    empty = pb.SetRolesRequest()
+    stubs = [Flaky(0, [("a", 0)], empty), Flaky(1, [], empty)]
+    told: list[tuple[int, tuple[int, int]]] = []
+    confirmed = pb.PsStatus(sync_confirmed_epoch=1, sync_confirmed_version=9)
+    ps0_status = stubs[0].Status
+
+    def status(request: pb.PsStatusRequest, timeout: float) -> pb.PsStatus:
+        answer = ps0_status(request, timeout)
+        answer.MergeFrom(confirmed)
+        return answer
+
+    stubs[0].Status = status  # type: ignore[method-assign]
+    keeper = ReplicaKeeper(stubs, on_sync_row=lambda epoch, pair: told.append((epoch, pair)))
+    try:
+        keeper._round()
+        assert told[-1] == (1, (1, 9))  # PS 0 holds the row at epoch 1; its backup confirmed version 9
+        sent(keeper)
+        keeper._round()  # PS 0 holds the table: its backup counts as in sync
+        stubs[0].down = True
+        keeper._round()  # PS 0 is gone: PS 1 is promoted at a new epoch and has confirmed nothing as primary yet
+        assert keeper.table()[SYNC_STATE_KEY].primary == 1
+        assert told[-1] == (2, (0, 0))
+        sent(keeper)
+    finally:
+        keeper.stop()

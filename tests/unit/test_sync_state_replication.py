@@ -38,13 +38,20 @@ def configure(cores, mode: str, r: int = 1, n: int = 1, staleness: int = 0) -> N
         core.sync.configure(mode, r, n, staleness)
 
 
+def held(primary, version: int) -> None:
+    """Wait (bounded) until the primary's backup confirmed the sync state's `version`: a report's reply does not."""
+    primary.replication.wait([(SYNC_STATE_KEY, version)], 5.0)
+
+
 def test_a_sync_step_on_the_promoted_backup_goes_on_where_the_primary_was(pair):
     a, b, _, _ = pair
     assign((b, a), 1, 1, 0, 1)
     configure((a, b), "sync", 2, 2)
     assert a.sync.take_token(1, "w1", 1.0) == (0, 0)
     assert a.sync.take_token(2, "w2", 1.0) == (0, 1)
-    a.sync.step_done(1, 0, "w1")  # acknowledged: the backup holds the report
+    epoch, version = a.sync.step_done(1, 0, "w1")  # counted: the reply says where, without waiting for b
+    assert (epoch, version) == (1, a.sync.version)
+    held(a, version)  # no take follows: the replication thread sends the report's forward itself
     assert b.sync.version == a.sync.version and b.global_step == 0
     with pytest.raises(UnavailableError, match="not the primary of sync-state"):
         b.sync.take_token(3, "w1", 1.0)  # only the primary hands out tokens: the client re-reads the table
@@ -64,7 +71,8 @@ def test_bounded_clocks_and_g_survive_a_failover_and_a_retried_report_counts_onc
     assert a.sync.take_token(10, "slow", 1.0) == (0, 0)
     for cid in range(1, 3):
         assert a.sync.take_token(cid, "fast", 1.0) == (cid - 1, 0)
-        a.sync.step_done(cid, cid - 1, "fast")
+        _, version = a.sync.step_done(cid, cid - 1, "fast")
+    held(a, version)
     assert b.global_step == a.global_step == 2 and b.sync.clocks == {"fast": 2, "slow": 0}
     assign((b,), 2, 2, 1)
     b.sync.step_done(2, 1, "fast")  # the retry of a report the old primary counted
@@ -195,12 +203,11 @@ def test_a_call_that_changes_nothing_forwards_nothing_and_still_waits_for_what_i
     assert a.sync.take_token(2, "w", 1.0) == (1, 0)  # a retried take of a held token: nothing changes
     assert (a.sync.version, links[1].batches) == (version + 1, batches + 1)
     links[1].cut.set()
-    with pytest.raises(UnavailableError, match="did not confirm"):
-        a.sync.step_done(2, 1, "w")  # G advances here; the backup does not confirm it
-    with pytest.raises(UnavailableError, match="did not confirm"):
-        a.sync.step_done(2, 1, "w")  # the retry changes nothing, and is not acknowledged before the backup has it
+    counted = a.sync.step_done(2, 1, "w")  # G advances here; the reply does not wait for the backup
+    assert counted == (1, version + 2) and a.global_step == 2 and b.global_step == 1
+    assert a.sync.step_done(2, 1, "w") == counted  # a retry changes nothing: the same place
     links[1].cut.clear()
-    a.sync.step_done(2, 1, "w")
+    held(a, counted[1])  # the replication thread gets it through
     assert b.global_step == 2
 
 
@@ -251,9 +258,13 @@ def test_status_counts_the_sync_state_changes_each_one_forward(pair):
     start = status[0].sync_version
     assert a.sync.take_token(1, "w1", 1.0) == (0, 0)
     assert a.sync.take_token(1, "w1", 1.0) == (0, 0)  # a retried take changes nothing: nothing forwarded
-    a.sync.step_done(1, 0, "w1")
+    _, version = a.sync.step_done(1, 0, "w1")
+    held(a, version)
     status = [ParameterServerServicer(core, 1 << 20).Status(pb.PsStatusRequest(), None) for core in (a, b)]
     assert status[0].sync_version == status[1].sync_version == start + 2  # a grant and a report, both held by b
+    # the primary says what its backup confirmed (the coordinator forgets reports at or below it); b: not primary
+    assert (status[0].sync_confirmed_epoch, status[0].sync_confirmed_version) == (1, start + 2)
+    assert (status[1].sync_confirmed_epoch, status[1].sync_confirmed_version) == (0, 0)
 
 
 def test_a_take_that_carries_reports_is_one_forward_and_its_retry_on_the_promoted_backup_counts_them_once(pair):
@@ -298,3 +309,34 @@ def test_a_waiting_take_that_carried_a_report_is_granted_by_the_report_that_comp
     finally:
         waiter.join(5.0)
     assert got == [(1, 0)] and a.global_step == b.global_step == 1 and b.sync.version == a.sync.version
+
+
+def test_a_report_its_primary_never_forwarded_is_sent_again_to_the_promoted_backup(pair):
+    from pscluster.coordinator.sync_reports import ReportResender
+
+    a, b, links, _ = pair
+    assign((b, a), 1, 1, 0, 1)
+    configure((a, b), "sync", 2, 2)
+    assert a.sync.take_token(1, "w1", 1.0) == (0, 0)
+    assert a.sync.take_token(2, "w2", 1.0) == (0, 1)
+    links[1].cut.set()  # the report's forward never gets through: PS 0 dies with it
+    epoch, version = a.sync.step_done(1, 0, "w1")
+    e2, v2 = a.sync.step_done(2, 0, "w2")  # step 0 is made on PS 0 alone
+    assert a.global_step == 1 and b.global_step == 0 and (epoch, e2) == (1, 1)
+    resender = ReportResender(lambda cid, step, worker: b.sync.step_done(cid, step, worker))
+    try:
+        resender.reported(1, pb.SyncReport(step=0, worker="w1", epoch=epoch, version=version))
+        resender.observe(1, (1, version - 1))  # the backup holds neither: both kept, nothing moved yet
+        assign((b,), 2, 2, 1)  # PS 0 died; b promoted at epoch 2
+        resender.reported(2, pb.SyncReport(step=0, worker="w2", epoch=e2, version=v2))  # the row moved: sent now
+        resender.observe(2, (0, 0))  # the round that saw the move: 1's report goes again
+        for _ in range(500):
+            if b.global_step == 1 and resender.resent == 2:
+                break
+            threading.Event().wait(0.01)
+        assert b.global_step == 1 and resender.resent == 2  # step 0 made on the new primary too
+        assert b.sync.take_token(3, "w1", 1.0) == (1, 0)
+        resender.observe(2, (2, b.sync.version))  # one copy now: confirmed as counted, nothing held
+        assert resender.held == 0
+    finally:
+        resender.stop()
