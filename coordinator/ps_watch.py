@@ -51,5 +51,7 @@ def start_ps_watch(settings: Settings, client: PSClient, on_down: Callable[[], N
         copies=settings.replicas, on_restored=monitor.shard_restored,
         on_sync_row=reports.observe if reports is not None else None,
     ).start() if settings.replica_table else None
+    if reports is not None:
+        reports.start()  # after the keeper was built: nothing to stop if that failed
     monitor.start()
     return PsWatch(keeper, Elastic(keeper, keeper.stubs) if keeper is not None else None, monitor, reports)

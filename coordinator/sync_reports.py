@@ -49,6 +49,7 @@ class HeldReports:
         self._held: dict[int, Report] = {}  # closure id -> its report, oldest first
         self._sending: set[int] = set()  # closures whose resend is queued or in flight
         self.resent = 0  # reports sent again so far
+        self.received = 0  # reports closures' replies carried (of a state with a backup)
 
     def __len__(self) -> int:
         return len(self._held)
@@ -57,6 +58,7 @@ class HeldReports:
         """A closure's reply carried its report; returns it when it must go again now (the row moved since)."""
         if report.epoch <= 0:  # one copy: the StepDone's reply was the whole story
             return []
+        self.received += 1
         self._held.pop(report.closure_id, None)
         self._held[report.closure_id] = report
         while len(self._held) > self.limit:  # by construction never: a guard on memory, said loudly
@@ -111,14 +113,25 @@ class ReportResender:
         self._lock = threading.Lock()
         self._held = HeldReports(limit)
         self._queue: queue.SimpleQueue[Report | None] = queue.SimpleQueue()  # bounded: one entry per held report
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="sync-reports", daemon=True)
+
+    def start(self) -> ReportResender:
+        """Start the sending thread (what was reported before waits in the queue)."""
         self._thread.start()
+        return self
 
     @property
     def held(self) -> int:
         """Reports not yet confirmed by two copies."""
         with self._lock:
             return len(self._held)
+
+    @property
+    def received(self) -> int:
+        """Reports closures' replies carried so far."""
+        with self._lock:
+            return self._held.received
 
     @property
     def resent(self) -> int:
@@ -139,16 +152,19 @@ class ReportResender:
         self._send(due)
 
     def stop(self) -> None:
-        """Stop the thread (a resend in flight finishes or fails first) and join it."""
+        """Stop the thread and join it: what is queued is dropped, a resend in flight ends within the client's
+        retry_for."""
+        self._stop.set()
         self._queue.put(None)
-        self._thread.join(timeout=10)
+        if self._thread.ident is not None:
+            self._thread.join(timeout=30)
 
     def _send(self, due: list[Report]) -> None:
         for r in due:
             self._queue.put(r)
 
     def _loop(self) -> None:
-        while (r := self._queue.get()) is not None:
+        while (r := self._queue.get()) is not None and not self._stop.is_set():
             try:
                 epoch, version = self._step_done(r.closure_id, r.step, r.worker)
             except PsclusterError as exc:

@@ -101,20 +101,27 @@ class ReplicaNotes:
             raise UnavailableError(f"{name_of(key)}: backup ps {rep.backup} did not confirm the note of a skipped sync "
                                    "step in time; the push was not acknowledged (retry it with the same id)") from exc
 
-    def forward_sync(self, version: int, state: str, catch_up: bool = False, waited: bool = True) -> None:
+    def forward_sync(self, version: int, state: str, catch_up: bool = False, waited: bool = True) -> int:
         """Queue the sync state (whole, JSON) after its change `version` for its backup; called under the
         state's lock, so forwards queue in change order. catch_up: a new backup's first, reported by
         `catching_up` until confirmed; waited=False: no reply waits for it (a report's), so the replication thread
-        sends it after LINGER_S unless a newer state (the next take's) supersedes it first."""
+        sends it after LINGER_S unless a newer state (the next take's) supersedes it first.
+
+        Returns the epoch it was forwarded at: the role read with the forward, so a roles change landing during the
+        caller's change cannot pair the change with another epoch; the role's epoch with no backup (one copy); 0 when
+        this PS is not the state's primary now (nothing forwarded)."""
         role, rep = self._replicator_of(SYNC_STATE_KEY)
-        if role is None or rep is None:
-            return
+        if role is None or role.primary != self.ps_index:
+            return 0
+        if rep is None:
+            return int(role.epoch)
         msg = pb.ReplicaForward(ref=pb.ShardRef(variable=SYNC_STATE_KEY[0], shard_index=SYNC_STATE_KEY[1]),
                                 epoch=role.epoch, version=version, sync_state=state)
         if catch_up:
             with self._lock:
                 self._install_at[SYNC_STATE_KEY] = version
         rep.put(SYNC_STATE_KEY, version, msg, [], orphan=not waited)
+        return int(role.epoch)
 
     def sync_confirmed(self, current: int) -> tuple[int, int]:
         """On the sync state's primary: (epoch, the newest version of the state its backup confirmed), or

@@ -100,6 +100,7 @@ class SyncReplicas(SyncStateCopies):
         self.version = 0
         self._held = (0, 0)
         self._sent: tuple[int, str] | None = None
+        self._sent_epoch = 0
         self._waiting: dict[int, tuple[str, tok.Mode]] = {}
         self._pregranted: dict[int, tuple[int, int]] = {}
 
@@ -401,8 +402,13 @@ class SyncReplicas(SyncStateCopies):
             with self._cond:
                 self._report(replication, closure_id, step, worker)
                 version = self._changed(replication, waited=False)
-                epoch = replication.epoch_of(SYNC_STATE_KEY) if replication is not None and version else 0
-        return (epoch, version) if epoch else (0, 0)
+                epoch = self._sent_epoch
+        if replication is None:
+            return 0, 0
+        if not epoch:  # deposed during the call: counted here only; the client retries on the new primary
+            raise UnavailableError(f"ps {self.core.ps_index} no longer holds the sync token queue; re-read placement "
+                                   "and report there (same closure id: it counts once)")
+        return epoch, version
 
     def _report(self, replication: Replication | None, closure_id: int, step: int, worker: str) -> None:
         """Under self._cond: count a StepDone (its forward is the caller's `_changed`)."""

@@ -44,6 +44,7 @@ class SyncStateCopies:
     version: int
     _held: tuple[int, int]
     _sent: tuple[int, str] | None  # (G, the state's repr) last forwarded: an unchanged state is not sent again
+    _sent_epoch: int  # the epoch that forward went at (0: this PS is not the state's primary)
     _waiting: dict[int, tuple[str, tok.Mode]]  # closures waiting for a token: closure -> (worker, its wait's mode)
     _pregranted: dict[int, tuple[int, int]]  # their grants decided by a report (`_grant_waiting`): (step, replica)
 
@@ -53,15 +54,17 @@ class SyncStateCopies:
 
     def _changed(self, replication: Any, waited: bool = True) -> int:
         """Under self._cond, after a change: forward the whole state if this PS is its primary; returns the
-        version the reply must see confirmed (0: nothing to wait for). waited=False: no reply waits for it."""
+        version the reply must see confirmed (0: nothing to wait for), forwarded at `_sent_epoch`. waited=False:
+        no reply waits for it."""
         if replication is None or not replication.is_primary(SYNC_STATE_KEY):
+            self._sent_epoch = 0
             return 0
         mark = (self.core.global_step, repr(self._state))
         if mark == self._sent:
             return self.version  # nothing changed: the reply waits for the forward of what it saw
         self._sent = mark
         self.version += 1
-        replication.forward_sync(self.version, self._wire(), waited=waited)
+        self._sent_epoch = replication.forward_sync(self.version, self._wire(), waited=waited)
         return self.version
 
     def _grant_waiting(self, replication: Any) -> None:
@@ -132,6 +135,6 @@ class SyncStateCopies:
     def roles_changed(self) -> None:
         """Wake token waiters: a deposed holder's waiters give up (the client retries on the new one)."""
         with self._cond:
-            self._sent = None  # a promoted backup forwards its first change whatever it was
+            self._sent = None  # a promoted backup forwards its first change whatever it was (a new `_sent_epoch`)
             self._cond.notify_all()
 

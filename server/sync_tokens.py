@@ -240,6 +240,10 @@ def _step_done(state: TokenState, event: StepDone, now: float) -> list[Action]:
     step = event.step
     if step != event.global_step:
         return []  # a backup's report for a step that already advanced
+    if state.tokens.get(event.closure_id, (-1, 0))[0] != step:
+        # not a token of this step (a ConfigureSync cleared the tokens since: the coordinator's resend of an
+        # earlier job's report must not count in this one); a closure's token lives until its step is made
+        return []
     done = state.done.setdefault(step, set())
     done.add(event.closure_id)
     if len(done) < state.replicas_to_aggregate:

@@ -83,7 +83,7 @@ def test_the_resender_thread_sends_what_is_due_and_survives_a_failed_send():
         sent.set()
         return answer
 
-    resender = ReportResender(step_done)
+    resender = ReportResender(step_done).start()
     try:
         resender.observe(2, (0, 0))
         resender.reported(7, pb.SyncReport(step=3, worker="w", epoch=1, version=4))  # sent at once: fails, retryable
@@ -104,3 +104,51 @@ def test_the_resender_thread_sends_what_is_due_and_survives_a_failed_send():
         assert resender.held == 0
     finally:
         resender.stop()
+
+
+def test_a_closures_reply_carries_its_report_and_the_coordinator_keeps_it():
+    import types
+
+    from pscluster.coordinator import coordinator
+    from pscluster.coordinator import events as ev
+    from pscluster.worker.runner import Outcome
+    from pscluster.worker.servicer import outcome_to_pb
+
+    reply = outcome_to_pb(Outcome(result=b"r", report=(4, "w0", 3, 17)))
+    assert (reply.report.step, reply.report.worker, reply.report.epoch, reply.report.version) == (4, "w0", 3, 17)
+    assert not outcome_to_pb(Outcome(result=b"r")).HasField("report")  # async: no token, no report
+    kept: list[tuple[int, pb.SyncReport]] = []
+    finished: list[int] = []
+    coord = types.SimpleNamespace(_values={}, _curves=None, _finish=lambda cid, error: finished.append(cid),
+                                  _watch=types.SimpleNamespace(reports=types.SimpleNamespace(
+                                      reported=lambda cid, report: kept.append((cid, report)))))
+    coordinator.ClusterCoordinator._resolved(coord, ev.Resolve(9), reply)  # type: ignore[arg-type]
+    assert kept == [(9, reply.report)] and finished == [9]
+
+
+def test_a_stopped_resender_drops_what_is_queued():
+    calls: list[int] = []
+    gate = threading.Event()
+
+    def step_done(cid: int, step: int, worker: str) -> tuple[int, int]:
+        calls.append(cid)
+        gate.wait(5.0)  # the first resend is in flight when stop() comes
+        return 2, 1
+
+    resender = ReportResender(step_done).start()
+    resender.observe(2, (0, 0))
+    for cid in (1, 2):
+        resender.reported(cid, pb.SyncReport(step=0, worker="w", epoch=1, version=cid))
+    for _ in range(500):
+        if calls:
+            break
+        threading.Event().wait(0.01)
+    stopper = threading.Thread(target=resender.stop)
+    stopper.start()
+    for _ in range(500):
+        if resender._stop.is_set():
+            break
+        threading.Event().wait(0.01)
+    gate.set()
+    stopper.join(10.0)
+    assert not stopper.is_alive() and calls == [1]  # the in-flight one finished, the queued one was dropped

@@ -323,13 +323,13 @@ def test_a_report_its_primary_never_forwarded_is_sent_again_to_the_promoted_back
     epoch, version = a.sync.step_done(1, 0, "w1")
     e2, v2 = a.sync.step_done(2, 0, "w2")  # step 0 is made on PS 0 alone
     assert a.global_step == 1 and b.global_step == 0 and (epoch, e2) == (1, 1)
-    resender = ReportResender(lambda cid, step, worker: b.sync.step_done(cid, step, worker))
+    resender = ReportResender(lambda cid, step, worker: b.sync.step_done(cid, step, worker)).start()
     try:
         resender.reported(1, pb.SyncReport(step=0, worker="w1", epoch=epoch, version=version))
         resender.observe(1, (1, version - 1))  # the backup holds neither: both kept, nothing moved yet
         assign((b,), 2, 2, 1)  # PS 0 died; b promoted at epoch 2
-        resender.reported(2, pb.SyncReport(step=0, worker="w2", epoch=e2, version=v2))  # the row moved: sent now
-        resender.observe(2, (0, 0))  # the round that saw the move: 1's report goes again
+        resender.reported(2, pb.SyncReport(step=0, worker="w2", epoch=e2, version=v2))  # held: no round saw the move
+        resender.observe(2, (0, 0))  # the round that saw the move: both reports go again
         for _ in range(500):
             if b.global_step == 1 and resender.resent == 2:
                 break
@@ -340,3 +340,51 @@ def test_a_report_its_primary_never_forwarded_is_sent_again_to_the_promoted_back
         assert resender.held == 0
     finally:
         resender.stop()
+
+
+def test_a_report_whose_forward_raced_a_failover_is_answered_at_the_forwards_epoch(pair):
+    a, b, links, _ = pair
+    assign((b, a), 1, 1, 0, 1)
+    configure((a, b), "sync", 2, 2)
+    assert a.sync.take_token(1, "w1", 1.0) == (0, 0)
+    links[1].cut.set()
+    forward = a.replication.forward_sync
+
+    def forward_then_failover(*args, **kw):  # the failover's SetRoles lands between the forward and the reply
+        epoch = forward(*args, **kw)
+        assign((a, b), 2, 2, 1)
+        return epoch
+
+    a.replication.forward_sync = forward_then_failover
+    epoch, version = a.sync.step_done(1, 0, "w1")
+    assert epoch == 1  # the forward's epoch, not what PS 0 holds after the SetRoles: the coordinator resends it
+
+
+def test_a_report_deposed_before_its_forward_is_refused(pair):
+    a, b, _, _ = pair
+    assign((b, a), 1, 1, 0, 1)
+    configure((a, b), "sync", 2, 2)
+    assert a.sync.take_token(1, "w1", 1.0) == (0, 0)
+    forward = a.replication.forward_sync
+
+    def failover_then_forward(*args, **kw):  # the SetRoles lands after the role check, before the forward
+        assign((a, b), 2, 2, 1)
+        return forward(*args, **kw)
+
+    a.replication.forward_sync = failover_then_forward
+    with pytest.raises(UnavailableError, match="no longer holds the sync token queue"):
+        a.sync.step_done(1, 0, "w1")  # counted on PS 0 only: not acknowledged; the client retries on PS 1
+
+
+def test_a_resent_report_of_an_earlier_job_does_not_count_after_configure_sync(pair):
+    a, b, _, _ = pair
+    assign((b, a), 1, 1, 0, 1)
+    configure((a, b), "sync", 2, 2)
+    assert a.sync.take_token(1, "w1", 1.0) == (0, 0)
+    a.sync.step_done(1, 0, "w1")  # the job ends with step 0 one report short; the coordinator holds the report
+    configure((a, b), "sync", 2, 3)  # the next job's ConfigureSync clears the tokens
+    assign((a, b), 2, 2, 1)  # the row moves before a keeper round saw the report confirmed: it is sent again
+    b.sync.step_done(1, 0, "w1")
+    assert b.sync.take_token(10, "n1", 1.0) == (0, 0)
+    b.sync.step_done(10, 0, "n1")
+    assert b.global_step == 0  # one report of the new job: the old closure holds no token, it counts for nothing

@@ -258,3 +258,14 @@ def test_reports_fed_before_a_take_let_it_through_in_the_same_change():
     assert done(state, 1, 0, g=1) == [] and done(state, 2, 0, g=1) == []
     assert take(state, 3, g=1) == tok.Grant(3, 1, 0)
     assert state.issued[1] == 1
+
+
+def test_sync_counts_a_report_only_from_a_closure_holding_a_token_of_its_step():
+    state = configured("sync", 2, 2)
+    assert take(state, 1) == tok.Grant(1, 0, 0)
+    assert done(state, 9, 0, g=0) == []  # no token: a resend of an earlier job's report (ConfigureSync cleared it)
+    assert done(state, 1, 0, g=0) == [] and state.done == {0: {1}}
+    assert tok.decide(state, tok.Configure("sync", 2, 2, 0), 0.0) == [tok.WakeWaiters()]
+    assert done(state, 1, 0, g=0) == [] and state.done == {}  # its token went with the reconfigure
+    assert take(state, 2) == tok.Grant(2, 0, 0) and take(state, 3) == tok.Grant(3, 0, 1)
+    assert done(state, 2, 0, g=0) == [] and done(state, 3, 0, g=0) == [tok.Advance(1)]
