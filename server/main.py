@@ -44,10 +44,13 @@ def start(settings: Settings) -> tuple[Listeners, int, ParameterServerCore]:
         from pscluster.server.link_pool import LinkPool
         from pscluster.server.replica_links import FrameLink, GrpcLink
         from pscluster.server.replication import Replication
+        from pscluster.server.replicator import BATCH_BYTES
 
         link = FrameLink if settings.bulk_transport else GrpcLink
         # a catch-up chunk with room beside it in a frame (max_tensor_bytes) or a gRPC message
         chunk = min(CHUNK_BYTES, settings.max_tensor_bytes // 2, settings.max_message_bytes // 2)
+        # a batch of forwards is one frame on the backup: within its payload limit (max_tensor_bytes), with room
+        batch = min(BATCH_BYTES, settings.max_tensor_bytes // 2, settings.max_message_bytes // 2)
         core.addresses = list(settings.cluster.ps)  # SetRoles brings the coordinator's list (a PS that joined)
         # links opened now and whenever the list changes, not inside the SetRoles that ends a move's freeze
         pool = core.links = LinkPool(lambda address: link(address, settings))
@@ -55,7 +58,7 @@ def start(settings: Settings) -> tuple[Listeners, int, ParameterServerCore]:
         core.replication = Replication(core.store, settings.task_index,
                                        lambda ps: pool.take(core.addresses[ps]),
                                        timeout=settings.replication_timeout_s, step_timeout=settings.rpc_timeout_s,
-                                       chunk_bytes=chunk)
+                                       chunk_bytes=chunk, batch_bytes=batch)
         core.replication.sync_state = sync  # the token queue, clocks and G are replicated like a shard
     if settings.restore:
         core.restore()

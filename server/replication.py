@@ -46,7 +46,7 @@ from pscluster.server.forward_buffers import ForwardBuffers, ForwardTemplates
 from pscluster.server.push_record import PushKey
 from pscluster.server.replica_backup import ReplicaBackup
 from pscluster.server.replica_notes import ReplicaNotes, SyncStateHolder
-from pscluster.server.replicator import MAX_QUEUED_BYTES, ReplicaLink, Replicator, name_of
+from pscluster.server.replicator import BATCH_BYTES, MAX_QUEUED_BYTES, ReplicaLink, Replicator, name_of
 from pscluster.server.store import Key, Shard, VariableStore
 
 from pscluster import codec
@@ -74,7 +74,7 @@ class Replication(ReplicaNotes, ReplicaBackup):
 
     def __init__(self, store: VariableStore, ps_index: int, connect: Callable[[int], ReplicaLink],
                  timeout: float = 5.0, max_queued_bytes: int = MAX_QUEUED_BYTES, step_timeout: float = 60.0,
-                 chunk_bytes: int = catch_up.CHUNK_BYTES) -> None:
+                 chunk_bytes: int = catch_up.CHUNK_BYTES, batch_bytes: int = BATCH_BYTES) -> None:
         self.store = store
         self.ps_index = ps_index
         self._connect = connect
@@ -102,6 +102,7 @@ class Replication(ReplicaNotes, ReplicaBackup):
         self._copy_epoch: dict[Key, int] = {}
         self._key_locks: dict[Key, threading.Lock] = {}  # backup side: one forward of a shard at a time
         self.chunk_bytes = chunk_bytes  # a catch-up's chunk (server/catch_up.py)
+        self.batch_bytes = batch_bytes  # forwards one replication batch groups (within a backup's frame)
         self._staged = catch_up.Stager(store.dedup_window)  # backup side: catch-ups in chunks, until their last
         self.sync_state: SyncStateHolder | None = None  # the sync state's primary and backup side (PS 0's, at first)
         store.on_applied = self.on_applied
@@ -131,7 +132,7 @@ class Replication(ReplicaNotes, ReplicaBackup):
             wanted = {r.backup for r in self._roles.values() if r.primary == me and r.backup >= 0}
             for ps in wanted - self._replicators.keys():
                 self._replicators[ps] = Replicator(ps, self._connect(ps), me, self.timeout, self.resync,
-                                                   self._max_queued)
+                                                   self._max_queued, self.batch_bytes)
             gone = [self._replicators.pop(ps) for ps in list(self._replicators) if ps not in wanted]
             for ps, rep in self._replicators.items():
                 rep.keys = {k for k, r in self._roles.items() if r.primary == me and r.backup == ps}

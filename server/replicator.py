@@ -64,8 +64,12 @@ class Replicator:
     """Sends one backup PS its forwards; owns the queue and the `replicate-<ps>-to-<backup>` thread."""
 
     def __init__(self, backup: int, link: ReplicaLink, from_ps: int, timeout: float,
-                 resync: Callable[[Key, int], None], max_queued_bytes: int = MAX_QUEUED_BYTES) -> None:
+                 resync: Callable[[Key, int], None], max_queued_bytes: int = MAX_QUEUED_BYTES,
+                 batch_bytes: int = BATCH_BYTES) -> None:
+        """batch_bytes: the forwards one batch groups (one forward alone may exceed it), within what one frame of
+        the backup takes: a larger batch would be refused and its shards sent whole."""
         self.backup = backup
+        self._batch_bytes = batch_bytes
         self._link = link
         # a link that carries dense batches in the compact form (FrameLink; not gRPC's, nor a test's receive)
         self._dense: Callable[[Sequence[bytes], Sequence[np.ndarray], float], tuple[list[int], list[int]]] | None = \
@@ -356,8 +360,8 @@ class Replicator:
         """Under the lock: the next batch from the queue, marked in flight (`_send` sends it)."""
         batch: list[Item] = []
         size = 0
-        chunked = False  # a batch carries one catch-up chunk at most: a frame holds a chunk, not BATCH_BYTES of them
-        while self._queue and (not batch or size + self._queue[0][3] <= BATCH_BYTES):
+        chunked = False  # a batch carries one catch-up chunk at most: a frame holds a chunk, not a batch of them
+        while self._queue and (not batch or size + self._queue[0][3] <= self._batch_bytes):
             chunk = self._queue[0][2].chunk_more or self._queue[0][2].chunk_start > 0
             if chunk and chunked:
                 break

@@ -255,3 +255,24 @@ def test_an_idle_sender_sleeps_and_forwards_no_push_waits_for_still_leave_within
         assert time.monotonic() - start < 0.25
     finally:
         rep.stop()
+
+
+@pytest.mark.parametrize("batch_bytes", [1 << 20, 5000])
+def test_a_batch_stays_within_the_bytes_one_frame_of_the_backup_takes(batch_bytes: int) -> None:
+    """Before: batches grouped up to 16 MiB whatever the backup's frame limit (max_tensor_bytes may be 1 MiB):
+    a larger batch was refused and its shards sent whole."""
+    backup = Backup()
+    down = threading.Event()
+    down.set()
+    backup.fail = lambda request: UnavailableError("backup down") if down.is_set() else None
+    rep = Replicator(1, backup, 0, 2.0, lambda key, start=0: None, max_queued_bytes=1 << 20, batch_bytes=batch_bytes)
+    rep.keys.update({KEY, OTHER})
+    try:
+        for version in (1, 2, 3):  # 4,000 bytes each, queued while the backup is down
+            rep.put(KEY, version, update(KEY, version), [np.zeros(1000, np.float32)])
+        down.clear()
+        until(lambda: rep.acked.get(KEY) == 3, "the backup to confirm all three")
+        sizes = [len(b.forwards) for b in backup.batches]
+        assert sizes == ([3] if batch_bytes > 12000 else [1, 1, 1])  # one forward alone may exceed it
+    finally:
+        rep.stop()
