@@ -388,3 +388,34 @@ def test_a_resent_report_of_an_earlier_job_does_not_count_after_configure_sync(p
     assert b.sync.take_token(10, "n1", 1.0) == (0, 0)
     b.sync.step_done(10, 0, "n1")
     assert b.global_step == 0  # one report of the new job: the old closure holds no token, it counts for nothing
+
+
+def test_a_bounded_report_its_primary_never_forwarded_is_sent_again_and_counts_once(pair):
+    from pscluster.coordinator.sync_reports import ReportResender
+
+    a, b, links, _ = pair
+    assign((b, a), 1, 1, 0, 1)
+    configure((a, b), "bounded", staleness=0)
+    assert a.sync.take_token(1, "w1", 1.0) == (0, 0)
+    assert a.sync.take_token(2, "w2", 1.0) == (0, 0)
+    links[1].cut.set()
+    epoch, version = a.sync.step_done(1, 0, "w1")  # PS 0 alone: w1's clock 1, G 1
+    assert a.sync.clocks["w1"] == 1 and b.sync.clocks.get("w1", 0) == 0
+    assign((b,), 2, 2, 1)  # PS 0 died with it
+    resender = ReportResender(lambda cid, step, worker: b.sync.step_done(cid, step, worker)).start()
+    try:
+        resender.reported(1, pb.SyncReport(step=0, worker="w1", epoch=epoch, version=version))
+        resender.observe(2, (0, 0))
+        for _ in range(500):
+            if resender.resent == 1:
+                break
+            threading.Event().wait(0.01)
+        assert resender.resent == 1 and b.sync.clocks["w1"] == 1 and b.global_step == 1
+        b.sync.step_done(1, 0, "w1")  # the worker's own retry as well: its token is gone, it counts once
+        assert b.sync.clocks["w1"] == 1 and b.global_step == 1
+        with pytest.raises(Exception, match="ahead of the slowest"):
+            b.sync.take_token(3, "w1", 0.1)  # staleness 0: w1 waits for w2, whose token came along
+        b.sync.step_done(2, 0, "w2")
+        assert b.sync.take_token(3, "w1", 1.0) == (1, 0)
+    finally:
+        resender.stop()
