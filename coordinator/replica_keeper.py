@@ -306,9 +306,10 @@ class ReplicaKeeper:
             self._tell_sync_row(answers)
 
     def _tell_sync_row(self, answers: list[pb.PsStatus | PsclusterError]) -> None:
+        assert self._on_sync_row is not None
         with self._lock:
             row = self.state.shards.get(rp.SYNC_ORDINAL)
-        if row is None or self._on_sync_row is None:
+        if row is None:
             return
         answer = answers[row.primary] if row.primary < len(answers) else None
         confirmed = (answer.sync_confirmed_epoch, answer.sync_confirmed_version) \

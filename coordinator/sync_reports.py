@@ -84,18 +84,17 @@ class HeldReports:
         if r is None:
             return []
         self.resent += 1
+        if epoch <= 0:  # counted by a state with one copy now: nothing to confirm
+            del self._held[closure_id]
+            return []
         self._held[closure_id] = r = replace(r, epoch=epoch, version=version)
-        return self._due([r]) if epoch > 0 else self._forget(closure_id)
+        return self._due([r])
 
     def failed(self, closure_id: int, retryable: bool) -> None:
         """A resend failed: a retryable failure goes again at the next round, any other forgets the report."""
         self._sending.discard(closure_id)
         if not retryable:
             self._held.pop(closure_id, None)
-
-    def _forget(self, closure_id: int) -> list[Report]:
-        self._held.pop(closure_id, None)  # counted by a state with one copy now: nothing to confirm
-        return []
 
     def _due(self, reports: list[Report]) -> list[Report]:
         due = [r for r in reports if r.epoch < self.epoch and r.closure_id not in self._sending]

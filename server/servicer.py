@@ -167,13 +167,13 @@ class ParameterServerServicer(pb_grpc.ParameterServerServicer):
 
     def Status(self, request: pb.PsStatusRequest, context: grpc.ServicerContext) -> pb.PsStatus:
         core = self.core
+        sync_version = core.replicas().current_version()
         return pb.PsStatus(ps_index=core.ps_index, num_ps=core.num_ps, global_step=core.global_step,
                            restored_step=core.restored_step, num_shards=len(core.store.shards()),
                            total_bytes=core.total_bytes(),
                            dropped_stale=core.replicas().dropped,
                            incarnation=core.incarnation, bulk_port=core.bulk_port,
-                           sync_version=core.replicas().current_version(),
-                           **_replica_status(core.replication, core.replicas().current_version()))
+                           sync_version=sync_version, **_replica_status(core.replication, sync_version))
 
 
 def _replica_status(replication: Replication | None, sync_version: int) -> dict[str, Any]:

@@ -23,6 +23,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+# a closure's StepDone: (step, worker, the sync state's epoch and version that counted it)
+SyncReport = tuple[int, str, int, int]
+
+
 @dataclass(frozen=True)
 class Outcome:
     """What running a closure produced: a pickled result, the user's error, or a cluster failure."""
@@ -38,7 +42,7 @@ class Outcome:
     scalars: tuple[tuple[str, float], ...] = ()  # report(): (name, mean over the closure)
     # sync/bounded: its StepDone (step, worker, and the sync state's epoch and version that counted it: with
     # replicas: 2 the coordinator sends it again to a new primary unless the backup confirmed it)
-    report: tuple[int, str, int, int] | None = None
+    report: SyncReport | None = None
 
 
 class ClosureRunner:
@@ -71,7 +75,7 @@ class ClosureRunner:
     def _run(self, closure_id: int, payload: bytes, sync_mode: str, final_below: int = 0,
              push_pull: bool = False) -> Outcome:
         start = time.perf_counter()
-        report: tuple[int, str, int, int] | None = None
+        report: SyncReport | None = None
         try:
             fn, args, kwargs = self.functions.decode(payload)
             with ClosureScope(closure_id, self.client, self.datasets, sync_mode, final_below, push_pull) as scope:
@@ -96,7 +100,7 @@ class ClosureRunner:
                        report=report)
 
     @staticmethod
-    def _user_error(exc: Exception, start: float, report: tuple[int, str, int, int] | None = None) -> Outcome:
+    def _user_error(exc: Exception, start: float, report: SyncReport | None = None) -> Outcome:
         try:
             pickled = cloudpickle.dumps(exc)
             cloudpickle.loads(pickled)
