@@ -70,8 +70,15 @@ class BulkHandlers:
 
     def inline(self, request: pb.BulkRequest, state: dict[str, Any]) -> bool:
         """Whether request may be served on the frame server's loop thread: a dense push or pull whose
-        bytes go through the connection's segment, at most INLINE_BYTES each way, answered at once."""
+        bytes go through the connection's segment, at most INLINE_BYTES each way, answered at once; or a
+        primary's batch of forwards without a whole state, its bytes (if any) in the segment."""
         segment: shm.Segment | None = state.get("shm")
+        kind = request.WhichOneof("op")
+        if kind in ("replicate", "replicate_dense"):
+            # a primary's batch (replicas: 2): applied and answered at once, so its connection never needs a
+            # thread unless the batch carries a whole state or its bytes ride the socket
+            return (not request.shm_bytes or (segment is not None and request.shm_bytes <= INLINE_BYTES)) and \
+                not any(f.HasField("spec") for f in request.replicate.forwards)
         replication, sync = self.core.replication, self.core.sync
         # with the table a sync push waits for its step (other peers' pushes) to settle: never on the loop
         waits = replication is not None and (replication.forwards() or (sync is not None and sync.accumulates))
@@ -83,7 +90,6 @@ class BulkHandlers:
             # a token may wait for other workers, so it is never served by the loop; moving its connection
             # to a thread and back every step would cost a thread per step
             return False
-        kind = request.WhichOneof("op")
         if kind == "push":
             if request.shm_bytes > INLINE_BYTES:
                 return False
@@ -144,7 +150,12 @@ class BulkHandlers:
                   state: dict[str, Any]) -> None:
         """A primary's batch of forwards for this backup (replicas: 2), as the Replicate RPC; with mutual
         TLS only a PS certificate may send one."""
-        buf = self._payload(conn, payload_len, state)
+        segment = _shared_payload(conn, request, payload_len, state)
+        if segment is not None:  # read in place: the primary writes no more there until this batch is answered
+            payload_len = request.shm_bytes
+            buf = segment.region[:payload_len]
+        else:
+            buf = self._payload(conn, payload_len, state)
         peer = conn.getpeercert() if isinstance(conn, ssl.SSLSocket) else None
         if peer and tls.role_of_peercert(peer) != "ps":  # a verified certificate of another role
             raise PermissionDeniedError("replicate: only a PS certificate may forward updates")
@@ -158,7 +169,8 @@ class BulkHandlers:
             return
         arrays = replica_links.payload_views(request.replicate, buf)
         # a payload above REUSE_BYTES has a buffer of its own: an install may keep it as the shard's memory
-        reply = self.core.replication.receive(request.replicate, arrays, owned=payload_len > REUSE_BYTES)
+        reply = self.core.replication.receive(request.replicate, arrays,
+                                              owned=segment is None and payload_len > REUSE_BYTES)
         send_frame(conn, pb.BulkReply(replicate=reply).SerializeToString())
 
     def _payload(self, conn: socket.socket, payload_len: int, state: dict[str, Any]) -> np.ndarray:

@@ -25,7 +25,7 @@ from pscluster.server import replica_wire
 from pscluster import codec
 from pscluster.config import Settings
 from pscluster.errors import InvalidArgumentError, UnavailableError, from_status
-from pscluster.net import framing, rpc, tls
+from pscluster.net import framing, rpc, shm, tls
 
 
 def tensors_of(f: pb.ReplicaForward) -> list[pb.Tensor]:
@@ -160,6 +160,10 @@ class FrameLink:
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._closed = False
+        # same host, no TLS: the batches' bytes go through a shared-memory segment (pscluster/net/shm.py) and
+        # the backup serves them on its frame loop (server/bulk.py's `inline`); False once one was declined
+        self._local = False
+        self._segment: shm.Segment | None = None
 
     def _connect(self, timeout: float) -> socket.socket:
         port = self._port_of(timeout)
@@ -177,7 +181,24 @@ class FrameLink:
                 sock.close()
                 raise UnavailableError(f"link to {self.address} closed")
             self._sock = sock
+            self._local = self._tls is None and shm.available() and shm.is_local_peer(sock)
         return sock
+
+    def _shared(self, sock: socket.socket, nbytes: int) -> shm.Segment | None:
+        """The connection's segment for a batch of nbytes (a larger one offered when it does not fit), or None:
+        the bytes ride the socket (another host, TLS, no /dev/shm, over shm.MAX_BYTES, or declined)."""
+        segment = self._segment
+        if segment is not None and nbytes <= segment.capacity:
+            return segment
+        if not self._local or nbytes > shm.MAX_BYTES:
+            return None
+        if segment is not None:
+            self._segment = None
+            segment.close()
+        # every size: a batch on the socket could not be served on the backup's loop
+        self._segment = shm.offer(sock, max(nbytes, shm.MIN_BYTES), lambda: framing.read_reply(sock))
+        self._local = self._segment is not None
+        return self._segment
 
     def replicate(self, request: pb.ReplicateRequest, arrays: Sequence[np.ndarray],
                   timeout: float) -> pb.ReplicateReply:
@@ -186,23 +207,25 @@ class FrameLink:
         A kept connection that fails is replaced and the batch sent once more at once (the backup closed an
         idle connection, or restarted); the backup ignores versions it holds already.
         """
-        return self._exchange(pb.BulkRequest(replicate=request).SerializeToString(), arrays, timeout).replicate
+        return self._exchange(pb.BulkRequest(replicate=request), arrays, timeout).replicate
 
     def replicate_dense(self, forwards: Sequence[bytes], arrays: Sequence[np.ndarray],
                         timeout: float) -> tuple[list[int], list[int]]:
         """As `replicate`, for a batch of dense updates in the compact form (server/replica_wire.py):
         (outcomes, versions)."""
-        header = pb.BulkRequest(replicate_dense=replica_wire.request(forwards)).SerializeToString()
-        reply = self._exchange(header, arrays, timeout)
+        reply = self._exchange(pb.BulkRequest(replicate_dense=replica_wire.request(forwards)), arrays, timeout)
         try:
             return replica_wire.decode_reply(reply.replicate_dense, len(forwards))
         except InvalidArgumentError as exc:  # the stream is in step, but its peer is not: never reused
             self._drop(self._sock)
             raise UnavailableError(f"replicate to {self.address} (bulk port): {exc}") from exc
 
-    def _exchange(self, header: bytes, arrays: Sequence[np.ndarray], timeout: float) -> pb.BulkReply:
-        """Send a batch's frame (header, then the arrays' bytes) and read its reply (see `replicate`)."""
+    def _exchange(self, request: pb.BulkRequest, arrays: Sequence[np.ndarray], timeout: float) -> pb.BulkReply:
+        """Send a batch's frame (header, then the arrays' bytes, or the header alone and the bytes in the
+        segment) and read its reply (see `replicate`). The backup reads the segment until it answers, and
+        nothing is written there before the next batch (one at a time)."""
         views = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays]
+        nbytes = sum([v.size for v in views])
         for attempt in (0, 1):
             sock = self._sock
             kept = sock is not None
@@ -210,7 +233,14 @@ class FrameLink:
                 if sock is None:
                     sock = self._connect(timeout)
                 sock.settimeout(timeout)
-                _send_batch(sock, header, views)
+                segment = self._shared(sock, nbytes) if nbytes else None
+                if segment is not None:
+                    segment.write(views)
+                    request.shm_bytes = nbytes
+                    framing.send_frame(sock, request.SerializeToString())
+                else:
+                    request.shm_bytes = 0
+                    _send_batch(sock, request.SerializeToString(), views)
                 reply, payload_len = framing.read_reply(sock)
                 break
             except OSError as exc:
@@ -231,14 +261,22 @@ class FrameLink:
         with self._lock:
             if self._sock is sock:
                 self._sock = None
+                segment, self._segment = self._segment, None
+            else:
+                segment = None
         if sock is not None:
             sock.close()
+        if segment is not None:  # a new connection offers a new one: the backup may still read this one
+            segment.close()
 
     def close(self) -> None:
         """Close the connection and the gRPC channel."""
         with self._lock:
             self._closed = True
             sock, self._sock = self._sock, None
+            segment, self._segment = self._segment, None
         if sock is not None:
             sock.close()
+        if segment is not None:
+            segment.close()
         self._grpc.close()

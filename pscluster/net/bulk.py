@@ -26,7 +26,7 @@ import numpy as np
 
 from pscluster.errors import InternalError, UnavailableError, from_status
 from pscluster.net import shm
-from pscluster.net.framing import PREFIX, STATUS_BY_VALUE, connect, send_buffer, send_frame, send_hello
+from pscluster.net.framing import PREFIX, STATUS_BY_VALUE, connect, send_buffer, send_hello
 from pscluster.net.shm import Segment
 from pscluster.net.transport import PullPlan, PushPlan, ValueTargets
 from pscluster.proto import pscluster_pb2 as pb
@@ -204,25 +204,9 @@ class BulkClient:
         if conn.segment is not None:
             conn.segment.close()
             conn.segment = None
-        try:
-            segment, nonce = Segment.create(shm.size_for(nbytes))
-        except OSError:  # /dev/shm full or not writable: this connection carries its payloads itself
-            conn.local = False
-            return None
-        try:
-            offer = pb.ShmAttach(name=segment.name, nonce=nonce, size=shm.HEADER_BYTES + segment.capacity)
-            send_frame(conn.sock, pb.BulkRequest(shm_attach=offer).SerializeToString())
-            reply, payload_len = conn.read_reply()
-        finally:
-            shm.unlink(segment.name)
-        if payload_len or reply.code:  # not the same host after all, or a PS without segments
-            segment.close()
-            conn.local = False
-            if payload_len:
-                raise ConnectionError("a segment offer was answered with a payload")
-            return None
-        conn.segment = segment
-        return segment
+        conn.segment = shm.offer(conn.sock, nbytes, conn.read_reply)
+        conn.local = conn.segment is not None
+        return conn.segment
 
     def _send(self, call: BulkCall, conn: _Conn) -> None:
         sock = conn.sock

@@ -26,11 +26,13 @@ import mmap
 import os
 import secrets
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from pscluster.errors import FailedPreconditionError
+from pscluster.net.framing import send_frame
+from pscluster.proto import pscluster_pb2 as pb
 
 DIRECTORY = "/dev/shm"
 PREFIX = "pscluster-"
@@ -141,6 +143,36 @@ class Segment:
             self._map.close()
         except BufferError:  # a view is still alive somewhere: the mapping goes with it
             pass
+
+
+def offer(sock: socket.socket, nbytes: int,
+          read_reply: Callable[[], tuple[pb.BulkReply, int]]) -> Segment | None:
+    """Offer the server behind sock (a connection between requests) a new segment for payloads of nbytes:
+    the segment once attached, None when none could be made or the server declined it (another host, a
+    server without segments): the connection then carries its payloads itself from now on.
+
+    Raises:
+        ConnectionError: the answer carried a payload (the stream is out of step).
+    """
+    try:
+        segment, nonce = Segment.create(size_for(nbytes))
+    except OSError:  # /dev/shm full or not writable
+        return None
+    try:
+        request = pb.ShmAttach(name=segment.name, nonce=nonce, size=HEADER_BYTES + segment.capacity)
+        send_frame(sock, pb.BulkRequest(shm_attach=request).SerializeToString())
+        reply, payload_len = read_reply()
+    except BaseException:
+        segment.close()
+        raise
+    finally:
+        unlink(segment.name)
+    if payload_len or reply.code:
+        segment.close()
+        if payload_len:
+            raise ConnectionError("a segment offer was answered with a payload")
+        return None
+    return segment
 
 
 def unlink(name: str) -> None:

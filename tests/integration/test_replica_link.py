@@ -3,7 +3,8 @@
 Two in-process PS cores on 127.0.0.1: the primary's forwards reach the backup as a header plus the
 arrays' bytes; a catch-up of a shard whose state (value and Adam slots) is larger than max_message_bytes
 goes through; a connection the backup closed is replaced without losing the batch; a peer that is not
-a PS cannot send a replicate; a malformed batch is refused and changes nothing.
+a PS cannot send a replicate; a malformed batch is refused and changes nothing. On one host the batches'
+bytes go through a shared-memory segment and the backup applies them on its frame loop.
 """
 
 from __future__ import annotations
@@ -137,6 +138,39 @@ def test_pushes_travel_in_the_compact_form_and_a_malformed_one_changes_nothing(p
     assert reply.code == InvalidArgumentError("").code.value[0]
     assert "payload of 8 bytes, shapes announce 2097152" in reply.message
     np.testing.assert_array_equal(backup.store.get(KEY).value, before)
+
+
+def test_on_one_host_batches_go_through_a_segment_and_the_backup_applies_them_on_its_loop(pair, monkeypatch):
+    primary, backup, _, links = pair
+    create_and_replicate(primary, backup)  # the catch-up (a whole state) went through the segment, on a thread
+    small, shape = ("s", 0), (256, 128)  # 128 KiB: within what the backup's loop applies (INLINE_BYTES)
+    spec = ShardSpec("s", 0, 1, shape, shape, 0, "<f4", OptimizerConfig("sgd", 0.1))
+    primary.create(spec, np.zeros(shape, np.float32), "zeros", 0, 0)
+    for core in (backup, primary):
+        core.replication.set_roles(2, [Role(KEY, 1, 0, 1), Role(small, 1, 0, 1)])
+    primary.replication.wait([(small, primary.store.get(small).version)])
+    threads: list[str] = []
+    receive_dense = backup.replication.receive_dense
+    monkeypatch.setattr(backup.replication, "receive_dense",
+                        lambda *a: threads.append(threading.current_thread().name) or receive_dense(*a))
+    rng = np.random.default_rng(2)
+    for i in range(4):
+        primary.push(f"s{i}", 0, [PushItem(small, rng.standard_normal(shape).astype(np.float32))])
+        np.testing.assert_array_equal(primary.store.get(small).value, backup.store.get(small).value)
+    assert links[0]._segment is not None
+    # the first batch's thread hands the link to the loop: no thread per batch after it
+    assert len(threads) == 4 and threads[1:] == ["bulk-loop"] * 3
+    primary.push("big", 0, [PushItem(KEY, np.ones(SHAPE, np.float32))])  # 2 MiB: applied on a thread
+    same(primary, backup)
+
+
+def test_without_shared_memory_the_bytes_ride_the_socket(pair, monkeypatch):
+    monkeypatch.setattr(replica_links.shm, "available", lambda: False)
+    primary, backup, _, links = pair
+    create_and_replicate(primary, backup)
+    primary.push("n0", 0, [PushItem(KEY, np.full(SHAPE, 0.5, np.float32))])
+    same(primary, backup)
+    assert links[0]._segment is None
 
 
 def test_a_connection_whose_hello_fails_is_closed(monkeypatch):
