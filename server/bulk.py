@@ -75,10 +75,16 @@ class BulkHandlers:
         segment: shm.Segment | None = state.get("shm")
         kind = request.WhichOneof("op")
         if kind in ("replicate", "replicate_dense"):
-            # a primary's batch (replicas: 2): applied and answered at once, so its connection never needs a
-            # thread unless the batch carries a whole state or its bytes ride the socket
-            return (not request.shm_bytes or (segment is not None and request.shm_bytes <= INLINE_BYTES)) and \
-                not any(f.HasField("spec") for f in request.replicate.forwards)
+            # a primary's batch (replicas: 2) is applied and answered at once, so its connection needs no thread
+            # while its batches are small; a whole state (a catch-up, rare) goes to a thread and back
+            if state.get("large_batches") or any(f.HasField("spec") for f in request.replicate.forwards):
+                return False
+            if request.shm_bytes and (segment is None or request.shm_bytes > INLINE_BYTES):
+                # from now on its batches keep a thread: group commit makes sizes vary around any limit, and
+                # a connection moving between the loop and a new thread would cost a thread per batch
+                state["large_batches"] = True
+                return False
+            return True
         replication, sync = self.core.replication, self.core.sync
         # with the table a sync push waits for its step (other peers' pushes) to settle: never on the loop
         waits = replication is not None and (replication.forwards() or (sync is not None and sync.accumulates))

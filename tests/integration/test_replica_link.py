@@ -162,6 +162,11 @@ def test_on_one_host_batches_go_through_a_segment_and_the_backup_applies_them_on
     assert len(threads) == 4 and threads[1:] == ["bulk-loop"] * 3
     primary.push("big", 0, [PushItem(KEY, np.ones(SHAPE, np.float32))])  # 2 MiB: applied on a thread
     same(primary, backup)
+    # once a batch was too large for the loop, the link keeps its thread (no thread per batch as sizes vary)
+    for i in range(2):
+        primary.push(f"small-again{i}", 0, [PushItem(small, np.ones(shape, np.float32))])
+        np.testing.assert_array_equal(primary.store.get(small).value, backup.store.get(small).value)
+    assert threads[-2:] == ["bulk-conn", "bulk-conn"]
 
 
 def test_without_shared_memory_the_bytes_ride_the_socket(pair, monkeypatch):
