@@ -64,6 +64,9 @@ def payload_views(request: pb.ReplicateRequest, buf: np.ndarray) -> list[np.ndar
     return out
 
 
+# the largest batch that goes through a link's segment (a replicator's batches group up to 16 MiB); a larger one
+# (a catch-up's whole state: rare) rides the socket, so a link's segment stays at most this large in /dev/shm
+SEGMENT_MAX_BYTES = 16 << 20
 COALESCE_BYTES = 64 << 10  # arrays up to this size leave in the send of the frame's head (as the client's)
 GATHER_BUFFERS = 256  # a plain socket's batch of up to this many buffers leaves in sendmsg calls (under IOV_MAX)
 
@@ -186,11 +189,13 @@ class FrameLink:
 
     def _shared(self, sock: socket.socket, nbytes: int) -> shm.Segment | None:
         """The connection's segment for a batch of nbytes (a larger one offered when it does not fit), or None:
-        the bytes ride the socket (another host, TLS, no /dev/shm, over shm.MAX_BYTES, or declined)."""
+        the bytes ride the socket (another host, TLS, no /dev/shm, over SEGMENT_MAX_BYTES, or declined)."""
+        if nbytes > SEGMENT_MAX_BYTES:
+            return None
         segment = self._segment
         if segment is not None and nbytes <= segment.capacity:
             return segment
-        if not self._local or nbytes > shm.MAX_BYTES:
+        if not self._local:
             return None
         if segment is not None:
             self._segment = None

@@ -169,6 +169,17 @@ def test_on_one_host_batches_go_through_a_segment_and_the_backup_applies_them_on
     assert threads[-2:] == ["bulk-conn", "bulk-conn"]
 
 
+def test_a_batch_larger_than_a_links_segment_may_be_rides_the_socket(pair, monkeypatch):
+    monkeypatch.setattr(replica_links, "SEGMENT_MAX_BYTES", 1 << 20)
+    primary, backup, _, links = pair
+    create_and_replicate(primary, backup)  # a 6 MiB whole state: on the socket
+    same(primary, backup)
+    assert links[0]._segment is None
+    primary.push("big", 0, [PushItem(KEY, np.full(SHAPE, 0.25, np.float32))])  # 2 MiB: on the socket too
+    same(primary, backup)
+    assert links[0]._segment is None
+
+
 def test_without_shared_memory_the_bytes_ride_the_socket(pair, monkeypatch):
     monkeypatch.setattr(replica_links.shm, "available", lambda: False)
     primary, backup, _, links = pair
