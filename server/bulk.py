@@ -37,6 +37,7 @@ from pscluster.net.framing import PREFIX, drain, recv_into, refuse_payload, send
 
 PULL_COPY_BYTES = 1 << 20  # per pulling connection; see the module docstring
 REUSE_BYTES = 64 << 20  # pushes up to this size land in a per-connection buffer (no page faults)
+LARGE_BATCHES = "large_batches"  # a replica link's state: it sent a batch too large for the loop (`inline`)
 INLINE_BYTES = 1 << 20  # larger pushes and pulls get a thread, so their copies never delay the small ones
 
 
@@ -76,15 +77,10 @@ class BulkHandlers:
         kind = request.WhichOneof("op")
         if kind in ("replicate", "replicate_dense"):
             # a primary's batch (replicas: 2) is applied and answered at once, so its connection needs no thread
-            # while its batches are small; a whole state (a catch-up, rare) goes to a thread and back
-            if state.get("large_batches") or any(f.HasField("spec") for f in request.replicate.forwards):
-                return False
-            if request.shm_bytes and (segment is None or request.shm_bytes > INLINE_BYTES):
-                # from now on its batches keep a thread: group commit makes sizes vary around any limit, and
-                # a connection moving between the loop and a new thread would cost a thread per batch
-                state["large_batches"] = True
-                return False
-            return True
+            # while its batches are small (`replicate` notes the first large one); a whole state (a catch-up,
+            # rare) goes to a thread and back
+            return not state.get(LARGE_BATCHES) and not any(f.HasField("spec") for f in request.replicate.forwards) \
+                and (not request.shm_bytes or (segment is not None and request.shm_bytes <= INLINE_BYTES))
         replication, sync = self.core.replication, self.core.sync
         # with the table a sync push waits for its step (other peers' pushes) to settle: never on the loop
         waits = replication is not None and (replication.forwards() or (sync is not None and sync.accumulates))
@@ -157,6 +153,11 @@ class BulkHandlers:
         """A primary's batch of forwards for this backup (replicas: 2), as the Replicate RPC; with mutual
         TLS only a PS certificate may send one."""
         segment = _shared_payload(conn, request, payload_len, state)
+        if (payload_len or request.shm_bytes > INLINE_BYTES) and \
+                not any(f.HasField("spec") for f in request.replicate.forwards):
+            # from now on this link's batches keep a thread (`inline`): group commit makes their sizes vary
+            # around any limit, and a connection moving between the loop and a new thread costs a thread a batch
+            state[LARGE_BATCHES] = True
         if segment is not None:  # read in place: the primary writes no more there until this batch is answered
             payload_len = request.shm_bytes
             buf = segment.region[:payload_len]

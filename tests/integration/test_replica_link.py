@@ -175,9 +175,26 @@ def test_a_batch_larger_than_a_links_segment_may_be_rides_the_socket(pair, monke
     create_and_replicate(primary, backup)  # a 6 MiB whole state: on the socket
     same(primary, backup)
     assert links[0]._segment is None
-    primary.push("big", 0, [PushItem(KEY, np.full(SHAPE, 0.25, np.float32))])  # 2 MiB: on the socket too
+    small, shape = ("s", 0), (256, 128)
+    spec = ShardSpec("s", 0, 1, shape, shape, 0, "<f4", OptimizerConfig("sgd", 0.1))
+    primary.create(spec, np.zeros(shape, np.float32), "zeros", 0, 0)
+    for core in (backup, primary):
+        core.replication.set_roles(2, [Role(KEY, 1, 0, 1), Role(small, 1, 0, 1)])
+    primary.replication.wait([(small, primary.store.get(small).version)])
+    threads: list[str] = []
+    receive_dense = backup.replication.receive_dense
+    monkeypatch.setattr(backup.replication, "receive_dense",
+                        lambda *a: threads.append(threading.current_thread().name) or receive_dense(*a))
+    for i in range(2):
+        primary.push(f"a{i}", 0, [PushItem(small, np.ones(shape, np.float32))])
+    assert threads[-1] == "bulk-loop" and links[0]._segment is not None
+    primary.push("big", 0, [PushItem(KEY, np.full(SHAPE, 0.25, np.float32))])  # 2 MiB: on the socket
     same(primary, backup)
-    assert links[0]._segment is None
+    assert links[0]._segment.capacity < SHAPE[0] * SHAPE[1] * 4
+    for i in range(2):  # the link keeps the thread the socket's batch took (no thread per batch)
+        primary.push(f"b{i}", 0, [PushItem(small, np.ones(shape, np.float32))])
+    np.testing.assert_array_equal(primary.store.get(small).value, backup.store.get(small).value)
+    assert threads[-2:] == ["bulk-conn", "bulk-conn"]
 
 
 def test_without_shared_memory_the_bytes_ride_the_socket(pair, monkeypatch):
