@@ -5,9 +5,12 @@ a killed PS (it rejoins as a backup and catches up). A driver schedules closures
 counter (SGD(1.0)) and checkpoints every few batches; a killer SIGKILLs, every `interval` seconds:
 - a random PS once every shard's backup is in sync (it is the primary of some shards, mid-push or
   mid-checkpoint, and the backup of others), or
-- with probability 1/4, the last victim again as soon as its restarted process runs: while it rejoins
-  or catches up (mid-catch-up when the coordinator shows it catching up first: a 32 MiB Adam "ballast"
-  variable per PS makes each catch-up carry ~100 MiB per shard).
+- with probability 1/4, the last victim again once its restarted process runs: while it rejoins or catches
+  up. With 3 PS the others took its shards' copies while it was away, so a rebalance (`scale_ps`, run beside)
+  gives it its share back: it is then the backup of the copies it takes while each catches up (a 32 MiB Adam
+  "ballast" variable per PS makes each catch-up carry ~100 MiB), and the kill lands then ("mid-catch-up") if
+  the coordinator shows it catching up within a few seconds ("mid-rejoin" otherwise). A kill there is safe
+  when every shard it is the primary of has an in-sync backup; the rebalance it cut short is not retried.
 A primary is never killed while a shard it holds has no in-sync backup (that is two copies lost: the
 checkpoint fallback, whose loss lost_updates() reports; docs/ps_failures.md).
 
@@ -89,11 +92,22 @@ def soak(mode: str = "async", kills: int = 34, interval: float = 2.0, seed: int 
                 table = coord.replica_table()  # the counters, the ballast and the sync state's row
                 return len(table) == 2 * NUM_PS + 1 and all(c.backup is not None and c.in_sync for c in table.values())
 
-            def catching_up() -> int | None:
-                for c in coord.replica_table().values():
-                    if c.backup is not None and not c.in_sync:
-                        return c.backup
-                return None
+            def catching_up(task: int) -> bool:
+                """task is the backup of a copy that is catching up, and every copy it is primary of has an
+                in-sync backup (killing it loses no shard's last copy)."""
+                table = coord.replica_table().values()
+                return any(c.backup == task and not c.in_sync for c in table) and \
+                    all(c.backup is not None and c.in_sync for c in table if c.primary == task)
+
+            def rebalance(task: int, killed: threading.Event) -> None:
+                """Give a restarted PS its share of the copies (it holds none), once the coordinator sees it up."""
+                deadline = time.monotonic() + 60
+                while not killed.is_set() and not stop.is_set() and time.monotonic() < deadline:
+                    try:
+                        coord.scale_ps(NUM_PS, cancelled=killed.is_set)
+                        return
+                    except ps.PsclusterError:  # not up yet, or another move raced it: again
+                        time.sleep(0.1)
 
             def drive() -> None:
                 batch = 0
@@ -124,13 +138,18 @@ def soak(mode: str = "async", kills: int = 34, interval: float = 2.0, seed: int 
                     # the last victim again once its restarted process runs: while it rejoins and catches up
                     # (it is nobody's primary then: the kill is safe, and the next catch-up starts over)
                     _wait(lambda: cluster.ps[last].pid != gone_pid, "the supervisor's restart", timeout=60.0)
+                    killed = threading.Event()
+                    mover = threading.Thread(target=rebalance, args=(last, killed), name="soak-rebalance", daemon=True)
+                    mover.start()
                     try:
-                        _wait(lambda: catching_up() == last, "the restarted PS to catch up", timeout=3.0)
+                        _wait(lambda: catching_up(last), "the restarted PS to catch up", timeout=10.0)
                         kinds["mid-catch-up"] += 1
                     except TimeoutError:
                         kinds["mid-rejoin"] += 1  # not seen catching up (yet, or already done): killed anyway
                     gone_pid = cluster.ps[last].pid  # before the kill: the supervisor may restart it at once
                     cluster.kill(cluster.ps[last], signal.SIGKILL)
+                    killed.set()
+                    mover.join(timeout=120)
                     continue
                 time.sleep(rng.uniform(0.5, 1.5) * interval)
                 _wait(all_in_sync, "every backup in sync before a kill", timeout=120.0)
