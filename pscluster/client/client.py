@@ -159,9 +159,19 @@ class PSClient(ClusterOperations):
             self.fresh.clear()
             log.info("ps list: %d PS tasks (%s)", len(addresses), ", ".join(addresses))
 
+    def _start(self, ps: int, method: str, request: Any) -> Any:
+        return getattr(self.stubs[ps], method).future(request, timeout=self._timeout)
+
+    def _translate(self, ps: int, method: str, exc: Exception) -> PsclusterError:
+        if isinstance(exc, grpc.RpcError):
+            return rpc.translate(exc, self._net.what(ps, method))
+        if isinstance(exc, PsclusterError):
+            return exc
+        return UnavailableError(f"{self._net.what(ps, method)}: {type(exc).__name__}: {exc}")
+
     def _gather(self, calls: list[tuple[int, str, Any]]) -> list[Any]:
         """Issue unary calls in parallel (grpc futures); retry the retryable ones synchronously."""
-        futs = [getattr(self.stubs[ps], m).future(req, timeout=self._timeout) for ps, m, req in calls]
+        futs = [self._start(ps, m, req) for ps, m, req in calls]
         out = []
         for (ps, method, req), fut in zip(calls, futs):
             try:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import logging
 import pathlib
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import numpy as np
@@ -18,7 +18,7 @@ import numpy as np
 from pscluster import codec
 from pscluster.client.routes import Routes
 from pscluster.client.variables import Variable
-from pscluster.errors import InvalidArgumentError, NotFoundError, PsclusterError
+from pscluster.errors import InvalidArgumentError, NotFoundError, PsclusterError, UnavailableError
 from pscluster.optimizer_config import changes_to_json
 from pscluster.placement import SYNC_STATE_KEY
 from pscluster.proto import pscluster_pb2 as pb
@@ -28,6 +28,9 @@ T = TypeVar("T")
 
 # how long a checkpoint retries a PS that is down before saving from the live copies (replicas: 2)
 SAVE_RETRY_S = 2.0
+# how often a checkpoint whose save on some PS has not answered asks the replica table whether that PS still holds
+# a copy (replicas: 2): a SIGSTOPped PS is marked down in ~0.5 s and its save given up then, not after rpc_timeout_s
+SAVE_CHECK_S = 0.25
 log = logging.getLogger(__name__)
 
 
@@ -35,14 +38,6 @@ def uncovered_shards(shards: set[tuple[str, int]], saved: dict[int, set[tuple[st
     """The shards of the replica table (the sync state's row aside: not a shard) that no task's save wrote."""
     written = set().union(*saved.values()) if saved else set()
     return sorted(k for k in shards if k != SYNC_STATE_KEY and k not in written)
-
-
-def _outcome(future: Future[Any]) -> Any:
-    """A future's result, or the PsclusterError it raised."""
-    try:
-        return future.result()
-    except PsclusterError as err:
-        return err
 
 
 # rows per ReadTable page of an export (the PS caps it too: server/table_ops.py)
@@ -57,6 +52,14 @@ class ClusterOperations(ABC):
     @abstractmethod
     def _call(self, ps: int, method: str, request: Any, retry_for: float | None = None) -> Any:
         """One unary call to PS task ps (retried while retryable)."""
+
+    @abstractmethod
+    def _start(self, ps: int, method: str, request: Any) -> Any:
+        """One unary call to PS task ps, started: its grpc future (with the client's deadline)."""
+
+    @abstractmethod
+    def _translate(self, ps: int, method: str, exc: Exception) -> PsclusterError:
+        """A failed call's error, as the client raises it."""
 
     @abstractmethod
     def _retrying(self, fn: Callable[[], T]) -> T:
@@ -126,10 +129,7 @@ class ClusterOperations(ABC):
         if self.routes is None:
             replies = self._gather([(ps, "Save", pb.SaveRequest(step=step)) for ps in range(self.num_ps)])
             return [r.path for r in replies]
-        with ThreadPoolExecutor(max_workers=self.num_ps, thread_name_prefix="save") as pool:  # joined on exit
-            futures = [pool.submit(self._call, ps, "Save", pb.SaveRequest(step=step), SAVE_RETRY_S)
-                       for ps in range(self.num_ps)]
-            outcomes = [_outcome(f) for f in futures]
+        outcomes = self._saves(self.routes, pb.SaveRequest(step=step))
         down = {ps: err for ps, err in enumerate(outcomes) if isinstance(err, PsclusterError)}
         if not down:
             return [r.path for r in outcomes if isinstance(r, pb.SaveReply)]
@@ -149,6 +149,50 @@ class ClusterOperations(ABC):
         log.warning("checkpoint at step %d: PS tasks %s are down; ps %d wrote their empty files (every shard has "
                     "a saved live copy)", step, sorted(down), writer)
         return [r.path for r in outcomes if isinstance(r, pb.SaveReply)]
+
+    def _saves(self, routes: Routes, request: pb.SaveRequest) -> list[pb.SaveReply | PsclusterError]:
+        """request on every PS task at once, each one's reply or error. A save that failed at once is retried
+        for SAVE_RETRY_S; one still waiting on a PS the replica table no longer lists as holding a copy (down:
+        SIGSTOPped, or restarted and given none) is given up as unavailable: the checkpoint completes from the
+        live copies (`checkpoint`)."""
+        futures = [self._start(ps, "Save", request) for ps in range(self.num_ps)]
+        answered = threading.Event()
+        for fut in futures:
+            fut.add_done_callback(lambda _: answered.set())
+        outcomes: dict[int, pb.SaveReply | PsclusterError] = {}
+        try:
+            while True:
+                answered.clear()  # before looking: an answer after the look sets it again
+                for ps, fut in enumerate(futures):
+                    if ps not in outcomes and fut.done():
+                        outcomes[ps] = self._saved(ps, fut, request)
+                if len(outcomes) == len(futures):
+                    return [outcomes[ps] for ps in range(len(futures))]
+                if answered.wait(SAVE_CHECK_S):
+                    continue
+                routes.refresh()
+                for ps, fut in enumerate(futures):
+                    if ps not in outcomes and ps not in routes.holders:
+                        outcomes[ps] = UnavailableError(f"ps {ps} did not answer its save and the replica table "
+                                                        f"(version {routes.version}) holds no copy on it: down")
+        finally:
+            for fut in futures:
+                fut.cancel()  # given up (a stopped PS): its call ends here, not at its deadline
+
+    def _saved(self, ps: int, fut: Any, request: pb.SaveRequest) -> pb.SaveReply | PsclusterError:
+        """A finished save's reply, or its error once retried for SAVE_RETRY_S when retryable."""
+        try:
+            reply: pb.SaveReply = fut.result()
+            return reply
+        except Exception as exc:  # noqa: BLE001 - a grpc.RpcError: translated as the client's calls are
+            err = self._translate(ps, "Save", exc)
+        if not err.retryable:
+            return err
+        try:
+            retried: pb.SaveReply = self._call(ps, "Save", request, SAVE_RETRY_S)
+            return retried
+        except PsclusterError as again:
+            return again
 
     def table_stats(self, table: Variable) -> dict[str, int]:
         """A dynamic table's live keys, evicted keys and dropped (not admitted) gradient rows, summed

@@ -58,6 +58,8 @@ class Routes:
         self.ps_epoch = 0
         self.primary: dict[Key, int] = {}
         self.drained: frozenset[int] = frozenset()  # PS tasks a scale drained: new shards go elsewhere
+        # PS tasks holding some copy (primary or backup): a PS marked down holds none once the table moved on
+        self.holders: frozenset[int] = frozenset()
 
     def refresh(self) -> bool:
         """Ask every PS for its table (in parallel, bounded); keep the newest. True if it was newer.
@@ -113,6 +115,7 @@ class Routes:
             self.version = newest.version
             self.primary = {(r.ref.variable, r.ref.shard_index): r.primary for r in newest.roles}
             self.drained = frozenset(newest.drained)
+            self.holders = frozenset({r.primary for r in newest.roles} | {r.backup for r in newest.roles if r.backup >= 0})
         log.info("replica table version %d: %d shards", newest.version, len(newest.roles))
         return True
 

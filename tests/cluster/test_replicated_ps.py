@@ -7,7 +7,9 @@ new primary is killed too and the rejoined PS is promoted. Oracle: the counter e
 number of completed closures, and lost_updates() is 0.
 """
 
+import contextlib
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -230,7 +232,8 @@ def test_a_shard_whose_copies_both_die_counts_every_update_its_primaries_acknowl
         coord.shutdown()
 
 
-def test_a_checkpoint_completes_from_the_live_copies_while_a_ps_is_down(fresh_cluster):
+@pytest.mark.parametrize("stop", ["sigkill", "sigstop"])
+def test_a_checkpoint_completes_from_the_live_copies_while_a_ps_is_down(fresh_cluster, stop):
     from pscluster.server import checkpoint
     from pscluster.server.store import VariableStore
 
@@ -242,9 +245,16 @@ def test_a_checkpoint_completes_from_the_live_copies_while_a_ps_is_down(fresh_cl
         w.push(-np.ones((6, 2), np.float32))
         keys = [("w", i) for i in range(3)]
         poll(lambda: all((c := primary_of(coord, k)) is not None and c.in_sync for k in keys), "backups in sync")
-        cluster.kill(cluster.ps[1], signal.SIGKILL)
-        poll(lambda: all(primary_of(coord, k).primary != 1 for k in keys), "ps 1's shards failed over")
-        coord.checkpoint(7)  # failed on 'ps 1 ... Save' before: the step lacked ps 1's file
+        with contextlib.ExitStack() as stack:
+            if stop == "sigkill":
+                cluster.kill(cluster.ps[1], signal.SIGKILL)
+            else:  # a frozen PS answers nothing: its save is given up once the table no longer lists it
+                stack.enter_context(sigstopped(cluster.ps[1].pid))
+            poll(lambda: all(primary_of(coord, k).primary != 1 for k in keys), "ps 1's shards failed over")
+            started = time.monotonic()
+            coord.checkpoint(7)  # failed on 'ps 1 ... Save' before: the step lacked ps 1's file
+            # a stopped PS's save waited rpc_timeout_s (60 s) before
+            assert time.monotonic() - started < 30
         assert [s for s, _ in checkpoint.complete_steps(cluster.checkpoint_dir)] == [7]
         stores = [VariableStore() for _ in range(3)]
         for task, store in enumerate(stores):  # the whole cluster restarting from that step gets every shard
