@@ -92,12 +92,14 @@ def soak(mode: str = "async", kills: int = 34, interval: float = 2.0, seed: int 
                 table = coord.replica_table()  # the counters, the ballast and the sync state's row
                 return len(table) == 2 * NUM_PS + 1 and all(c.backup is not None and c.in_sync for c in table.values())
 
+            def safe(task: int) -> bool:
+                """Every copy task is primary of has an in-sync backup: killing it loses no shard's last copy."""
+                return all(c.backup is not None and c.in_sync for c in coord.replica_table().values()
+                           if c.primary == task)
+
             def catching_up(task: int) -> bool:
-                """task is the backup of a copy that is catching up, and every copy it is primary of has an
-                in-sync backup (killing it loses no shard's last copy)."""
-                table = coord.replica_table().values()
-                return any(c.backup == task and not c.in_sync for c in table) and \
-                    all(c.backup is not None and c.in_sync for c in table if c.primary == task)
+                """task is the backup of a copy that is catching up, and killing it is safe."""
+                return any(c.backup == task and not c.in_sync for c in coord.replica_table().values()) and safe(task)
 
             def rebalance(task: int, killed: threading.Event) -> None:
                 """Give a restarted PS its share of the copies (it holds none), once the coordinator sees it up."""
@@ -135,8 +137,9 @@ def soak(mode: str = "async", kills: int = 34, interval: float = 2.0, seed: int 
                 if errors:
                     raise errors[0]
                 if last is not None and rng.random() < 0.25:
-                    # the last victim again once its restarted process runs: while it rejoins and catches up
-                    # (it is nobody's primary then: the kill is safe, and the next catch-up starts over)
+                    # the last victim again once its restarted process runs: while it rejoins and catches up the
+                    # copies the rebalance gives it (killed only while every copy it is primary of has an in-sync
+                    # backup: a move may have made it a primary)
                     _wait(lambda: cluster.ps[last].pid != gone_pid, "the supervisor's restart", timeout=60.0)
                     killed = threading.Event()
                     mover = threading.Thread(target=rebalance, args=(last, killed), name="soak-rebalance", daemon=True)
@@ -146,6 +149,7 @@ def soak(mode: str = "async", kills: int = 34, interval: float = 2.0, seed: int 
                         kinds["mid-catch-up"] += 1
                     except TimeoutError:
                         kinds["mid-rejoin"] += 1  # not seen catching up (yet, or already done): killed anyway
+                        _wait(lambda: safe(last), "the restarted PS's copies to have in-sync backups", timeout=120.0)
                     gone_pid = cluster.ps[last].pid  # before the kill: the supervisor may restart it at once
                     cluster.kill(cluster.ps[last], signal.SIGKILL)
                     killed.set()

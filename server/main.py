@@ -15,7 +15,7 @@ from pscluster.server.servicer import ParameterServerServicer
 
 from pscluster.config import Settings
 from pscluster.errors import ConfigError
-from pscluster.net import frame_server, rpc, tls
+from pscluster.net import frame_server, rpc, shm, tls
 from pscluster.net.frame_server import Listeners
 from pscluster.ops import daemon
 
@@ -118,6 +118,7 @@ def join(settings: Settings, retry_for: float = 30.0) -> Settings:
 def serve(settings: Settings) -> None:
     """Run a PS daemon until SIGTERM/SIGINT."""
     stop = daemon.stop_on_signals(settings.parent_pid)
+    shm.sweep()  # segments a killed process left behind (pscluster/net/shm.py)
     server, port, core = start(settings)
     try:
         metrics = ""

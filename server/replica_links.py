@@ -198,12 +198,24 @@ class FrameLink:
         if not self._local:
             return None
         if segment is not None:
-            self._segment = None
-            segment.close()
+            with self._lock:  # `close` may race this: whoever takes it from the link closes it
+                taken = self._segment is segment
+                if taken:
+                    self._segment = None
+            if taken:
+                segment.close()
         # every size: a batch on the socket could not be served on the backup's loop
-        self._segment = shm.offer(sock, max(nbytes, shm.MIN_BYTES), lambda: framing.read_reply(sock))
-        self._local = self._segment is not None
-        return self._segment
+        offered = shm.offer(sock, max(nbytes, shm.MIN_BYTES), lambda: framing.read_reply(sock))
+        with self._lock:
+            kept = not self._closed and self._sock is sock
+            if kept:
+                self._segment = offered
+                self._local = offered is not None
+        if not kept:
+            if offered is not None:
+                offered.close()
+            raise UnavailableError(f"link to {self.address} closed")
+        return offered
 
     def replicate(self, request: pb.ReplicateRequest, arrays: Sequence[np.ndarray],
                   timeout: float) -> pb.ReplicateReply:

@@ -19,7 +19,7 @@ from pscluster.client.client import PSClient
 from pscluster.client.datasets import WorkerDatasets, WorkerInfo
 from pscluster.config import Settings
 from pscluster.errors import PsclusterError, StartupError
-from pscluster.net import frame_server, rpc, tls
+from pscluster.net import frame_server, rpc, shm, tls
 from pscluster.net.frame_server import Listeners
 from pscluster.ops import daemon
 from pscluster.ops.daemon import Waiter
@@ -151,6 +151,7 @@ def serve(settings: Settings) -> None:
         StartupError: the coordinator did not answer within startup_timeout_s, or refused our token.
     """
     stop = daemon.stop_on_signals(settings.parent_pid)
+    shm.sweep()  # segments a killed process left behind (pscluster/net/shm.py)
     server, port, servicer = start(settings)
     advertised = f"{settings.advertise_host or settings.bind_host}:{port}"
     heart = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import pathlib
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -151,45 +152,52 @@ class ClusterOperations(ABC):
         return [r.path for r in outcomes if isinstance(r, pb.SaveReply)]
 
     def _saves(self, routes: Routes, request: pb.SaveRequest) -> list[pb.SaveReply | PsclusterError]:
-        """request on every PS task at once, each one's reply or error. A save that failed at once is retried
-        for SAVE_RETRY_S; one still waiting on a PS the replica table no longer lists as holding a copy (down:
-        SIGSTOPped, or restarted and given none) is given up as unavailable: the checkpoint completes from the
-        live copies (`checkpoint`)."""
-        futures = [self._start(ps, "Save", request) for ps in range(self.num_ps)]
-        answered = threading.Event()
-        for fut in futures:
-            fut.add_done_callback(lambda _: answered.set())
-        outcomes: dict[int, pb.SaveReply | PsclusterError] = {}
+        """request on every PS task at once, each one's reply or error. A save that failed within SAVE_RETRY_S
+        of the start is retried until then; one still waiting on a PS that answered no GetRoles in two table
+        refreshes in a row and that the table lists no copy on (down: SIGSTOPped) is given up as unavailable
+        and its call cancelled: the checkpoint completes from the live copies (`checkpoint`). A live PS, or one
+        holding a copy, is waited for."""
+        started = time.monotonic()
+        futures: list[Any] = []
         try:
+            futures += [self._start(ps, "Save", request) for ps in range(self.num_ps)]
+            answered = threading.Event()
+            for fut in futures:
+                fut.add_done_callback(lambda _: answered.set())
+            outcomes: dict[int, pb.SaveReply | PsclusterError] = {}
+            silent: dict[int, int] = {}  # refreshes in a row a PS answered no GetRoles in
             while True:
                 answered.clear()  # before looking: an answer after the look sets it again
                 for ps, fut in enumerate(futures):
                     if ps not in outcomes and fut.done():
-                        outcomes[ps] = self._saved(ps, fut, request)
+                        outcomes[ps] = self._saved(ps, fut, request, started + SAVE_RETRY_S)
                 if len(outcomes) == len(futures):
                     return [outcomes[ps] for ps in range(len(futures))]
                 if answered.wait(SAVE_CHECK_S):
                     continue
                 routes.refresh()
-                for ps, fut in enumerate(futures):
-                    if ps not in outcomes and ps not in routes.holders:
-                        outcomes[ps] = UnavailableError(f"ps {ps} did not answer its save and the replica table "
-                                                        f"(version {routes.version}) holds no copy on it: down")
+                for ps in range(len(futures)):
+                    silent[ps] = 0 if ps in routes.answered else silent.get(ps, 0) + 1
+                    if ps not in outcomes and routes.version and ps not in routes.holders and silent[ps] >= 2:
+                        outcomes[ps] = UnavailableError(f"ps {ps} answers neither its save nor GetRoles, and the "
+                                                        f"replica table (version {routes.version}) holds no copy "
+                                                        "on it: down")
         finally:
             for fut in futures:
                 fut.cancel()  # given up (a stopped PS): its call ends here, not at its deadline
 
-    def _saved(self, ps: int, fut: Any, request: pb.SaveRequest) -> pb.SaveReply | PsclusterError:
-        """A finished save's reply, or its error once retried for SAVE_RETRY_S when retryable."""
+    def _saved(self, ps: int, fut: Any, request: pb.SaveRequest, retry_until: float) -> pb.SaveReply | PsclusterError:
+        """A finished save's reply, or its error (a retryable one retried until retry_until)."""
         try:
             reply: pb.SaveReply = fut.result()
             return reply
         except Exception as exc:  # noqa: BLE001 - a grpc.RpcError: translated as the client's calls are
             err = self._translate(ps, "Save", exc)
-        if not err.retryable:
-            return err
+        left = retry_until - time.monotonic()
+        if not err.retryable or left <= 0:
+            return err  # a save that timed out after rpc_timeout_s is not tried again for as long
         try:
-            retried: pb.SaveReply = self._call(ps, "Save", request, SAVE_RETRY_S)
+            retried: pb.SaveReply = self._call(ps, "Save", request, left)
             return retried
         except PsclusterError as again:
             return again

@@ -60,6 +60,7 @@ class Routes:
         self.drained: frozenset[int] = frozenset()  # PS tasks a scale drained: new shards go elsewhere
         # PS tasks holding some copy (primary or backup): a PS marked down holds none once the table moved on
         self.holders: frozenset[int] = frozenset()
+        self.answered: frozenset[int] = frozenset()  # PS tasks that answered the last refresh (live)
 
     def refresh(self) -> bool:
         """Ask every PS for its table (in parallel, bounded); keep the newest. True if it was newer.
@@ -67,6 +68,8 @@ class Routes:
         A PS that does not answer (SIGSTOPped) delays this by GRACE_S past the first answer, not the timeout.
         """
         futures = [stub.GetRoles.future(pb.GetRolesRequest(), timeout=self._timeout) for stub in self._stubs()]
+        task_of = {id(fut): ps for ps, fut in enumerate(futures)}
+        live: set[int] = set()
         done: list[Any] = []
         cond = threading.Condition()
 
@@ -94,6 +97,7 @@ class Routes:
                     table = fut.result()
                 except grpc.RpcError:
                     continue  # that PS is down or restarting: another one knows
+                live.add(task_of[id(fut)])
                 if newest is None:
                     deadline = min(deadline, time.monotonic() + GRACE_S)  # the other live PS answer about now
                 if newest is None or table.version > newest.version:
@@ -102,6 +106,7 @@ class Routes:
         for fut in futures:
             if id(fut) not in answered:
                 fut.cancel()
+        self.answered = frozenset(live)
         with self._lock:
             if newest is None or newest.version <= self.version:
                 return False

@@ -137,7 +137,9 @@ class Segment:
             offset += n
 
     def close(self) -> None:
-        """Unmap (the region's views must be gone)."""
+        """Unmap (the region's views must be gone); a second call does nothing."""
+        if self._map.closed or "region" not in self.__dict__:
+            return
         del self.region
         try:
             self._map.close()
@@ -173,6 +175,34 @@ def offer(sock: socket.socket, nbytes: int,
             raise ConnectionError("a segment offer was answered with a payload")
         return None
     return segment
+
+
+def sweep() -> list[str]:
+    """Remove the segment files of pscluster processes that no longer run (a process SIGKILLed between creating
+    a segment and its peer's attach leaves its name behind); the names removed. Called by a daemon as it starts."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(DIRECTORY)
+    except OSError:
+        return removed
+    for name in names:
+        pid = name[len(PREFIX):].partition("-")[0]
+        if not name.startswith(PREFIX) or not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # it runs (or a process has its pid now): not ours to remove
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # another user's process
+        try:
+            if os.stat(os.path.join(DIRECTORY, name)).st_uid == os.getuid():
+                unlink(name)
+                removed.append(name)
+        except OSError:
+            pass
+    return removed
 
 
 def unlink(name: str) -> None:

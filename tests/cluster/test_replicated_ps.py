@@ -245,7 +245,7 @@ def test_a_checkpoint_completes_from_the_live_copies_while_a_ps_is_down(fresh_cl
         w.push(-np.ones((6, 2), np.float32))
         keys = [("w", i) for i in range(3)]
         poll(lambda: all((c := primary_of(coord, k)) is not None and c.in_sync for k in keys), "backups in sync")
-        with contextlib.ExitStack() as stack:
+        with contextlib.ExitStack() as stack:  # the step is checked while ps 1 is still stopped or gone
             if stop == "sigkill":
                 cluster.kill(cluster.ps[1], signal.SIGKILL)
             else:  # a frozen PS answers nothing: its save is given up once the table no longer lists it
@@ -255,7 +255,7 @@ def test_a_checkpoint_completes_from_the_live_copies_while_a_ps_is_down(fresh_cl
             coord.checkpoint(7)  # failed on 'ps 1 ... Save' before: the step lacked ps 1's file
             # a stopped PS's save waited rpc_timeout_s (60 s) before
             assert time.monotonic() - started < 30
-        assert [s for s, _ in checkpoint.complete_steps(cluster.checkpoint_dir)] == [7]
+            assert [s for s, _ in checkpoint.complete_steps(cluster.checkpoint_dir)] == [7]
         stores = [VariableStore() for _ in range(3)]
         for task, store in enumerate(stores):  # the whole cluster restarting from that step gets every shard
             checkpoint.restore(store, cluster.checkpoint_dir, task, 3, held=True)

@@ -1,6 +1,8 @@
 """Shared-memory segments (pscluster/net/shm.py): both ends see one region; bad offers are refused."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -56,3 +58,27 @@ def test_a_wrong_nonce_or_size_is_refused_and_leaves_the_name_to_its_owner():
         shm.unlink(mine.name)
         mine.close()
     assert not _exists(mine.name)
+
+
+def test_closing_a_segment_twice_does_nothing_the_second_time():
+    segment, _ = shm.Segment.create(shm.size_for(1000))
+    shm.unlink(segment.name)
+    segment.close()
+    segment.close()  # a link's close racing its sender's replacement of the segment
+
+
+def test_sweep_removes_the_names_of_processes_that_no_longer_run_and_keeps_the_others():
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(timeout=30)
+    names = {"dead": f"{shm.PREFIX}{gone.pid}-sweeptest", "self": f"{shm.PREFIX}{os.getpid()}-sweeptest",
+             "parent": f"{shm.PREFIX}{os.getppid()}-sweeptest", "other": "not-pscluster-sweeptest"}
+    try:
+        for name in names.values():
+            with open(os.path.join(shm.DIRECTORY, name), "wb") as f:
+                f.write(b"x")
+        removed = shm.sweep()
+        assert names["dead"] in removed and not _exists(names["dead"])
+        assert all(_exists(names[k]) for k in ("self", "parent", "other"))  # running, or not a segment
+    finally:
+        for name in names.values():
+            shm.unlink(name)
