@@ -140,19 +140,29 @@ def test_pushes_travel_in_the_compact_form_and_a_malformed_one_changes_nothing(p
     np.testing.assert_array_equal(backup.store.get(KEY).value, before)
 
 
-def test_on_one_host_batches_go_through_a_segment_and_the_backup_applies_them_on_its_loop(pair, monkeypatch):
-    primary, backup, _, links = pair
-    create_and_replicate(primary, backup)  # the catch-up (a whole state) went through the segment, on a thread
-    small, shape = ("s", 0), (256, 128)  # 128 KiB: within what the backup's loop applies (INLINE_BYTES)
-    spec = ShardSpec("s", 0, 1, shape, shape, 0, "<f4", OptimizerConfig("sgd", 0.1))
-    primary.create(spec, np.zeros(shape, np.float32), "zeros", 0, 0)
+SMALL, SMALL_SHAPE = ("s", 0), (256, 128)  # 128 KiB: within what the backup's loop applies (INLINE_BYTES)
+
+
+def add_small_shard(primary: ParameterServerCore, backup: ParameterServerCore, monkeypatch) -> list[str]:
+    """Create and replicate SMALL beside KEY; returns the names of the backup's threads that apply dense batches
+    from now on, in order."""
+    spec = ShardSpec("s", 0, 1, SMALL_SHAPE, SMALL_SHAPE, 0, "<f4", OptimizerConfig("sgd", 0.1))
+    primary.create(spec, np.zeros(SMALL_SHAPE, np.float32), "zeros", 0, 0)
     for core in (backup, primary):
-        core.replication.set_roles(2, [Role(KEY, 1, 0, 1), Role(small, 1, 0, 1)])
-    primary.replication.wait([(small, primary.store.get(small).version)])
+        core.replication.set_roles(2, [Role(KEY, 1, 0, 1), Role(SMALL, 1, 0, 1)])
+    primary.replication.wait([(SMALL, primary.store.get(SMALL).version)])
     threads: list[str] = []
     receive_dense = backup.replication.receive_dense
     monkeypatch.setattr(backup.replication, "receive_dense",
                         lambda *a: threads.append(threading.current_thread().name) or receive_dense(*a))
+    return threads
+
+
+def test_on_one_host_batches_go_through_a_segment_and_the_backup_applies_them_on_its_loop(pair, monkeypatch):
+    primary, backup, _, links = pair
+    create_and_replicate(primary, backup)  # the catch-up (a whole state) went through the segment, on a thread
+    small, shape = SMALL, SMALL_SHAPE
+    threads = add_small_shard(primary, backup, monkeypatch)
     rng = np.random.default_rng(2)
     for i in range(4):
         primary.push(f"s{i}", 0, [PushItem(small, rng.standard_normal(shape).astype(np.float32))])
@@ -175,16 +185,8 @@ def test_a_batch_larger_than_a_links_segment_may_be_rides_the_socket(pair, monke
     create_and_replicate(primary, backup)  # a 6 MiB whole state: on the socket
     same(primary, backup)
     assert links[0]._segment is None
-    small, shape = ("s", 0), (256, 128)
-    spec = ShardSpec("s", 0, 1, shape, shape, 0, "<f4", OptimizerConfig("sgd", 0.1))
-    primary.create(spec, np.zeros(shape, np.float32), "zeros", 0, 0)
-    for core in (backup, primary):
-        core.replication.set_roles(2, [Role(KEY, 1, 0, 1), Role(small, 1, 0, 1)])
-    primary.replication.wait([(small, primary.store.get(small).version)])
-    threads: list[str] = []
-    receive_dense = backup.replication.receive_dense
-    monkeypatch.setattr(backup.replication, "receive_dense",
-                        lambda *a: threads.append(threading.current_thread().name) or receive_dense(*a))
+    small, shape = SMALL, SMALL_SHAPE
+    threads = add_small_shard(primary, backup, monkeypatch)
     for i in range(2):
         primary.push(f"a{i}", 0, [PushItem(small, np.ones(shape, np.float32))])
     assert threads[-1] == "bulk-loop" and links[0]._segment is not None
