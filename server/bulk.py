@@ -79,8 +79,8 @@ class BulkHandlers:
             # a primary's batch (replicas: 2) is applied and answered at once, so its connection needs no thread
             # while its batches are small (`replicate` notes the first large one); a whole state (a catch-up,
             # rare) goes to a thread and back
-            return not state.get(LARGE_BATCHES) and not any(f.HasField("spec") for f in request.replicate.forwards) \
-                and (not request.shm_bytes or (segment is not None and request.shm_bytes <= INLINE_BYTES))
+            return not state.get(LARGE_BATCHES) and not _installs(request) and \
+                (not request.shm_bytes or (segment is not None and request.shm_bytes <= INLINE_BYTES))
         replication, sync = self.core.replication, self.core.sync
         # with the table a sync push waits for its step (other peers' pushes) to settle: never on the loop
         waits = replication is not None and (replication.forwards() or (sync is not None and sync.accumulates))
@@ -153,8 +153,7 @@ class BulkHandlers:
         """A primary's batch of forwards for this backup (replicas: 2), as the Replicate RPC; with mutual
         TLS only a PS certificate may send one."""
         segment = _shared_payload(conn, request, payload_len, state)
-        if (payload_len or request.shm_bytes > INLINE_BYTES) and \
-                not any(f.HasField("spec") for f in request.replicate.forwards):
+        if (payload_len or request.shm_bytes > INLINE_BYTES) and not _installs(request):
             # from now on this link's batches keep a thread (`inline`): group commit makes their sizes vary
             # around any limit, and a connection moving between the loop and a new thread costs a thread a batch
             state[LARGE_BATCHES] = True
@@ -359,6 +358,11 @@ class BulkHandlers:
 def _row_bytes(shard: Shard) -> int:
     """Bytes of one row of shard (axis 0)."""
     return shard.value.nbytes // shard.value.shape[0] if shard.value.shape and shard.value.shape[0] else 0
+
+
+def _installs(request: pb.BulkRequest) -> bool:
+    """Whether a replicate batch carries a whole state (a catch-up: rare, large, served on a thread)."""
+    return any(f.HasField("spec") for f in request.replicate.forwards)
 
 
 def _shared_payload(conn: socket.socket, request: pb.BulkRequest, payload_len: int,

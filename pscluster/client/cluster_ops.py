@@ -177,7 +177,7 @@ class ClusterOperations(ABC):
                     continue
                 routes.refresh()
                 for ps in range(len(futures)):
-                    silent[ps] = 0 if ps in routes.answered else silent.get(ps, 0) + 1
+                    silent[ps] = 0 if ps in routes.live else silent.get(ps, 0) + 1
                     if ps not in outcomes and routes.version and ps not in routes.holders and silent[ps] >= 2:
                         outcomes[ps] = UnavailableError(f"ps {ps} answers neither its save nor GetRoles, and the "
                                                         f"replica table (version {routes.version}) holds no copy "

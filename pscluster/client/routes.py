@@ -60,7 +60,7 @@ class Routes:
         self.drained: frozenset[int] = frozenset()  # PS tasks a scale drained: new shards go elsewhere
         # PS tasks holding some copy (primary or backup): a PS marked down holds none once the table moved on
         self.holders: frozenset[int] = frozenset()
-        self.answered: frozenset[int] = frozenset()  # PS tasks that answered the last refresh (live)
+        self.live: frozenset[int] = frozenset()  # PS tasks that answered the last refresh with a table
 
     def refresh(self) -> bool:
         """Ask every PS for its table (in parallel, bounded); keep the newest. True if it was newer.
@@ -106,8 +106,8 @@ class Routes:
         for fut in futures:
             if id(fut) not in answered:
                 fut.cancel()
-        self.answered = frozenset(live)
         with self._lock:
+            self.live = frozenset(live)
             if newest is None or newest.version <= self.version:
                 return False
             grown = newest.ps_epoch > self.ps_epoch and len(newest.ps_addresses) > 0

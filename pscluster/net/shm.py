@@ -138,7 +138,7 @@ class Segment:
 
     def close(self) -> None:
         """Unmap (the region's views must be gone); a second call does nothing."""
-        if self._map.closed or "region" not in self.__dict__:
+        if "region" not in self.__dict__:
             return
         del self.region
         try:
@@ -180,29 +180,36 @@ def offer(sock: socket.socket, nbytes: int,
 def sweep() -> list[str]:
     """Remove the segment files of pscluster processes that no longer run (a process SIGKILLed between creating
     a segment and its peer's attach leaves its name behind); the names removed. Called by a daemon as it starts."""
-    removed: list[str] = []
     try:
         names = os.listdir(DIRECTORY)
     except OSError:
-        return removed
+        return []
+    removed = []
     for name in names:
-        pid = name[len(PREFIX):].partition("-")[0]
-        if not name.startswith(PREFIX) or not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-            continue  # it runs (or a process has its pid now): not ours to remove
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue  # another user's process
-        try:
-            if os.stat(os.path.join(DIRECTORY, name)).st_uid == os.getuid():
-                unlink(name)
-                removed.append(name)
-        except OSError:
-            pass
+        pid = name[len(PREFIX):].partition("-")[0] if name.startswith(PREFIX) else ""
+        if pid.isdigit() and int(pid) != os.getpid() and not _runs(int(pid)) and _owned(name):
+            unlink(name)
+            removed.append(name)
     return removed
+
+
+def _runs(pid: int) -> bool:
+    """Whether a process has this pid (another user's counts: it is not ours to judge)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _owned(name: str) -> bool:
+    """Whether segment file `name` belongs to this user."""
+    try:
+        return os.stat(os.path.join(DIRECTORY, name)).st_uid == os.getuid()
+    except OSError:
+        return False
 
 
 def unlink(name: str) -> None:

@@ -52,10 +52,10 @@ class Call:
 class Table:
     """The client's view of the replica table: who holds a copy, who answered the last refresh."""
 
-    def __init__(self, holders: set[int], answered: set[int]) -> None:
+    def __init__(self, holders: set[int], live: set[int]) -> None:
         self.version = 3
         self.holders = frozenset(holders)
-        self.answered = frozenset(answered)
+        self.live = frozenset(live)
         self.refreshes = 0
 
     def refresh(self) -> bool:
@@ -101,7 +101,7 @@ class Ops(ClusterOperations):
 def test_a_slow_live_save_is_waited_for_and_a_silent_ps_without_copies_is_given_up():
     calls = [Call() for _ in range(4)]
     # ps 0 and 1 hold copies; ps 2 holds none but answers GetRoles (restarted, given nothing yet); ps 3 neither
-    table = Table(holders={0, 1}, answered={0, 1, 2})
+    table = Table(holders={0, 1}, live={0, 1, 2})
     calls[0].finish(pb.SaveReply(path="0"))
     later = threading.Timer(1.0, lambda: (calls[1].finish(pb.SaveReply(path="1")),
                                          calls[2].finish(pb.SaveReply(path="2"))))
@@ -119,7 +119,7 @@ def test_a_slow_live_save_is_waited_for_and_a_silent_ps_without_copies_is_given_
 
 def test_a_silent_ps_that_still_holds_a_copy_is_waited_for():
     calls = [Call(), Call()]
-    table = Table(holders={0, 1}, answered={0})  # ps 1 is silent, but its copy is the only one of some shard
+    table = Table(holders={0, 1}, live={0})  # ps 1 is silent, but its copy is the only one of some shard
     calls[0].finish(pb.SaveReply(path="0"))
     threading.Timer(0.8, lambda: calls[1].finish(pb.SaveReply(path="1"))).start()
     out = Ops(calls)._saves(table, pb.SaveRequest(step=1))
@@ -129,7 +129,7 @@ def test_a_silent_ps_that_still_holds_a_copy_is_waited_for():
 def test_a_save_that_failed_at_once_is_retried_one_that_failed_late_is_not(monkeypatch):
     monkeypatch.setattr(cluster_ops, "SAVE_RETRY_S", 0.5)
     calls = [Call(), Call()]
-    table = Table(holders={0, 1}, answered={0, 1})
+    table = Table(holders={0, 1}, live={0, 1})
     calls[0].finish(UnavailableError("connection refused"))  # a killed PS: at once
     threading.Timer(0.8, lambda: calls[1].finish(UnavailableError("deadline exceeded"))).start()  # past 0.5 s
     ops = Ops(calls)
@@ -140,7 +140,7 @@ def test_a_save_that_failed_at_once_is_retried_one_that_failed_late_is_not(monke
 
 def test_nothing_is_given_up_before_the_client_has_seen_a_table():
     calls = [Call(), Call()]
-    table = Table(holders=set(), answered=set())
+    table = Table(holders=set(), live=set())
     table.version = 0
     calls[0].finish(pb.SaveReply(path="0"))
     threading.Timer(0.8, lambda: calls[1].finish(pb.SaveReply(path="1"))).start()
